@@ -1,0 +1,32 @@
+# The two commands of the README:  `make demo` (main job)  and  `make test`  (the suite).
+# Both create .venv and install everything on first use.
+PYTHON ?= python3
+VENV   ?= .venv
+BIN    := $(VENV)/bin
+# torch==2.13.0 is the CPU wheel this project is developed on; a GPU machine wants the CUDA
+# build for its driver instead, e.g. `make test TORCH_SPEC=torch` (pulls several GB).
+TORCH_SPEC ?= torch==2.13.0
+STAMP  := $(VENV)/.installed
+
+.PHONY: install demo test lint clean
+
+install: $(STAMP)
+
+$(STAMP): pyproject.toml Makefile
+	$(PYTHON) -m venv $(VENV)
+	$(BIN)/python -m pip install -q --upgrade pip
+	$(BIN)/python -m pip install -q "$(TORCH_SPEC)"
+	$(BIN)/python -m pip install -q -e ".[torch,jax,train,dev]"
+	touch $(STAMP)
+
+demo: $(STAMP)
+	$(BIN)/rosetta parity --preset tiny
+
+test: $(STAMP)
+	$(BIN)/python -m pytest -q
+
+lint: $(STAMP)
+	$(BIN)/ruff check .
+
+clean:
+	rm -rf $(VENV) *.egg-info .pytest_cache

@@ -1,0 +1,1 @@
+"""JAX/Flax NNX implementation (see jax_impl/model.py)."""

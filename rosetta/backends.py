@@ -1,0 +1,144 @@
+"""The backend interface: every backend exposes a `Model` of the same shape, so swapping
+backends is changing one word:
+
+    model = rosetta.load("model.safetensors", backend="torch")   # or "numpy", "jax"
+    logits = model.logits(src, tgt)                               # NumPy in, NumPy out
+
+A backend is a module `<package>.backend` that defines `Model`, a `BackendModel` subclass.
+Adding a backend is one line in `BACKENDS`.
+"""
+
+from __future__ import annotations
+
+import importlib
+import os
+from abc import ABC, abstractmethod
+from collections.abc import Mapping
+from typing import ClassVar
+
+import numpy as np
+
+from rosetta.checkpoint import check_params, load_checkpoint, save_checkpoint
+from rosetta.config import ModelConfig
+from rosetta.errors import InputError, RosettaError
+from rosetta.inputs import check_src, check_tgt
+from rosetta.params import Params
+
+BACKENDS: dict[str, str] = {
+    "numpy": "numpy_ref.backend",
+    "torch": "torch_impl.backend",
+    "jax": "jax_impl.backend",
+}
+INSTALL_HINTS = {"torch": "pip install 'rosetta-transformer[torch]'",
+                 "jax": "pip install 'rosetta-transformer[jax]'"}
+
+
+class BackendModel(ABC):
+    """One model in one framework. Public methods take and return NumPy arrays and check
+    their inputs; subclasses implement the underscored framework-specific parts."""
+
+    name: ClassVar[str]
+    dtypes: ClassVar[tuple[str, ...]]  # compute dtypes this backend offers; the first is default
+
+    def __init__(self, cfg: ModelConfig, params: Mapping[str, np.ndarray], dtype: str | None = None):
+        dtype = dtype or self.dtypes[0]
+        if dtype not in self.dtypes:
+            raise RosettaError(
+                f"backend {self.name!r} has no dtype {dtype!r}; choose one of {', '.join(self.dtypes)}"
+            )
+        check_params(cfg, params)
+        self.config, self.dtype = cfg, dtype
+        self._build(params)
+
+    @classmethod
+    def load(cls, path: str | os.PathLike, dtype: str | None = None) -> BackendModel:
+        ckpt = load_checkpoint(path)
+        return cls(ckpt.config, ckpt.params, dtype)
+
+    def save(self, path: str | os.PathLike, dtype: str = "float32") -> None:
+        save_checkpoint(path, self.config, self.to_params(), dtype)
+
+    # -- the public, checked API ---------------------------------------------------------
+    def encode(self, src: object) -> np.ndarray:
+        """memory [B, S, d] for source ids [B, S]."""
+        return self._encode(check_src(self.config, src))
+
+    def decode(self, tgt: object, memory: object, src: object) -> np.ndarray:
+        """decoder output [B, T, d] for decoder input ids [B, T] (starting with the start token),
+        the encoder's `memory` [B, S, d], and the source ids it came from."""
+        src = check_src(self.config, src)
+        tgt = check_tgt(self.config, tgt, src.shape[0])
+        memory = np.asarray(memory)
+        if memory.shape != (*src.shape, self.config.d_model):
+            raise InputError(
+                f"memory has shape {memory.shape}, expected {(*src.shape, self.config.d_model)}"
+            )
+        return self._decode(tgt, memory, src)
+
+    def logits(self, src: object, tgt: object) -> np.ndarray:
+        """logits [B, T, V] for source ids [B, S] and decoder input ids [B, T]."""
+        src = check_src(self.config, src)
+        return self._logits(src, check_tgt(self.config, tgt, src.shape[0]))
+
+    def stages(self, src: object, tgt: object) -> dict[str, np.ndarray]:
+        """Every intermediate the parity tests compare: src_embed, encoder.layers.{i},
+        encoder, tgt_embed, decoder.layers.{i}, decoder, logits."""
+        src = check_src(self.config, src)
+        return self._stages(src, check_tgt(self.config, tgt, src.shape[0]))
+
+    # -- what a backend implements -----------------------------------------------------
+    @abstractmethod
+    def _build(self, params: Mapping[str, np.ndarray]) -> None: ...
+
+    @abstractmethod
+    def to_params(self) -> Params:
+        """The weights as canonical NumPy arrays (names and layout of the checkpoint)."""
+
+    @abstractmethod
+    def _encode(self, src: np.ndarray) -> np.ndarray: ...
+
+    @abstractmethod
+    def _decode(self, tgt: np.ndarray, memory: np.ndarray, src: np.ndarray) -> np.ndarray: ...
+
+    @abstractmethod
+    def _logits(self, src: np.ndarray, tgt: np.ndarray) -> np.ndarray: ...
+
+    @abstractmethod
+    def _stages(self, src: np.ndarray, tgt: np.ndarray) -> dict[str, np.ndarray]: ...
+
+
+def get_backend(name: str) -> type[BackendModel]:
+    """The `Model` class of backend `name`, with a clear error if its framework is missing."""
+    if name not in BACKENDS:
+        raise RosettaError(f"unknown backend {name!r}; choose one of {', '.join(BACKENDS)}")
+    try:
+        module = importlib.import_module(BACKENDS[name])
+    except ImportError as e:
+        hint = INSTALL_HINTS.get(name, "")
+        raise RosettaError(f"backend {name!r} is not installed ({e.name} missing): {hint}") from None
+    return module.Model
+
+
+def available_backends() -> list[str]:
+    """The backends whose framework imports here, in `BACKENDS` order."""
+    found = []
+    for name in BACKENDS:
+        try:
+            get_backend(name)
+        except RosettaError:
+            continue
+        found.append(name)
+    return found
+
+
+def load(path: str | os.PathLike, backend: str = "numpy", dtype: str | None = None) -> BackendModel:
+    """Load a checkpoint file into `backend`."""
+    return get_backend(backend).load(path, dtype)
+
+
+def from_params(
+    cfg: ModelConfig, params: Mapping[str, np.ndarray], backend: str = "numpy",
+    dtype: str | None = None,
+) -> BackendModel:
+    """Build `backend`'s model from canonical parameters (e.g. `rosetta.init_params(cfg)`)."""
+    return get_backend(backend)(cfg, params, dtype)

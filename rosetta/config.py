@@ -1,0 +1,195 @@
+"""The model configuration: one frozen dataclass, the paper's base model as defaults.
+
+Every backend reads the same `ModelConfig`; it travels inside each checkpoint as JSON
+(docs/FORMAT in the README). Validation errors name the offending field.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+from dataclasses import dataclass
+from typing import Any
+
+from rosetta.errors import ConfigError
+
+ACTIVATIONS = ("relu", "gelu", "gelu_tanh", "silu")
+POSITIONAL_ENCODINGS = ("sinusoidal_interleaved", "sinusoidal_concat", "sinusoidal_concat_t2t")
+SHARE_EMBEDDINGS = ("none", "decoder", "src_tgt", "all")
+REQUIRED_FIELDS = ("src_vocab_size", "tgt_vocab_size")
+
+
+@dataclass(frozen=True)
+class ModelConfig:
+    """The fields of the model contract. Defaults are the base model of Vaswani et al. (2017),
+    Table 3. `activation_dropout` and `final_norm` default to None, meaning "same as
+    `dropout`" and "same as `norm_first`"; read them through the resolved properties."""
+
+    src_vocab_size: int
+    tgt_vocab_size: int
+    d_model: int = 512
+    num_heads: int = 8
+    num_encoder_layers: int = 6
+    num_decoder_layers: int = 6
+    d_ff: int = 2048
+    dropout: float = 0.1
+    activation_dropout: float | None = None
+    attention_dropout: float = 0.0
+    activation: str = "relu"
+    norm_first: bool = False
+    final_norm: bool | None = None
+    layer_norm_eps: float = 1e-5
+    attention_bias: bool = True
+    ffn_bias: bool = True
+    scale_embeddings: bool = True
+    positional_encoding: str = "sinusoidal_interleaved"
+    share_embeddings: str = "all"
+    output_bias: bool = False
+    max_len: int = 1024
+    pad_id: int = 0
+    bos_id: int = 1
+    eos_id: int = 2
+
+    def __post_init__(self) -> None:
+        _validate(self)
+
+    # -- resolved defaults -------------------------------------------------------------
+    @property
+    def activation_dropout_rate(self) -> float:
+        return self.dropout if self.activation_dropout is None else self.activation_dropout
+
+    @property
+    def has_final_norm(self) -> bool:
+        return self.norm_first if self.final_norm is None else self.final_norm
+
+    @property
+    def d_head(self) -> int:
+        return self.d_model // self.num_heads
+
+    # -- serialisation -------------------------------------------------------------------
+    def to_dict(self) -> dict[str, Any]:
+        return dataclasses.asdict(self)
+
+    def to_json(self) -> str:
+        return json.dumps(self.to_dict(), sort_keys=True)
+
+    @classmethod
+    def from_dict(cls, data: dict[str, Any]) -> ModelConfig:
+        if not isinstance(data, dict):
+            raise ConfigError(f"config must be a JSON object, got {type(data).__name__}")
+        known = {f.name for f in dataclasses.fields(cls)}
+        unknown = sorted(set(data) - known)
+        if unknown:
+            raise ConfigError(f"unknown config field(s): {', '.join(unknown)}")
+        missing = [name for name in REQUIRED_FIELDS if name not in data]
+        if missing:
+            raise ConfigError(f"missing required config field(s): {', '.join(missing)}")
+        return cls(**data)
+
+    @classmethod
+    def from_json(cls, text: str) -> ModelConfig:
+        try:
+            data = json.loads(text)
+        except json.JSONDecodeError as e:
+            raise ConfigError(f"config is not valid JSON: {e}") from None
+        return cls.from_dict(data)
+
+    def replace(self, **changes: Any) -> ModelConfig:
+        return dataclasses.replace(self, **changes)
+
+
+# Named presets. `base` and `big` are Table 3 of the paper with its 37,000-token shared
+# BPE vocabulary (§5.1); `tiny` is for tests and the CPU demo.
+PRESETS: dict[str, dict[str, Any]] = {
+    "tiny": dict(
+        src_vocab_size=64, tgt_vocab_size=64, d_model=32, num_heads=4, num_encoder_layers=2,
+        num_decoder_layers=2, d_ff=64, max_len=128,
+    ),
+    "small": dict(
+        src_vocab_size=8000, tgt_vocab_size=8000, d_model=256, num_heads=4,
+        num_encoder_layers=3, num_decoder_layers=3, d_ff=1024, max_len=256,
+    ),
+    "base": dict(src_vocab_size=37000, tgt_vocab_size=37000),
+    "big": dict(
+        src_vocab_size=37000, tgt_vocab_size=37000, d_model=1024, num_heads=16, d_ff=4096,
+        dropout=0.3,
+    ),
+}
+
+
+def preset(name: str, **overrides: Any) -> ModelConfig:
+    """The named preset, with any field overridden (e.g. `preset("base", dropout=0.0)`)."""
+    if name not in PRESETS:
+        raise ConfigError(f"unknown preset {name!r}; choose one of {', '.join(PRESETS)}")
+    return ModelConfig.from_dict({**PRESETS[name], **overrides})
+
+
+def _check_int(cfg: ModelConfig, name: str, minimum: int) -> None:
+    value = getattr(cfg, name)
+    # bool is a subclass of int: `num_heads=True` is a mistake, not 1.
+    if isinstance(value, bool) or not isinstance(value, int):
+        raise ConfigError(f"{name} must be an integer, got {value!r}")
+    if value < minimum:
+        raise ConfigError(f"{name} must be >= {minimum}, got {value}")
+
+
+def _check_rate(cfg: ModelConfig, name: str) -> None:
+    value = getattr(cfg, name)
+    if value is None and name == "activation_dropout":
+        return
+    if isinstance(value, bool) or not isinstance(value, (int, float)) or not 0.0 <= value < 1.0:
+        raise ConfigError(f"{name} must be a number in [0, 1), got {value!r}")
+
+
+def _check_choice(cfg: ModelConfig, name: str, choices: tuple[str, ...]) -> None:
+    value = getattr(cfg, name)
+    if value not in choices:
+        raise ConfigError(f"{name} must be one of {', '.join(choices)}; got {value!r}")
+
+
+def _check_bool(cfg: ModelConfig, name: str, optional: bool = False) -> None:
+    value = getattr(cfg, name)
+    if not (isinstance(value, bool) or (optional and value is None)):
+        raise ConfigError(f"{name} must be true or false, got {value!r}")
+
+
+def _validate(cfg: ModelConfig) -> None:
+    for name in ("src_vocab_size", "tgt_vocab_size", "d_model", "num_heads",
+                 "num_encoder_layers", "num_decoder_layers", "d_ff", "max_len"):
+        _check_int(cfg, name, 1)
+    for name in ("pad_id", "bos_id", "eos_id"):
+        _check_int(cfg, name, 0)
+    for name in ("dropout", "activation_dropout", "attention_dropout"):
+        _check_rate(cfg, name)
+    for name in ("norm_first", "attention_bias", "ffn_bias", "scale_embeddings", "output_bias"):
+        _check_bool(cfg, name)
+    _check_bool(cfg, "final_norm", optional=True)
+    _check_choice(cfg, "activation", ACTIVATIONS)
+    _check_choice(cfg, "positional_encoding", POSITIONAL_ENCODINGS)
+    _check_choice(cfg, "share_embeddings", SHARE_EMBEDDINGS)
+    eps = cfg.layer_norm_eps
+    if isinstance(eps, bool) or not isinstance(eps, (int, float)) or not eps > 0:
+        raise ConfigError(f"layer_norm_eps must be a positive number, got {eps!r}")
+    # Sinusoidal tables pair one sine with one cosine per frequency (paper §3.5).
+    if cfg.d_model % 2:
+        raise ConfigError(f"d_model must be even, got {cfg.d_model}")
+    if cfg.d_model % cfg.num_heads:
+        raise ConfigError(
+            f"d_model ({cfg.d_model}) must be divisible by num_heads ({cfg.num_heads})"
+        )
+    if cfg.pad_id >= min(cfg.src_vocab_size, cfg.tgt_vocab_size):
+        raise ConfigError(
+            f"pad_id {cfg.pad_id} is outside the vocabularies (src {cfg.src_vocab_size}, "
+            f"tgt {cfg.tgt_vocab_size})"
+        )
+    for name in ("bos_id", "eos_id"):
+        if getattr(cfg, name) >= cfg.tgt_vocab_size:
+            raise ConfigError(
+                f"{name} {getattr(cfg, name)} is outside the target vocabulary "
+                f"(tgt_vocab_size {cfg.tgt_vocab_size})"
+            )
+    if cfg.share_embeddings in ("src_tgt", "all") and cfg.src_vocab_size != cfg.tgt_vocab_size:
+        raise ConfigError(
+            f"share_embeddings={cfg.share_embeddings!r} needs equal vocab sizes; got "
+            f"src_vocab_size {cfg.src_vocab_size} and tgt_vocab_size {cfg.tgt_vocab_size}"
+        )

@@ -1,0 +1,112 @@
+"""Canonical parameters: their names and shapes (the checkpoint contract) and the one seeded
+initializer every backend starts from.
+
+Dense kernels are in math layout `[in, out]` (`y = x @ kernel + bias`); PyTorch's
+`nn.Linear.weight` is the transpose, and the torch converter is the one place that flips it.
+"""
+
+from __future__ import annotations
+
+from typing import NamedTuple
+
+import numpy as np
+
+from rosetta.config import ModelConfig
+
+Params = dict[str, np.ndarray]
+
+
+class EmbeddingNames(NamedTuple):
+    """Which stored tensor plays each embedding role; `output` None means tied (`E^T`)."""
+
+    src: str
+    tgt: str
+    output: str | None
+
+
+def embedding_names(cfg: ModelConfig) -> EmbeddingNames:
+    shared = cfg.share_embeddings in ("src_tgt", "all")
+    src = "shared_embed.embedding" if shared else "src_embed.embedding"
+    tgt = "shared_embed.embedding" if shared else "tgt_embed.embedding"
+    output = None if cfg.share_embeddings in ("decoder", "all") else "generator.kernel"
+    return EmbeddingNames(src, tgt, output)
+
+
+def _attention_shapes(cfg: ModelConfig, prefix: str) -> dict[str, tuple[int, ...]]:
+    d = cfg.d_model
+    shapes: dict[str, tuple[int, ...]] = {}
+    for proj in ("q", "k", "v", "o"):
+        shapes[f"{prefix}.{proj}.kernel"] = (d, d)
+        if cfg.attention_bias:
+            shapes[f"{prefix}.{proj}.bias"] = (d,)
+    return shapes
+
+
+def _norm_shapes(cfg: ModelConfig, prefix: str) -> dict[str, tuple[int, ...]]:
+    return {f"{prefix}.scale": (cfg.d_model,), f"{prefix}.bias": (cfg.d_model,)}
+
+
+def _ffn_shapes(cfg: ModelConfig, prefix: str) -> dict[str, tuple[int, ...]]:
+    d, f = cfg.d_model, cfg.d_ff
+    shapes: dict[str, tuple[int, ...]] = {f"{prefix}.linear1.kernel": (d, f)}
+    if cfg.ffn_bias:
+        shapes[f"{prefix}.linear1.bias"] = (f,)
+    shapes[f"{prefix}.linear2.kernel"] = (f, d)
+    if cfg.ffn_bias:
+        shapes[f"{prefix}.linear2.bias"] = (d,)
+    return shapes
+
+
+def param_shapes(cfg: ModelConfig) -> dict[str, tuple[int, ...]]:
+    """Every tensor of the checkpoint (SPEC §3), in one fixed order, with its shape."""
+    d = cfg.d_model
+    shapes: dict[str, tuple[int, ...]] = {}
+    if cfg.share_embeddings in ("src_tgt", "all"):
+        shapes["shared_embed.embedding"] = (cfg.src_vocab_size, d)
+    else:
+        shapes["src_embed.embedding"] = (cfg.src_vocab_size, d)
+        shapes["tgt_embed.embedding"] = (cfg.tgt_vocab_size, d)
+    if embedding_names(cfg).output is not None:
+        shapes["generator.kernel"] = (d, cfg.tgt_vocab_size)
+    if cfg.output_bias:
+        shapes["generator.bias"] = (cfg.tgt_vocab_size,)
+    for i in range(cfg.num_encoder_layers):
+        p = f"encoder.layers.{i}"
+        shapes |= _attention_shapes(cfg, f"{p}.self_attn") | _norm_shapes(cfg, f"{p}.self_attn_norm")
+        shapes |= _ffn_shapes(cfg, f"{p}.ffn") | _norm_shapes(cfg, f"{p}.ffn_norm")
+    if cfg.has_final_norm:
+        shapes |= _norm_shapes(cfg, "encoder.final_norm")
+    for i in range(cfg.num_decoder_layers):
+        p = f"decoder.layers.{i}"
+        shapes |= _attention_shapes(cfg, f"{p}.self_attn") | _norm_shapes(cfg, f"{p}.self_attn_norm")
+        shapes |= _attention_shapes(cfg, f"{p}.cross_attn") | _norm_shapes(cfg, f"{p}.cross_attn_norm")
+        shapes |= _ffn_shapes(cfg, f"{p}.ffn") | _norm_shapes(cfg, f"{p}.ffn_norm")
+    if cfg.has_final_norm:
+        shapes |= _norm_shapes(cfg, "decoder.final_norm")
+    return shapes
+
+
+def param_count(cfg: ModelConfig) -> int:
+    return sum(int(np.prod(shape)) for shape in param_shapes(cfg).values())
+
+
+def init_params(cfg: ModelConfig, seed: int = 0, dtype: type = np.float32) -> Params:
+    """The canonical initial weights (SPEC §4), drawn in `param_shapes` order from one seeded
+    generator: dense kernels Xavier-uniform (Glorot & Bengio 2010), biases zero, LayerNorm
+    scale one and bias zero, embeddings N(0, std = d_model^-0.5)."""
+    rng = np.random.default_rng(seed)
+    params: Params = {}
+    for name, shape in param_shapes(cfg).items():
+        if name.endswith(".embedding"):
+            # std d_model^-0.5 keeps E[x]*sqrt(d_model) at unit scale (as fairseq does).
+            value = rng.normal(0.0, cfg.d_model**-0.5, size=shape)
+        elif name.endswith(".kernel"):
+            fan_in, fan_out = shape
+            limit = np.sqrt(6.0 / (fan_in + fan_out))
+            value = rng.uniform(-limit, limit, size=shape)
+        elif name.endswith(".scale"):
+            value = np.ones(shape)
+        else:  # every bias, LayerNorm or dense
+            value = np.zeros(shape)
+        params[name] = value.astype(dtype)
+    return params

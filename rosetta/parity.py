@@ -1,0 +1,100 @@
+"""The parity report: every installed backend on one random batch, compared with the float64
+NumPy reference. Used by `rosetta parity` and by the parity tests (same metric, same batch)."""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+from dataclasses import dataclass
+
+import numpy as np
+
+from rosetta.backends import available_backends, get_backend
+from rosetta.config import ModelConfig
+from rosetta.errors import RosettaError
+
+# Target positions that hold pad_id (after position 0) are outside the contract.
+FIRST_REAL_ID = 3  # ids 0, 1, 2 are pad, bos, eos in every preset
+
+
+def random_batch(
+    cfg: ModelConfig, batch: int = 4, src_len: int = 11, tgt_len: int = 9, seed: int = 0,
+    pad: bool = True,
+) -> tuple[np.ndarray, np.ndarray]:
+    """Random source ids [B, S] and decoder inputs [B, T] (start token, then tokens). With
+    `pad`, row b keeps a random real length and is padded with pad_id after it; row 0 is
+    always full length, so the batch has the shape asked for."""
+    rng = np.random.default_rng(seed)
+    low = min(FIRST_REAL_ID, cfg.src_vocab_size - 1, cfg.tgt_vocab_size - 1)
+    src = rng.integers(low, cfg.src_vocab_size, size=(batch, src_len))
+    tgt = rng.integers(low, cfg.tgt_vocab_size, size=(batch, tgt_len))
+    # Real tokens must not collide with pad_id, or "padding" would appear mid-sentence.
+    src[src == cfg.pad_id] = low
+    tgt[tgt == cfg.pad_id] = low
+    tgt[:, 0] = cfg.bos_id
+    if pad:
+        for b in range(1, batch):
+            src[b, rng.integers(1, src_len + 1):] = cfg.pad_id
+            tgt[b, rng.integers(1, tgt_len + 1):] = cfg.pad_id
+    return src, tgt
+
+
+def target_positions(cfg: ModelConfig, tgt: np.ndarray) -> np.ndarray:
+    """[B, T] bool: the positions whose logits are part of the contract."""
+    real = tgt != cfg.pad_id
+    real[:, 0] = True
+    return real
+
+
+def relative_error(a: np.ndarray, b: np.ndarray, where: np.ndarray | None = None) -> float:
+    """||a - b|| / ||b|| in float64 over the positions selected by `where` ([B, T] bool)."""
+    a, b = np.asarray(a, dtype=np.float64), np.asarray(b, dtype=np.float64)
+    if where is not None:
+        a, b = a[where], b[where]
+    denom = np.linalg.norm(b)
+    return float(np.linalg.norm(a - b) / (denom if denom > 0 else 1.0))
+
+
+@dataclass(frozen=True)
+class ParityRow:
+    backend: str
+    dtype: str
+    relative_error: float
+    max_abs_error: float
+    finite: bool
+
+
+def parity_report(
+    cfg: ModelConfig, params: Mapping[str, np.ndarray], backends: list[str] | None = None,
+    batch: int = 4, src_len: int = 11, tgt_len: int = 9, seed: int = 0,
+) -> list[ParityRow]:
+    """Logits of each backend and dtype against the float64 reference, at contract positions."""
+    src, tgt = random_batch(cfg, batch, src_len, tgt_len, seed)
+    where = target_positions(cfg, tgt)
+    reference = get_backend("numpy")(cfg, params, "float64").logits(src, tgt)
+    rows = []
+    for name in backends or available_backends():
+        model_cls = get_backend(name)
+        for dtype in model_cls.dtypes:
+            if (name, dtype) == ("numpy", "float64"):
+                continue  # the reference itself
+            try:
+                out = model_cls(cfg, params, dtype).logits(src, tgt)
+            except RosettaError:
+                continue  # a dtype this device does not offer (e.g. bfloat16 on old CPUs)
+            out = np.asarray(out, dtype=np.float64)
+            rows.append(ParityRow(
+                name, dtype, relative_error(out, reference, where),
+                float(np.abs(out - reference)[where].max()), bool(np.isfinite(out).all()),
+            ))
+    return rows
+
+
+def format_report(rows: list[ParityRow]) -> str:
+    lines = [
+        "| backend | dtype | rel. error vs float64 reference | max abs error | all finite |",
+        "| --- | --- | --- | --- | --- |",
+    ]
+    for r in rows:
+        lines.append(f"| {r.backend} | {r.dtype} | {r.relative_error:.3e} | "
+                     f"{r.max_abs_error:.3e} | {'yes' if r.finite else 'NO'} |")
+    return "\n".join(lines)

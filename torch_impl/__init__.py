@@ -1,0 +1,1 @@
+"""PyTorch implementation (see torch_impl/model.py)."""
