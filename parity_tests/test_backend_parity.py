@@ -17,6 +17,11 @@ from rosetta.parity import relative_error, target_positions
 # (backend, compute dtype) -> relative tolerance against the float64 reference.
 CASES: dict[tuple[str, str], float] = {
     ("numpy", "float32"): 1e-5,
+    ("torch", "float32"): 1e-5,
+    ("torch", "float64"): 1e-12,
+    ("torch", "bfloat16"): 3e-2,
+    ("jax", "float32"): 1e-5,
+    ("jax", "bfloat16"): 3e-2,
 }
 
 

@@ -1,0 +1,89 @@
+"""The JAX/Flax NNX model behind the common backend interface (rosetta.backends).
+
+Forward passes are pure jitted functions of (graphdef, state, ids): after the first call for
+a shape, a call is one dispatch, with no Python work per layer."""
+
+from __future__ import annotations
+
+import contextlib
+from collections.abc import Iterator, Mapping
+from functools import partial
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from flax import nnx
+
+from jax_impl.convert import build_model, to_params
+from rosetta.backends import BackendModel
+from rosetta.params import Params
+
+DTYPES = {"float32": jnp.float32, "bfloat16": jnp.bfloat16}  # float32 parameters in both
+
+
+@contextlib.contextmanager
+def parity_mode(enabled: bool = True) -> Iterator[None]:
+    """float32 matmuls at full precision: JAX uses TF32 (or bfloat16 passes on TPU) for
+    float32 matmuls by default (PITFALLS 5). Part of the jit cache key, so it holds for
+    every function traced inside."""
+    with jax.default_matmul_precision("highest") if enabled else contextlib.nullcontext():
+        yield
+
+
+@partial(jax.jit, static_argnums=0)
+def _encode(graphdef, state, src):
+    return nnx.merge(graphdef, state).encode(src)
+
+
+@partial(jax.jit, static_argnums=0)
+def _decode(graphdef, state, tgt, memory, src):
+    return nnx.merge(graphdef, state).decode(tgt, memory, src)
+
+
+@partial(jax.jit, static_argnums=0)
+def _logits(graphdef, state, src, tgt):
+    return nnx.merge(graphdef, state)(src, tgt)
+
+
+@partial(jax.jit, static_argnums=0)
+def _stages(graphdef, state, src, tgt):
+    stages: dict[str, jax.Array] = {}
+    nnx.merge(graphdef, state)(src, tgt, stages)
+    return stages
+
+
+class Model(BackendModel):
+    name = "jax"
+    dtypes = ("float32", "bfloat16")
+
+    def _build(self, params: Mapping[str, np.ndarray]) -> None:
+        self.module = build_model(self.config, params, DTYPES[self.dtype])
+        self.graphdef, self.state = nnx.split(self.module)
+
+    def to_params(self) -> Params:
+        return to_params(self.module)
+
+    def _context(self) -> contextlib.AbstractContextManager:
+        return parity_mode(self.dtype == "float32")
+
+    @staticmethod
+    def _numpy(x: jax.Array) -> np.ndarray:
+        return np.asarray(x.astype(jnp.float32))
+
+    def _encode(self, src: np.ndarray) -> np.ndarray:
+        with self._context():
+            return self._numpy(_encode(self.graphdef, self.state, src))
+
+    def _decode(self, tgt: np.ndarray, memory: np.ndarray, src: np.ndarray) -> np.ndarray:
+        with self._context():
+            memory = jnp.asarray(memory, DTYPES[self.dtype])
+            return self._numpy(_decode(self.graphdef, self.state, tgt, memory, src))
+
+    def _logits(self, src: np.ndarray, tgt: np.ndarray) -> np.ndarray:
+        with self._context():
+            return self._numpy(_logits(self.graphdef, self.state, src, tgt))
+
+    def _stages(self, src: np.ndarray, tgt: np.ndarray) -> dict[str, np.ndarray]:
+        with self._context():
+            stages = _stages(self.graphdef, self.state, src, tgt)
+        return {name: self._numpy(value) for name, value in stages.items()}

@@ -1,0 +1,50 @@
+"""Canonical parameters <-> the Flax NNX model. Flax kernels are already in math layout
+[in, out] and the module attributes carry the canonical names, so a canonical name is the
+model's state path joined by dots: no transposes here (compare torch_impl/convert.py)."""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+
+import jax.numpy as jnp
+import numpy as np
+from flax import nnx
+
+from rosetta.checkpoint import check_params
+from rosetta.config import ModelConfig
+from rosetta.params import Params, param_shapes
+from jax_impl.model import Positions, Transformer
+
+
+def flax_name(path: tuple) -> str:
+    """A state path such as ('encoder', 'layers', 0, 'ffn', 'linear1', 'kernel') -> its
+    canonical name 'encoder.layers.0.ffn.linear1.kernel'."""
+    return ".".join(str(part) for part in path)
+
+
+def build_model(cfg: ModelConfig, params: Mapping[str, np.ndarray],
+                dtype: jnp.dtype = jnp.float32) -> Transformer:
+    """A Transformer holding `params`. Built abstractly (nnx.eval_shape): nothing is
+    initialised inside the framework, every value comes from `params` (PITFALLS 9)."""
+    check_params(cfg, params)
+    abstract = nnx.eval_shape(lambda: Transformer(cfg, dtype, rngs=nnx.Rngs(0)))
+    graphdef, state = nnx.split(abstract)
+    flat = nnx.to_flat_state(state)
+    for path, variable in flat:
+        if isinstance(variable, Positions):
+            # The one non-parameter: recomputed from the config, as in the constructor.
+            variable.set_value(Transformer.positions_table(cfg))
+        else:
+            variable.set_value(jnp.asarray(params[flax_name(path)], dtype=jnp.float32))
+    model = nnx.merge(graphdef, nnx.from_flat_state(flat))
+    model.eval()  # dropout off until a trainer calls model.train()
+    return model
+
+
+def to_params(model: Transformer) -> Params:
+    """Canonical float32 NumPy arrays from the model's parameters."""
+    flat = nnx.to_flat_state(nnx.state(model, nnx.Param))
+    params = {flax_name(path): np.asarray(variable.get_value(), dtype=np.float32)
+              for path, variable in flat}
+    check_params(model.cfg, params, source="flax state")
+    return {name: params[name] for name in param_shapes(model.cfg)}  # checkpoint order

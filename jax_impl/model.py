@@ -1,0 +1,261 @@
+"""The Transformer (Vaswani et al. 2017) as Flax NNX modules.
+
+Mirrors numpy_ref/model.py box for box and name for name, and torch_impl/model.py line for
+line; diff them to see only framework differences. Module attribute names are the canonical
+checkpoint names and Flax kernels are already [in, out], so jax_impl/convert.py only joins
+paths. Dropout takes its randomness from an explicit `rngs` argument.
+
+Shapes: B batch, S source length, T target length, d d_model, h heads, dh d_head, V vocab.
+"""
+
+from __future__ import annotations
+
+import math
+
+import jax
+import jax.numpy as jnp
+from flax import nnx
+
+from numpy_ref.model import positional_encoding
+from rosetta.config import ModelConfig
+from rosetta.params import embedding_names
+
+Stages = dict[str, jax.Array]
+
+
+# -- Building blocks -----------------------------------------------------------------------
+
+def activation(name: str, x: jax.Array) -> jax.Array:
+    if name == "relu":
+        return jax.nn.relu(x)
+    if name == "gelu":  # exact erf form: jax.nn.gelu defaults to the tanh form (PITFALLS 6)
+        return jax.nn.gelu(x, approximate=False)
+    if name == "gelu_tanh":
+        return jax.nn.gelu(x, approximate=True)
+    if name == "silu":
+        return jax.nn.silu(x)
+    raise ValueError(f"unknown activation {name!r}")
+
+
+# -- Masks (True = may attend, as in Flax) -------------------------------------------------
+
+def source_mask(src: jax.Array, pad_id: int) -> jax.Array:
+    """[B, 1, 1, S]: every query may attend to every non-pad source key."""
+    return (src != pad_id)[:, None, None, :]
+
+
+def target_mask(tgt: jax.Array, pad_id: int) -> jax.Array:
+    """[B, 1, T, T]: causal, and never a pad key; position 0 (the start token) is never
+    padding, even when the start token equals pad_id (PITFALLS 12)."""
+    valid = (tgt != pad_id).at[:, 0].set(True)
+    causal = jnp.tril(jnp.ones((tgt.shape[1], tgt.shape[1]), dtype=bool))
+    return causal[None, None, :, :] & valid[:, None, None, :]
+
+
+# -- Sublayers -----------------------------------------------------------------------------
+
+class MultiHeadAttention(nnx.Module):
+    """Multi-head scaled dot-product attention, §3.2.1-3.2.2, eq. 1."""
+
+    def __init__(self, cfg: ModelConfig, dtype: jnp.dtype, rngs: nnx.Rngs):
+        d, bias = cfg.d_model, cfg.attention_bias
+        self.q, self.k, self.v, self.o = (nnx.Linear(d, d, use_bias=bias, dtype=dtype, rngs=rngs)
+                                          for _ in range(4))
+        self.num_heads = cfg.num_heads
+        self.attention_dropout = nnx.Dropout(cfg.attention_dropout)
+
+    def __call__(self, x_q: jax.Array, x_kv: jax.Array, mask: jax.Array,
+                 rngs: nnx.Rngs | None = None) -> jax.Array:
+        B, Tq, d = x_q.shape
+        Tk, dh = x_kv.shape[1], d // self.num_heads
+
+        def split_heads(x: jax.Array, T: int) -> jax.Array:  # (B, T, d) -> (B, h, T, dh)
+            return x.reshape(B, T, self.num_heads, dh).transpose(0, 2, 1, 3)
+
+        q = split_heads(self.q(x_q), Tq)
+        k = split_heads(self.k(x_kv), Tk)
+        v = split_heads(self.v(x_kv), Tk)
+        # Scores and softmax in float32 even for bfloat16 compute, as fused kernels do.
+        scores = (q @ k.transpose(0, 1, 3, 2)).astype(jnp.float32) / math.sqrt(dh)  # (B, h, Tq, Tk)
+        # Masked scores are replaced by the most negative finite value: uniform weights, not
+        # NaN, where every key is masked (SPEC §2, PITFALLS 4).
+        scores = jnp.where(mask, scores, jnp.finfo(scores.dtype).min)
+        weights = self.attention_dropout(jax.nn.softmax(scores, axis=-1), rngs=rngs).astype(v.dtype)
+        y = weights @ v  # (B, h, Tq, dh)
+        return self.o(y.transpose(0, 2, 1, 3).reshape(B, Tq, d))
+
+
+class FeedForward(nnx.Module):
+    """Position-wise feed-forward network, §3.3, eq. 2 (with a choice of activation)."""
+
+    def __init__(self, cfg: ModelConfig, dtype: jnp.dtype, rngs: nnx.Rngs):
+        self.linear1 = nnx.Linear(cfg.d_model, cfg.d_ff, use_bias=cfg.ffn_bias, dtype=dtype, rngs=rngs)
+        self.linear2 = nnx.Linear(cfg.d_ff, cfg.d_model, use_bias=cfg.ffn_bias, dtype=dtype, rngs=rngs)
+        self.activation = cfg.activation
+        self.dropout = nnx.Dropout(cfg.activation_dropout_rate)
+
+    def __call__(self, x: jax.Array, rngs: nnx.Rngs | None = None) -> jax.Array:
+        return self.linear2(self.dropout(activation(self.activation, self.linear1(x)), rngs=rngs))
+
+
+def residual(norm: nnx.LayerNorm, x: jax.Array, sublayer, cfg: ModelConfig,
+             dropout: nnx.Dropout, rngs: nnx.Rngs | None) -> jax.Array:
+    """Post-norm LN(x + Dropout(Sublayer(x))) as in §3.1 and §5.4, or pre-norm
+    x + Dropout(Sublayer(LN(x)))."""
+    if cfg.norm_first:
+        return x + dropout(sublayer(norm(x)), rngs=rngs)
+    return norm(x + dropout(sublayer(x), rngs=rngs))
+
+
+def norm_layer(cfg: ModelConfig, dtype: jnp.dtype, rngs: nnx.Rngs) -> nnx.LayerNorm:
+    # Flax defaults to epsilon 1e-6 and a fast E[x^2] - E[x]^2 variance (PITFALLS 2): take the
+    # configured epsilon and the two-pass variance of SPEC §2.
+    return nnx.LayerNorm(cfg.d_model, epsilon=cfg.layer_norm_eps, use_fast_variance=False,
+                         dtype=dtype, rngs=rngs)
+
+
+# -- Layers and stacks ---------------------------------------------------------------------
+
+class EncoderLayer(nnx.Module):
+    """One encoder layer, §3.1: self-attention, then feed-forward."""
+
+    def __init__(self, cfg: ModelConfig, dtype: jnp.dtype, rngs: nnx.Rngs):
+        self.cfg = cfg
+        self.self_attn, self.self_attn_norm = (MultiHeadAttention(cfg, dtype, rngs),
+                                               norm_layer(cfg, dtype, rngs))
+        self.ffn, self.ffn_norm = FeedForward(cfg, dtype, rngs), norm_layer(cfg, dtype, rngs)
+        self.dropout = nnx.Dropout(cfg.dropout)
+
+    def __call__(self, x: jax.Array, mask: jax.Array, rngs: nnx.Rngs | None = None) -> jax.Array:
+        x = residual(self.self_attn_norm, x, lambda h: self.self_attn(h, h, mask, rngs), self.cfg,
+                     self.dropout, rngs)
+        return residual(self.ffn_norm, x, lambda h: self.ffn(h, rngs), self.cfg, self.dropout, rngs)
+
+
+class DecoderLayer(nnx.Module):
+    """One decoder layer, §3.1: masked self-attention, cross-attention, feed-forward."""
+
+    def __init__(self, cfg: ModelConfig, dtype: jnp.dtype, rngs: nnx.Rngs):
+        self.cfg = cfg
+        self.self_attn, self.self_attn_norm = (MultiHeadAttention(cfg, dtype, rngs),
+                                               norm_layer(cfg, dtype, rngs))
+        self.cross_attn, self.cross_attn_norm = (MultiHeadAttention(cfg, dtype, rngs),
+                                                 norm_layer(cfg, dtype, rngs))
+        self.ffn, self.ffn_norm = FeedForward(cfg, dtype, rngs), norm_layer(cfg, dtype, rngs)
+        self.dropout = nnx.Dropout(cfg.dropout)
+
+    def __call__(self, x: jax.Array, memory: jax.Array, self_mask: jax.Array,
+                 cross_mask: jax.Array, rngs: nnx.Rngs | None = None) -> jax.Array:
+        x = residual(self.self_attn_norm, x, lambda h: self.self_attn(h, h, self_mask, rngs),
+                     self.cfg, self.dropout, rngs)
+        x = residual(self.cross_attn_norm, x,
+                     lambda h: self.cross_attn(h, memory, cross_mask, rngs), self.cfg, self.dropout,
+                     rngs)
+        return residual(self.ffn_norm, x, lambda h: self.ffn(h, rngs), self.cfg, self.dropout, rngs)
+
+
+class Stack(nnx.Module):
+    """`layers` then, if `final_norm`, one more LayerNorm: the encoder or the decoder."""
+
+    def __init__(self, cfg: ModelConfig, layer: type[nnx.Module], num_layers: int,
+                 dtype: jnp.dtype, rngs: nnx.Rngs):
+        self.layers = nnx.List([layer(cfg, dtype, rngs) for _ in range(num_layers)])
+        self.final_norm = norm_layer(cfg, dtype, rngs) if cfg.has_final_norm else None
+
+
+class Generator(nnx.Module):
+    """Logits = hidden W_out (+ b_out); tied tables use W_out = E^T (§3.4). `kernel` is the
+    canonical [d, V]."""
+
+    def __init__(self, cfg: ModelConfig, dtype: jnp.dtype):
+        tied = embedding_names(cfg).output is None
+        V, d = cfg.tgt_vocab_size, cfg.d_model
+        self.kernel = None if tied else nnx.Param(jnp.zeros((d, V)))
+        self.bias = nnx.Param(jnp.zeros((V,))) if cfg.output_bias else None
+        self.dtype = dtype
+
+    def __call__(self, hidden: jax.Array, tgt_table: nnx.Embed) -> jax.Array:
+        kernel = tgt_table.embedding[...].T if self.kernel is None else self.kernel[...]
+        logits = hidden @ kernel.astype(self.dtype)
+        return logits if self.bias is None else logits + self.bias[...].astype(self.dtype)
+
+
+class Positions(nnx.Variable):
+    """The sinusoidal table: state, but not a trainable parameter and not in the checkpoint."""
+
+
+class Transformer(nnx.Module):
+    """The encoder-decoder model of Figure 1."""
+
+    def __init__(self, cfg: ModelConfig, dtype: jnp.dtype = jnp.float32, *, rngs: nnx.Rngs):
+        self.cfg = cfg
+        names = embedding_names(cfg)
+        for name in dict.fromkeys((names.src, names.tgt)):  # one table when shared
+            setattr(self, name.split(".")[0],
+                    nnx.Embed(self._vocab(name), cfg.d_model, dtype=dtype, rngs=rngs))
+        self.encoder = Stack(cfg, EncoderLayer, cfg.num_encoder_layers, dtype, rngs)
+        self.decoder = Stack(cfg, DecoderLayer, cfg.num_decoder_layers, dtype, rngs)
+        self.generator = Generator(cfg, dtype)
+        self.dropout = nnx.Dropout(cfg.dropout)
+        self.positions = Positions(self.positions_table(cfg))
+
+    @staticmethod
+    def positions_table(cfg: ModelConfig) -> jax.Array:
+        # Computed in float64 by the reference and cast once (see positional_encoding).
+        table = positional_encoding(cfg.positional_encoding, cfg.max_len, cfg.d_model)
+        return jnp.asarray(table, dtype=jnp.float32)
+
+    def _vocab(self, name: str) -> int:
+        return self.cfg.tgt_vocab_size if name.startswith("tgt") else self.cfg.src_vocab_size
+
+    @property
+    def src_table(self) -> nnx.Embed:
+        return getattr(self, embedding_names(self.cfg).src.split(".")[0])
+
+    @property
+    def tgt_table(self) -> nnx.Embed:
+        return getattr(self, embedding_names(self.cfg).tgt.split(".")[0])
+
+    def embed(self, table: nnx.Embed, ids: jax.Array, offset: int | jax.Array = 0,
+              rngs: nnx.Rngs | None = None) -> jax.Array:
+        """Dropout(E[x] * sqrt(d_model) + PE[pos]), §3.4-3.5 and §5.4."""
+        x = table(ids)
+        if self.cfg.scale_embeddings:
+            x = x * math.sqrt(self.cfg.d_model)
+        positions = jax.lax.dynamic_slice_in_dim(self.positions[...], offset, ids.shape[1])
+        return self.dropout(x + positions.astype(x.dtype), rngs=rngs)
+
+    def encode(self, src: jax.Array, stages: Stages | None = None,
+               rngs: nnx.Rngs | None = None) -> jax.Array:
+        """The encoder stack: src [B, S] -> memory [B, S, d]."""
+        stages = {} if stages is None else stages
+        x = stages["src_embed"] = self.embed(self.src_table, src, rngs=rngs)
+        mask = source_mask(src, self.cfg.pad_id)
+        for i, layer in enumerate(self.encoder.layers):
+            x = stages[f"encoder.layers.{i}"] = layer(x, mask, rngs)
+        if self.encoder.final_norm is not None:
+            x = self.encoder.final_norm(x)
+        stages["encoder"] = x
+        return x
+
+    def decode(self, tgt: jax.Array, memory: jax.Array, src: jax.Array,
+               stages: Stages | None = None, rngs: nnx.Rngs | None = None) -> jax.Array:
+        """The decoder stack: tgt [B, T] (starting with the start token) -> hidden [B, T, d]."""
+        stages = {} if stages is None else stages
+        x = stages["tgt_embed"] = self.embed(self.tgt_table, tgt, rngs=rngs)
+        self_mask, cross_mask = target_mask(tgt, self.cfg.pad_id), source_mask(src, self.cfg.pad_id)
+        for i, layer in enumerate(self.decoder.layers):
+            x = stages[f"decoder.layers.{i}"] = layer(x, memory, self_mask, cross_mask, rngs)
+        if self.decoder.final_norm is not None:
+            x = self.decoder.final_norm(x)
+        stages["decoder"] = x
+        return x
+
+    def __call__(self, src: jax.Array, tgt: jax.Array, stages: Stages | None = None,
+                 rngs: nnx.Rngs | None = None) -> jax.Array:
+        """Logits [B, T, V] for source ids [B, S] and decoder input ids [B, T]."""
+        stages = {} if stages is None else stages
+        memory = self.encode(src, stages, rngs)
+        logits = stages["logits"] = self.generator(self.decode(tgt, memory, src, stages, rngs),
+                                                   self.tgt_table)
+        return logits

@@ -1,0 +1,310 @@
+"""Token-budget batching with a small fixed set of shapes and an exactly resumable order.
+
+Paper §5.1: "Sentence pairs were batched together by approximate sequence length. Each
+training batch contained a set of sentence pairs containing approximately 25000 source
+tokens and 25000 target tokens." Here:
+
+* A pair `(x, y)` of token-id sequences becomes `src = x + [eos]` (`src_eos=True`, the
+  default; `x` alone otherwise), `tgt_in = [bos] + y` and `labels = y + [eos]` (SPEC §4:
+  the labels are the decoder input shifted left by one, and the position after the last
+  real token is eos). Its length is `max(len(src), len(tgt_in))`.
+* Bucket boundaries are a fixed increasing list (`default_buckets`: 8, 16, ..., 64, then
+  96, 128, 192, 256, 384, 512, ... up to `max_len`). A pair goes into the smallest bucket
+  `L` that holds it; pairs longer than the largest bucket are dropped and counted
+  (`num_dropped`, `dropped`, and a logged warning), never cut.
+* Every batch of bucket `L` has `src`, `tgt_in` and `labels` of shape exactly
+  `(max_tokens // L, L)`: lengths are padded up to `L` and the last, partly filled batch of
+  a bucket gets rows that are all padding (row index -1). So `src.size == tgt_in.size ==
+  (max_tokens // L) * L <= max_tokens` for every batch, and a jitted step compiles once per
+  bucket in use, not once per batch.
+* Order: per epoch, the pairs of each bucket are shuffled, cut into batches, and the
+  batches of all buckets shuffled together, from a generator seeded by `(seed, epoch)`.
+  `state_dict()` is `{epoch, index, ...}`, so a fresh iterator over the same pairs with the
+  same seed continues exactly where a saved one stopped.
+
+NumPy only; batches hold int64 arrays that every backend converts itself.
+"""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Iterator, Sequence
+from dataclasses import dataclass
+from typing import Any
+
+import numpy as np
+
+from rosetta.data import DataError
+
+log = logging.getLogger(__name__)
+
+TokenPair = tuple[Sequence[int], Sequence[int]]
+
+
+def default_buckets(max_len: int) -> tuple[int, ...]:
+    """Bucket lengths: multiples of 8 up to 64, then 96, 128, 192, 256, 384, ... (x1.5 and x2
+    per doubling), all below `max_len`, then `max_len` itself as the last bucket."""
+    if isinstance(max_len, bool) or not isinstance(max_len, (int, np.integer)) or max_len < 1:
+        raise DataError(f"max_len must be a positive integer, got {max_len!r}")
+    candidates = list(range(8, 65, 8))
+    power = 64
+    while candidates[-1] < max_len:
+        candidates += [power * 3 // 2, power * 2]
+        power *= 2
+    return tuple(b for b in candidates if b < max_len) + (int(max_len),)
+
+
+@dataclass(frozen=True)
+class Batch:
+    """One batch. Arrays are int64 of shape `[rows, L]` for the batch's bucket length `L`.
+
+    `src`: source ids then pad. `tgt_in`: `[bos, y1..yn, pad...]`. `labels`:
+    `[y1..yn, eos, pad...]`. `indices[r]`: the position of row r's pair in the list given to
+    the batcher, or -1 for a row that is all padding. `num_src_tokens` / `num_tgt_tokens`:
+    non-pad entries of `src` / `labels` (the latter is the loss denominator of SPEC §4).
+    """
+
+    src: np.ndarray
+    tgt_in: np.ndarray
+    labels: np.ndarray
+    indices: np.ndarray
+    num_src_tokens: int
+    num_tgt_tokens: int
+
+    @property
+    def num_examples(self) -> int:
+        """Rows holding a real pair (the others are all padding)."""
+        return int((self.indices >= 0).sum())
+
+    @property
+    def shape(self) -> tuple[int, int]:
+        return (int(self.src.shape[0]), int(self.src.shape[1]))
+
+
+def _check_int(name: str, value: object, minimum: int) -> int:
+    if isinstance(value, bool) or not isinstance(value, (int, np.integer)) or value < minimum:
+        raise DataError(f"{name} must be an integer >= {minimum}, got {value!r}")
+    return int(value)
+
+
+class BatchIterator:
+    """Batches of `pairs` (token-id sequence pairs) by the rules of the module docstring.
+
+    Iterating never ends: after the last batch of epoch e comes the first of epoch e + 1.
+    Use `epoch_batches()` for the rest of the current epoch only, `batches_per_epoch` for its
+    length, and `state_dict()` / `load_state_dict()` to save and resume the position.
+    """
+
+    def __init__(
+        self,
+        pairs: Sequence[TokenPair],
+        max_tokens: int = 4096,
+        max_len: int = 256,
+        buckets: Sequence[int] | None = None,
+        seed: int = 0,
+        shuffle: bool = True,
+        pad_id: int = 0,
+        bos_id: int = 1,
+        eos_id: int = 2,
+        src_eos: bool = True,
+    ) -> None:
+        self.max_tokens = _check_int("max_tokens", max_tokens, 1)
+        self.max_len = _check_int("max_len", max_len, 1)
+        self.seed = _check_int("seed", seed, 0)
+        self.pad_id = _check_int("pad_id", pad_id, 0)
+        self.bos_id = _check_int("bos_id", bos_id, 0)
+        self.eos_id = _check_int("eos_id", eos_id, 0)
+        if self.eos_id == self.pad_id:
+            raise DataError(f"eos_id and pad_id must differ (both {eos_id}): labels end in eos")
+        self.shuffle = bool(shuffle)
+        self.src_eos = bool(src_eos)
+        self.buckets = self._check_buckets(default_buckets(self.max_len) if buckets is None else buckets)
+        if self.max_tokens < self.buckets[-1]:
+            raise DataError(
+                f"max_tokens ({max_tokens}) must be at least the largest bucket length "
+                f"({self.buckets[-1]}) so that every batch holds at least one row"
+            )
+        self.rows = {b: self.max_tokens // b for b in self.buckets}
+        self._prepare(pairs)
+        self.epoch = 0
+        self.index = 0
+        self._plan_epoch: int | None = None
+        self._plan: list[tuple[int, np.ndarray]] = []
+
+    @classmethod
+    def from_config(cls, pairs: Sequence[TokenPair], cfg: Any, **kwargs: Any) -> BatchIterator:
+        """As the constructor, with `max_len` and the special ids taken from a ModelConfig."""
+        ids = dict(max_len=cfg.max_len, pad_id=cfg.pad_id, bos_id=cfg.bos_id, eos_id=cfg.eos_id)
+        return cls(pairs, **{**ids, **kwargs})
+
+    # -- set-up ----------------------------------------------------------------------------
+    def _check_buckets(self, buckets: Sequence[int]) -> tuple[int, ...]:
+        out = tuple(_check_int("bucket length", b, 1) for b in buckets)
+        if not out or any(a >= b for a, b in zip(out[:-1], out[1:], strict=True)):
+            raise DataError(f"buckets must be a non-empty strictly increasing list, got {list(buckets)}")
+        if out[-1] > self.max_len:
+            raise DataError(f"the largest bucket ({out[-1]}) exceeds max_len ({self.max_len})")
+        return out
+
+    def _prepare(self, pairs: Sequence[TokenPair]) -> None:
+        self.num_pairs = len(pairs)
+        eos = [self.eos_id] if self.src_eos else []
+        self._src: list[np.ndarray] = []
+        self._tgt: list[np.ndarray] = []
+        for i, pair in enumerate(pairs):
+            if len(pair) != 2:
+                raise DataError(f"pair {i} must be (source ids, target ids), got {len(pair)} items")
+            src, tgt = (np.asarray(list(pair[0]) + eos, dtype=np.int64), np.asarray(pair[1], dtype=np.int64))
+            if src.ndim != 1 or tgt.ndim != 1:
+                raise DataError(f"pair {i} must hold two flat sequences of token ids")
+            self._src.append(src)
+            self._tgt.append(tgt)
+        if self.num_pairs:
+            every = np.concatenate(self._src + self._tgt)
+            if every.size and (every.min() < 0 or (every == self.pad_id).any()):
+                bad = int(every.min()) if every.min() < 0 else self.pad_id
+                raise DataError(f"the pairs hold token id {bad}: ids must be >= 0 and never pad_id")
+        lengths = np.array(
+            [max(len(s), len(t) + 1) for s, t in zip(self._src, self._tgt, strict=True)], dtype=np.int64
+        )
+        where = np.searchsorted(np.asarray(self.buckets), lengths, side="left")  # smallest L >= length
+        dropped = np.flatnonzero(where >= len(self.buckets))
+        self.dropped: list[int] = dropped.tolist()
+        self.members: dict[int, np.ndarray] = {
+            b: np.flatnonzero(where == k) for k, b in enumerate(self.buckets) if (where == k).any()
+        }
+        if self.dropped:
+            log.warning("batching: dropped %d of %d pairs longer than %d tokens (with bos/eos)",
+                        len(self.dropped), self.num_pairs, self.buckets[-1])
+        if not self.members:
+            raise DataError(
+                f"no pairs to batch: {self.num_pairs} given, {len(self.dropped)} dropped as longer "
+                f"than {self.buckets[-1]} tokens"
+            )
+        self.batches_per_epoch = sum(-(-len(m) // self.rows[b]) for b, m in self.members.items())
+
+    # -- facts -----------------------------------------------------------------------------
+    @property
+    def num_dropped(self) -> int:
+        """Pairs left out because they are longer than the largest bucket."""
+        return len(self.dropped)
+
+    @property
+    def shapes(self) -> list[tuple[int, int]]:
+        """The `(rows, length)` shapes that batches take, one per bucket in use."""
+        return [(self.rows[b], b) for b in self.members]
+
+    def __repr__(self) -> str:
+        return (f"BatchIterator({self.num_pairs} pairs, {self.num_dropped} dropped, "
+                f"{self.batches_per_epoch} batches/epoch, shapes {self.shapes}, "
+                f"epoch {self.epoch}, index {self.index})")
+
+    # -- order -----------------------------------------------------------------------------
+    def epoch_plan(self, epoch: int) -> list[tuple[int, np.ndarray]]:
+        """The batches of `epoch` in order, as `(bucket length, pair indices)`: a pure
+        function of the pairs, the seed and `epoch`."""
+        rng = np.random.default_rng([self.seed, _check_int("epoch", epoch, 0)])
+        plan = []
+        for b, members in self.members.items():
+            order = rng.permutation(members) if self.shuffle else members
+            rows = self.rows[b]
+            plan += [(b, order[start:start + rows]) for start in range(0, len(order), rows)]
+        if self.shuffle:
+            plan = [plan[k] for k in rng.permutation(len(plan))]
+        return plan
+
+    def make_batch(self, length: int, indices: Sequence[int]) -> Batch:
+        """The padded batch of bucket `length` holding the pairs `indices` (at most
+        `max_tokens // length` of them; the remaining rows are all padding)."""
+        rows = self.rows[length]
+        if len(indices) > rows:
+            raise DataError(f"{len(indices)} pairs do not fit bucket {length} ({rows} rows)")
+        src = np.full((rows, length), self.pad_id, dtype=np.int64)
+        tgt_in = np.full((rows, length), self.pad_id, dtype=np.int64)
+        labels = np.full((rows, length), self.pad_id, dtype=np.int64)
+        index = np.full(rows, -1, dtype=np.int64)
+        n_src = n_tgt = 0
+        for r, i in enumerate(indices):
+            s, t = self._src[i], self._tgt[i]
+            n = len(t)
+            if len(s) > length or n + 1 > length:
+                raise DataError(f"pair {i} does not fit bucket {length}")
+            src[r, :len(s)] = s
+            tgt_in[r, 0] = self.bos_id
+            tgt_in[r, 1:n + 1] = t
+            labels[r, :n] = t
+            labels[r, n] = self.eos_id
+            index[r] = i
+            n_src += len(s)
+            n_tgt += n + 1
+        return Batch(src, tgt_in, labels, index, n_src, n_tgt)
+
+    # -- iteration -------------------------------------------------------------------------
+    def __iter__(self) -> BatchIterator:
+        return self
+
+    def __next__(self) -> Batch:
+        if self._plan_epoch != self.epoch:
+            self._plan, self._plan_epoch = self.epoch_plan(self.epoch), self.epoch
+        length, indices = self._plan[self.index]
+        self.index += 1
+        if self.index == self.batches_per_epoch:
+            self.epoch, self.index = self.epoch + 1, 0
+        return self.make_batch(length, indices)
+
+    def epoch_batches(self) -> Iterator[Batch]:
+        """The remaining batches of the current epoch (all of it from a fresh iterator)."""
+        epoch = self.epoch
+        while self.epoch == epoch:
+            yield next(self)
+
+    # -- resume ----------------------------------------------------------------------------
+    def state_dict(self) -> dict[str, int]:
+        """The position, JSON-able: the next batch is batch `index` of epoch `epoch`."""
+        return {"epoch": self.epoch, "index": self.index, "seed": self.seed,
+                "batches_per_epoch": self.batches_per_epoch}
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        """Continue from a `state_dict()` saved by an iterator over the same pairs and seed."""
+        try:
+            epoch, index = int(state["epoch"]), int(state["index"])
+        except (KeyError, TypeError, ValueError):
+            raise DataError(
+                f"batch iterator state needs integer 'epoch' and 'index', got {state!r}"
+            ) from None
+        if "seed" in state and int(state["seed"]) != self.seed:
+            raise DataError(f"state was saved with seed {state['seed']}, this iterator has seed {self.seed}")
+        if "batches_per_epoch" in state and int(state["batches_per_epoch"]) != self.batches_per_epoch:
+            raise DataError(
+                f"state was saved with {state['batches_per_epoch']} batches per epoch, this iterator "
+                f"has {self.batches_per_epoch}: not the same pairs or batching settings"
+            )
+        if epoch < 0 or not 0 <= index < self.batches_per_epoch:
+            raise DataError(f"state position epoch {epoch}, index {index} is out of range")
+        self.epoch, self.index = epoch, index
+
+
+def eval_batches(
+    pairs: Sequence[TokenPair], max_tokens: int = 4096, max_len: int = 256, **kwargs: Any
+) -> tuple[list[Batch], list[int]]:
+    """All `pairs` batched once without shuffling: buckets in increasing length, pairs in
+    their original order within a bucket. Returns `(batches, dropped)`, `dropped` being the
+    indices of pairs too long for `max_len`. Each batch's `indices` maps its rows back to
+    `pairs`; `restore_order` puts per-row outputs back in the original order. For sources
+    without references pass empty targets. Other keyword arguments as for BatchIterator."""
+    it = BatchIterator(pairs, max_tokens=max_tokens, max_len=max_len, shuffle=False, **kwargs)
+    return list(it.epoch_batches()), it.dropped
+
+
+def restore_order(batches: Sequence[Batch], outputs: Sequence[Sequence[Any]], num_pairs: int) -> list[Any]:
+    """`outputs[b][r]` (one output per row of batch b, e.g. decoded text) in the original pair
+    order: a list of `num_pairs` items, None where a pair was dropped. Padding rows are
+    skipped."""
+    if len(outputs) != len(batches):
+        raise DataError(f"{len(outputs)} output groups for {len(batches)} batches")
+    result: list[Any] = [None] * num_pairs
+    for batch, out in zip(batches, outputs, strict=True):
+        for r, i in enumerate(batch.indices.tolist()):
+            if i >= 0:
+                result[i] = out[r]
+    return result

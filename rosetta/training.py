@@ -1,0 +1,99 @@
+"""The training recipe (SPEC §4), framework-free: the hyperparameters both trainable backends
+read, and the learning-rate schedule of the paper (§5.3, eq. 3).
+
+torch_impl/train.py and jax_impl/train.py implement the loss, the optimizer and one training
+step from these, identically; parity_tests/test_training_math.py checks that they agree.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import math
+import numbers
+from dataclasses import dataclass
+from typing import Any
+
+from rosetta.errors import ConfigError
+
+
+@dataclass(frozen=True)
+class TrainConfig:
+    """Defaults are the paper's: label smoothing 0.1 (§5.4), Adam(0.9, 0.98, 1e-9) and 4000
+    warmup steps (§5.3). `clip_norm` None means no gradient clipping."""
+
+    label_smoothing: float = 0.1
+    warmup_steps: int = 4000
+    lr_factor: float = 1.0
+    adam_b1: float = 0.9
+    adam_b2: float = 0.98
+    adam_eps: float = 1e-9
+    clip_norm: float | None = None
+    seed: int = 0
+
+    def __post_init__(self) -> None:
+        _validate(self)
+
+    def to_dict(self) -> dict[str, Any]:
+        return dataclasses.asdict(self)
+
+    def to_json(self) -> str:
+        return json.dumps(self.to_dict(), sort_keys=True)
+
+    @classmethod
+    def from_dict(cls, data: dict[str, Any]) -> TrainConfig:
+        if not isinstance(data, dict):
+            raise ConfigError(f"train config must be a JSON object, got {type(data).__name__}")
+        unknown = sorted(set(data) - {f.name for f in dataclasses.fields(cls)})
+        if unknown:
+            raise ConfigError(f"unknown train config field(s): {', '.join(unknown)}")
+        return cls(**data)
+
+    @classmethod
+    def from_json(cls, text: str) -> TrainConfig:
+        try:
+            data = json.loads(text)
+        except json.JSONDecodeError as e:
+            raise ConfigError(f"train config is not valid JSON: {e}") from None
+        return cls.from_dict(data)
+
+    def replace(self, **changes: Any) -> TrainConfig:
+        return dataclasses.replace(self, **changes)
+
+
+def _is_number(value: object) -> bool:
+    # bool is a subclass of int: `lr_factor=True` is a mistake, not 1.
+    return isinstance(value, (int, float)) and not isinstance(value, bool) and math.isfinite(value)
+
+
+def _is_int(value: object) -> bool:
+    return isinstance(value, int) and not isinstance(value, bool)
+
+
+def _validate(cfg: TrainConfig) -> None:
+    if not _is_number(cfg.label_smoothing) or not 0.0 <= cfg.label_smoothing < 1.0:
+        raise ConfigError(f"label_smoothing must be a number in [0, 1), got {cfg.label_smoothing!r}")
+    if not _is_int(cfg.warmup_steps) or cfg.warmup_steps < 1:
+        raise ConfigError(f"warmup_steps must be an integer >= 1, got {cfg.warmup_steps!r}")
+    if not _is_number(cfg.lr_factor) or cfg.lr_factor <= 0:
+        raise ConfigError(f"lr_factor must be a positive number, got {cfg.lr_factor!r}")
+    for name in ("adam_b1", "adam_b2"):
+        value = getattr(cfg, name)
+        if not _is_number(value) or not 0.0 <= value < 1.0:
+            raise ConfigError(f"{name} must be a number in [0, 1), got {value!r}")
+    if not _is_number(cfg.adam_eps) or cfg.adam_eps <= 0:
+        raise ConfigError(f"adam_eps must be a positive number, got {cfg.adam_eps!r}")
+    if cfg.clip_norm is not None and (not _is_number(cfg.clip_norm) or cfg.clip_norm <= 0):
+        raise ConfigError(f"clip_norm must be a positive number or null, got {cfg.clip_norm!r}")
+    if not _is_int(cfg.seed) or cfg.seed < 0:
+        raise ConfigError(f"seed must be an integer >= 0, got {cfg.seed!r}")
+
+
+def learning_rate(step: int, d_model: int, warmup_steps: int = 4000, factor: float = 1.0) -> float:
+    """lr = factor * d_model^-0.5 * min(step^-0.5, step * warmup^-1.5), the paper's eq. 3,
+    `step` counted from 1 (the first optimizer update is step 1): linear warmup, peak at
+    step == warmup_steps, then inverse-square-root decay."""
+    if isinstance(step, bool) or not isinstance(step, numbers.Integral) or step < 1:
+        raise ConfigError(f"step must be an integer >= 1 (counted from 1), got {step!r}")
+    step = int(step)
+    return factor * d_model**-0.5 * min(step**-0.5, step * warmup_steps**-1.5)

@@ -1,0 +1,96 @@
+"""The PyTorch model behind the common backend interface (rosetta.backends)."""
+
+from __future__ import annotations
+
+import contextlib
+from collections.abc import Iterator, Mapping
+
+import numpy as np
+import torch
+
+from rosetta.backends import BackendModel
+from rosetta.errors import RosettaError
+from rosetta.params import Params
+from torch_impl.convert import from_state_dict, to_state_dict
+from torch_impl.model import Transformer
+
+# Compute dtype -> (parameter dtype, autocast dtype or None).
+DTYPES = {
+    "float32": (torch.float32, None),
+    "float64": (torch.float64, None),
+    "bfloat16": (torch.float32, torch.bfloat16),  # float32 weights, bfloat16 matmuls
+    "float16": (torch.float32, torch.float16),
+}
+
+
+@contextlib.contextmanager
+def parity_mode(enabled: bool = True) -> Iterator[None]:
+    """float32 matmuls in full float32: no TF32 on Ampere and newer GPUs (PITFALLS 5)."""
+    saved = (torch.get_float32_matmul_precision(), torch.backends.cudnn.allow_tf32)
+    if enabled:
+        torch.set_float32_matmul_precision("highest")
+        torch.backends.cudnn.allow_tf32 = False
+    try:
+        yield
+    finally:
+        torch.set_float32_matmul_precision(saved[0])
+        torch.backends.cudnn.allow_tf32 = saved[1]
+
+
+def default_device() -> str:
+    return "cuda" if torch.cuda.is_available() else "cpu"
+
+
+class Model(BackendModel):
+    name = "torch"
+    dtypes = ("float32", "bfloat16", "float64", "float16")
+
+    def __init__(self, cfg, params, dtype=None, device: str | None = None):
+        self.device = torch.device(device or default_device())
+        super().__init__(cfg, params, dtype)
+
+    def _build(self, params: Mapping[str, np.ndarray]) -> None:
+        param_dtype, self.autocast_dtype = DTYPES[self.dtype]
+        if self.dtype == "float16" and self.device.type != "cuda":
+            raise RosettaError("backend 'torch' offers float16 on CUDA only; use bfloat16 on CPU")
+        with torch.device("meta"):  # no memory, no random draws: weights come from `params`
+            module = Transformer(self.config)
+        module.load_state_dict(to_state_dict(self.config, params, param_dtype), assign=True)
+        self.module = module.to(self.device, param_dtype).eval()
+
+    def to_params(self) -> Params:
+        return from_state_dict(self.config, self.module.state_dict())
+
+    @contextlib.contextmanager
+    def _context(self) -> Iterator[None]:
+        autocast = (torch.autocast(self.device.type, dtype=self.autocast_dtype)
+                    if self.autocast_dtype else contextlib.nullcontext())
+        with torch.inference_mode(), parity_mode(self.autocast_dtype is None), autocast:
+            yield
+
+    def _tensor(self, ids: np.ndarray) -> torch.Tensor:
+        return torch.from_numpy(ids).to(self.device)
+
+    @staticmethod
+    def _numpy(x: torch.Tensor) -> np.ndarray:
+        return x.float().cpu().numpy() if x.dtype != torch.float64 else x.cpu().numpy()
+
+    def _encode(self, src: np.ndarray) -> np.ndarray:
+        with self._context():
+            return self._numpy(self.module.encode(self._tensor(src)))
+
+    def _decode(self, tgt: np.ndarray, memory: np.ndarray, src: np.ndarray) -> np.ndarray:
+        with self._context():
+            param_dtype = DTYPES[self.dtype][0]
+            memory_t = torch.from_numpy(memory).to(self.device, param_dtype)
+            return self._numpy(self.module.decode(self._tensor(tgt), memory_t, self._tensor(src)))
+
+    def _logits(self, src: np.ndarray, tgt: np.ndarray) -> np.ndarray:
+        with self._context():
+            return self._numpy(self.module(self._tensor(src), self._tensor(tgt)))
+
+    def _stages(self, src: np.ndarray, tgt: np.ndarray) -> dict[str, np.ndarray]:
+        stages: dict[str, torch.Tensor] = {}
+        with self._context():
+            self.module(self._tensor(src), self._tensor(tgt), stages)
+            return {name: self._numpy(value) for name, value in stages.items()}

@@ -1,0 +1,53 @@
+"""Canonical parameters <-> the PyTorch module's state_dict. The one place where layouts
+change: nn.Linear stores `weight` as [out, in], the transpose of our math-layout `kernel`
+(PITFALLS 7), and nn.Embedding and nn.LayerNorm call their tensors `weight`."""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+
+import numpy as np
+import torch
+
+from rosetta.checkpoint import check_params
+from rosetta.config import ModelConfig
+from rosetta.errors import CheckpointError
+from rosetta.params import Params, param_shapes
+
+
+def torch_name(name: str) -> tuple[str, bool]:
+    """Canonical tensor name -> (state_dict key, whether the layout is transposed)."""
+    module, leaf = name.rsplit(".", 1)
+    if leaf == "kernel":
+        return f"{module}.weight", True
+    if leaf in ("embedding", "scale"):
+        return f"{module}.weight", False
+    return name, False  # biases keep their name
+
+
+def to_state_dict(
+    cfg: ModelConfig, params: Mapping[str, np.ndarray], dtype: torch.dtype = torch.float32
+) -> dict[str, torch.Tensor]:
+    check_params(cfg, params)
+    state = {}
+    for name in param_shapes(cfg):
+        key, transposed = torch_name(name)
+        value = np.asarray(params[name])
+        state[key] = torch.from_numpy(np.ascontiguousarray(value.T if transposed else value)).to(dtype)
+    return state
+
+
+def from_state_dict(cfg: ModelConfig, state: Mapping[str, torch.Tensor]) -> Params:
+    """Canonical float32 NumPy arrays from a Transformer's state_dict (strict about keys)."""
+    expected = {torch_name(name)[0]: name for name in param_shapes(cfg)}
+    missing = [k for k in expected if k not in state]
+    extra = sorted(k for k in state if k not in expected)
+    if missing or extra:
+        raise CheckpointError(f"state_dict does not match the config: missing {missing}, "
+                              f"unexpected {extra}")
+    params = {}
+    for key, name in expected.items():
+        value = state[key].detach().to("cpu", torch.float32).numpy()
+        params[name] = np.ascontiguousarray(value.T if torch_name(name)[1] else value)
+    check_params(cfg, params, source="state_dict")
+    return params

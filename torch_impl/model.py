@@ -1,0 +1,246 @@
+"""The Transformer (Vaswani et al. 2017) as PyTorch modules.
+
+Mirrors numpy_ref/model.py box for box and name for name, and jax_impl/model.py line for
+line; diff them to see only framework differences. Module attribute names are the canonical
+checkpoint names, so torch_impl/convert.py only renames leaves and transposes kernels.
+
+Shapes: B batch, S source length, T target length, d d_model, h heads, dh d_head, V vocab.
+"""
+
+from __future__ import annotations
+
+import math
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from numpy_ref.model import positional_encoding
+from rosetta.config import ModelConfig
+from rosetta.params import embedding_names
+
+Stages = dict[str, torch.Tensor]
+
+
+# -- Building blocks -----------------------------------------------------------------------
+
+def activation(name: str, x: torch.Tensor) -> torch.Tensor:
+    if name == "relu":
+        return F.relu(x)
+    if name == "gelu":  # exact erf form, PyTorch's default (jax.nn.gelu's is tanh: PITFALLS 6)
+        return F.gelu(x, approximate="none")
+    if name == "gelu_tanh":
+        return F.gelu(x, approximate="tanh")
+    if name == "silu":
+        return F.silu(x)
+    raise ValueError(f"unknown activation {name!r}")
+
+
+# -- Masks (True = may attend) -------------------------------------------------------------
+
+def source_mask(src: torch.Tensor, pad_id: int) -> torch.Tensor:
+    """[B, 1, 1, S]: every query may attend to every non-pad source key."""
+    return (src != pad_id)[:, None, None, :]
+
+
+def target_mask(tgt: torch.Tensor, pad_id: int) -> torch.Tensor:
+    """[B, 1, T, T]: causal, and never a pad key; position 0 (the start token) is never
+    padding, even when the start token equals pad_id (PITFALLS 12)."""
+    valid = tgt != pad_id
+    valid[:, 0] = True
+    causal = torch.ones(tgt.shape[1], tgt.shape[1], dtype=torch.bool, device=tgt.device).tril()
+    return causal[None, None, :, :] & valid[:, None, None, :]
+
+
+# -- Sublayers -----------------------------------------------------------------------------
+
+class MultiHeadAttention(nn.Module):
+    """Multi-head scaled dot-product attention, §3.2.1-3.2.2, eq. 1."""
+
+    def __init__(self, cfg: ModelConfig):
+        super().__init__()
+        d, bias = cfg.d_model, cfg.attention_bias
+        self.q, self.k, self.v, self.o = (nn.Linear(d, d, bias=bias) for _ in range(4))
+        self.num_heads, self.attention_dropout = cfg.num_heads, cfg.attention_dropout
+
+    def forward(self, x_q: torch.Tensor, x_kv: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
+        B, Tq, d = x_q.shape
+        Tk, dh = x_kv.shape[1], d // self.num_heads
+
+        def split_heads(x: torch.Tensor, T: int) -> torch.Tensor:  # (B, T, d) -> (B, h, T, dh)
+            return x.view(B, T, self.num_heads, dh).transpose(1, 2)
+
+        q = split_heads(self.q(x_q), Tq)
+        k = split_heads(self.k(x_kv), Tk)
+        v = split_heads(self.v(x_kv), Tk)
+        # An additive mask holding the dtype's most negative finite value (SPEC §2), not a
+        # boolean one: SDPA turns boolean masks into -inf, and a row whose keys are all masked
+        # then gives NaN or zeros instead of uniform weights (PITFALLS 4). Fused kernels
+        # (memory-efficient, cuDNN) take additive masks too.
+        bias = torch.zeros((), dtype=q.dtype, device=q.device).masked_fill(
+            ~mask, torch.finfo(q.dtype).min) if mask.dtype == torch.bool else mask
+        dropout = self.attention_dropout if self.training else 0.0
+        y = F.scaled_dot_product_attention(q, k, v, attn_mask=bias, dropout_p=dropout)  # (B, h, Tq, dh)
+        return self.o(y.transpose(1, 2).reshape(B, Tq, d))
+
+
+class FeedForward(nn.Module):
+    """Position-wise feed-forward network, §3.3, eq. 2 (with a choice of activation)."""
+
+    def __init__(self, cfg: ModelConfig):
+        super().__init__()
+        self.linear1 = nn.Linear(cfg.d_model, cfg.d_ff, bias=cfg.ffn_bias)
+        self.linear2 = nn.Linear(cfg.d_ff, cfg.d_model, bias=cfg.ffn_bias)
+        self.activation = cfg.activation
+        self.dropout = nn.Dropout(cfg.activation_dropout_rate)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.linear2(self.dropout(activation(self.activation, self.linear1(x))))
+
+
+def residual(norm: nn.LayerNorm, x: torch.Tensor, sublayer, cfg: ModelConfig,
+             dropout: nn.Dropout) -> torch.Tensor:
+    """Post-norm LN(x + Dropout(Sublayer(x))) as in §3.1 and §5.4, or pre-norm
+    x + Dropout(Sublayer(LN(x)))."""
+    if cfg.norm_first:
+        return x + dropout(sublayer(norm(x)))
+    return norm(x + dropout(sublayer(x)))
+
+
+def norm_layer(cfg: ModelConfig) -> nn.LayerNorm:
+    # Biased variance, eps inside the sqrt, as SPEC §2; its `weight` is our `scale`.
+    return nn.LayerNorm(cfg.d_model, eps=cfg.layer_norm_eps)
+
+
+# -- Layers and stacks ---------------------------------------------------------------------
+
+class EncoderLayer(nn.Module):
+    """One encoder layer, §3.1: self-attention, then feed-forward."""
+
+    def __init__(self, cfg: ModelConfig):
+        super().__init__()
+        self.cfg = cfg
+        self.self_attn, self.self_attn_norm = MultiHeadAttention(cfg), norm_layer(cfg)
+        self.ffn, self.ffn_norm = FeedForward(cfg), norm_layer(cfg)
+        self.dropout = nn.Dropout(cfg.dropout)
+
+    def forward(self, x: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
+        x = residual(self.self_attn_norm, x, lambda h: self.self_attn(h, h, mask), self.cfg,
+                     self.dropout)
+        return residual(self.ffn_norm, x, self.ffn, self.cfg, self.dropout)
+
+
+class DecoderLayer(nn.Module):
+    """One decoder layer, §3.1: masked self-attention, cross-attention, feed-forward."""
+
+    def __init__(self, cfg: ModelConfig):
+        super().__init__()
+        self.cfg = cfg
+        self.self_attn, self.self_attn_norm = MultiHeadAttention(cfg), norm_layer(cfg)
+        self.cross_attn, self.cross_attn_norm = MultiHeadAttention(cfg), norm_layer(cfg)
+        self.ffn, self.ffn_norm = FeedForward(cfg), norm_layer(cfg)
+        self.dropout = nn.Dropout(cfg.dropout)
+
+    def forward(self, x: torch.Tensor, memory: torch.Tensor, self_mask: torch.Tensor,
+                cross_mask: torch.Tensor) -> torch.Tensor:
+        x = residual(self.self_attn_norm, x, lambda h: self.self_attn(h, h, self_mask), self.cfg,
+                     self.dropout)
+        x = residual(self.cross_attn_norm, x, lambda h: self.cross_attn(h, memory, cross_mask),
+                     self.cfg, self.dropout)
+        return residual(self.ffn_norm, x, self.ffn, self.cfg, self.dropout)
+
+
+class Stack(nn.Module):
+    """`layers` then, if `final_norm`, one more LayerNorm: the encoder or the decoder."""
+
+    def __init__(self, cfg: ModelConfig, layer: type[nn.Module], num_layers: int):
+        super().__init__()
+        self.layers = nn.ModuleList(layer(cfg) for _ in range(num_layers))
+        self.final_norm = norm_layer(cfg) if cfg.has_final_norm else None
+
+
+class Generator(nn.Module):
+    """Logits = hidden W_out (+ b_out); tied tables use W_out = E^T (§3.4). `weight` is stored
+    as nn.Linear's [V, d] (the transpose of the canonical kernel)."""
+
+    def __init__(self, cfg: ModelConfig):
+        super().__init__()
+        tied = embedding_names(cfg).output is None
+        V, d = cfg.tgt_vocab_size, cfg.d_model
+        self.weight = None if tied else nn.Parameter(torch.empty(V, d))
+        self.bias = nn.Parameter(torch.empty(V)) if cfg.output_bias else None
+
+    def forward(self, hidden: torch.Tensor, tgt_table: nn.Embedding) -> torch.Tensor:
+        weight = tgt_table.weight if self.weight is None else self.weight
+        return F.linear(hidden, weight, self.bias)
+
+
+class Transformer(nn.Module):
+    """The encoder-decoder model of Figure 1."""
+
+    def __init__(self, cfg: ModelConfig):
+        super().__init__()
+        self.cfg = cfg
+        names = embedding_names(cfg)
+        for name in dict.fromkeys((names.src, names.tgt)):  # one table when shared
+            self.add_module(name.split(".")[0], nn.Embedding(self._vocab(name), cfg.d_model))
+        self.encoder = Stack(cfg, EncoderLayer, cfg.num_encoder_layers)
+        self.decoder = Stack(cfg, DecoderLayer, cfg.num_decoder_layers)
+        self.generator = Generator(cfg)
+        self.dropout = nn.Dropout(cfg.dropout)
+        # float64, cast with the parameters; a real tensor even on the meta device (from_numpy ignores
+        # the default device); not persistent: it is not part of the checkpoint.
+        table = positional_encoding(cfg.positional_encoding, cfg.max_len, cfg.d_model)
+        self.register_buffer("positions", torch.from_numpy(table), persistent=False)
+
+    def _vocab(self, name: str) -> int:
+        return self.cfg.tgt_vocab_size if name.startswith("tgt") else self.cfg.src_vocab_size
+
+    @property
+    def src_table(self) -> nn.Embedding:
+        return getattr(self, embedding_names(self.cfg).src.split(".")[0])
+
+    @property
+    def tgt_table(self) -> nn.Embedding:
+        return getattr(self, embedding_names(self.cfg).tgt.split(".")[0])
+
+    def embed(self, table: nn.Embedding, ids: torch.Tensor, offset: int = 0) -> torch.Tensor:
+        """Dropout(E[x] * sqrt(d_model) + PE[pos]), §3.4-3.5 and §5.4."""
+        x = table(ids)
+        if self.cfg.scale_embeddings:
+            x = x * math.sqrt(self.cfg.d_model)
+        return self.dropout(x + self.positions[offset: offset + ids.shape[1]].to(x.dtype))
+
+    def encode(self, src: torch.Tensor, stages: Stages | None = None) -> torch.Tensor:
+        """The encoder stack: src [B, S] -> memory [B, S, d]."""
+        stages = {} if stages is None else stages
+        x = stages["src_embed"] = self.embed(self.src_table, src)
+        mask = source_mask(src, self.cfg.pad_id)
+        for i, layer in enumerate(self.encoder.layers):
+            x = stages[f"encoder.layers.{i}"] = layer(x, mask)
+        if self.encoder.final_norm is not None:
+            x = self.encoder.final_norm(x)
+        stages["encoder"] = x
+        return x
+
+    def decode(self, tgt: torch.Tensor, memory: torch.Tensor, src: torch.Tensor,
+               stages: Stages | None = None) -> torch.Tensor:
+        """The decoder stack: tgt [B, T] (starting with the start token) -> hidden [B, T, d]."""
+        stages = {} if stages is None else stages
+        x = stages["tgt_embed"] = self.embed(self.tgt_table, tgt)
+        self_mask, cross_mask = target_mask(tgt, self.cfg.pad_id), source_mask(src, self.cfg.pad_id)
+        for i, layer in enumerate(self.decoder.layers):
+            x = stages[f"decoder.layers.{i}"] = layer(x, memory, self_mask, cross_mask)
+        if self.decoder.final_norm is not None:
+            x = self.decoder.final_norm(x)
+        stages["decoder"] = x
+        return x
+
+    def forward(self, src: torch.Tensor, tgt: torch.Tensor,
+                stages: Stages | None = None) -> torch.Tensor:
+        """Logits [B, T, V] for source ids [B, S] and decoder input ids [B, T]."""
+        stages = {} if stages is None else stages
+        memory = self.encode(src, stages)
+        logits = stages["logits"] = self.generator(self.decode(tgt, memory, src, stages),
+                                                   self.tgt_table)
+        return logits
