@@ -14,7 +14,9 @@ import jax.numpy as jnp
 import numpy as np
 from flax import nnx
 
+from jax_impl import decode
 from jax_impl.convert import build_model, to_params
+from jax_impl.model import source_mask
 from rosetta.backends import BackendModel
 from rosetta.params import Params
 
@@ -52,6 +54,20 @@ def _stages(graphdef, state, src, tgt):
     return stages
 
 
+@partial(jax.jit, static_argnums=0)
+def _step_logits(graphdef, state, src, tgt):
+    module = nnx.merge(graphdef, state)
+    cache = module.init_cache(module.encode(src), tgt.shape[1])
+    cross_mask = source_mask(src, module.cfg.pad_id)
+
+    def step(cache, t):
+        logits, cache = module.decode_step(tgt[:, t], t, cache, cross_mask)
+        return cache, logits
+
+    _, logits = jax.lax.scan(step, cache, jnp.arange(tgt.shape[1]))  # (T, B, V)
+    return logits.transpose(1, 0, 2)
+
+
 class Model(BackendModel):
     name = "jax"
     dtypes = ("float32", "bfloat16")
@@ -87,3 +103,16 @@ class Model(BackendModel):
         with self._context():
             stages = _stages(self.graphdef, self.state, src, tgt)
         return {name: self._numpy(value) for name, value in stages.items()}
+
+    def _generate(self, src: np.ndarray, beam_size: int, alpha: float,
+                  max_len_margin: int, cache: bool = True) -> decode.Generation:
+        with self._context():
+            if beam_size == 1:
+                return decode.greedy_search(self.graphdef, self.state, self.config, src, max_len_margin,
+                                            cache)
+            return decode.beam_search(self.graphdef, self.state, self.config, src, beam_size, alpha,
+                                      max_len_margin, cache)
+
+    def _step_logits(self, src: np.ndarray, tgt: np.ndarray) -> np.ndarray:
+        with self._context():
+            return self._numpy(_step_logits(self.graphdef, self.state, src, tgt))

@@ -10,10 +10,10 @@ import jax.numpy as jnp
 import numpy as np
 from flax import nnx
 
+from jax_impl.model import Positions, Transformer
 from rosetta.checkpoint import check_params
 from rosetta.config import ModelConfig
 from rosetta.params import Params, param_shapes
-from jax_impl.model import Positions, Transformer
 
 
 def flax_name(path: tuple) -> str:
@@ -35,7 +35,8 @@ def build_model(cfg: ModelConfig, params: Mapping[str, np.ndarray],
             # The one non-parameter: recomputed from the config, as in the constructor.
             variable.set_value(Transformer.positions_table(cfg))
         else:
-            variable.set_value(jnp.asarray(params[flax_name(path)], dtype=jnp.float32))
+            # jnp.array copies (jnp.asarray may alias NumPy memory on CPU).
+            variable.set_value(jnp.array(params[flax_name(path)], dtype=jnp.float32))
     model = nnx.merge(graphdef, nnx.from_flat_state(flat))
     model.eval()  # dropout off until a trainer calls model.train()
     return model
@@ -44,7 +45,7 @@ def build_model(cfg: ModelConfig, params: Mapping[str, np.ndarray],
 def to_params(model: Transformer) -> Params:
     """Canonical float32 NumPy arrays from the model's parameters."""
     flat = nnx.to_flat_state(nnx.state(model, nnx.Param))
-    params = {flax_name(path): np.asarray(variable.get_value(), dtype=np.float32)
+    params = {flax_name(path): np.array(variable.get_value(), dtype=np.float32)  # writable copies
               for path, variable in flat}
     check_params(model.cfg, params, source="flax state")
     return {name: params[name] for name in param_shapes(model.cfg)}  # checkpoint order

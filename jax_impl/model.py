@@ -11,6 +11,7 @@ Shapes: B batch, S source length, T target length, d d_model, h heads, dh d_head
 from __future__ import annotations
 
 import math
+from typing import NamedTuple
 
 import jax
 import jax.numpy as jnp
@@ -47,7 +48,7 @@ def source_mask(src: jax.Array, pad_id: int) -> jax.Array:
 def target_mask(tgt: jax.Array, pad_id: int) -> jax.Array:
     """[B, 1, T, T]: causal, and never a pad key; position 0 (the start token) is never
     padding, even when the start token equals pad_id (PITFALLS 12)."""
-    valid = (tgt != pad_id).at[:, 0].set(True)
+    valid = (jnp.asarray(tgt) != pad_id).at[:, 0].set(True)
     causal = jnp.tril(jnp.ones((tgt.shape[1], tgt.shape[1]), dtype=bool))
     return causal[None, None, :, :] & valid[:, None, None, :]
 
@@ -64,25 +65,30 @@ class MultiHeadAttention(nnx.Module):
         self.num_heads = cfg.num_heads
         self.attention_dropout = nnx.Dropout(cfg.attention_dropout)
 
-    def __call__(self, x_q: jax.Array, x_kv: jax.Array, mask: jax.Array,
-                 rngs: nnx.Rngs | None = None) -> jax.Array:
+    def split_heads(self, x: jax.Array) -> jax.Array:  # (B, T, d) -> (B, h, T, dh)
+        B, T, d = x.shape
+        return x.reshape(B, T, self.num_heads, d // self.num_heads).transpose(0, 2, 1, 3)
+
+    def project_kv(self, x_kv: jax.Array) -> tuple[jax.Array, jax.Array]:
+        """Keys and values (B, h, Tk, dh): what a decoding cache stores."""
+        return self.split_heads(self.k(x_kv)), self.split_heads(self.v(x_kv))
+
+    def attend(self, x_q: jax.Array, k: jax.Array, v: jax.Array, mask: jax.Array,
+               rngs: nnx.Rngs | None = None) -> jax.Array:
         B, Tq, d = x_q.shape
-        Tk, dh = x_kv.shape[1], d // self.num_heads
-
-        def split_heads(x: jax.Array, T: int) -> jax.Array:  # (B, T, d) -> (B, h, T, dh)
-            return x.reshape(B, T, self.num_heads, dh).transpose(0, 2, 1, 3)
-
-        q = split_heads(self.q(x_q), Tq)
-        k = split_heads(self.k(x_kv), Tk)
-        v = split_heads(self.v(x_kv), Tk)
+        q = self.split_heads(self.q(x_q))
         # Scores and softmax in float32 even for bfloat16 compute, as fused kernels do.
-        scores = (q @ k.transpose(0, 1, 3, 2)).astype(jnp.float32) / math.sqrt(dh)  # (B, h, Tq, Tk)
+        scores = (q @ k.astype(q.dtype).transpose(0, 1, 3, 2)).astype(jnp.float32) / math.sqrt(q.shape[-1])
         # Masked scores are replaced by the most negative finite value: uniform weights, not
         # NaN, where every key is masked (SPEC §2, PITFALLS 4).
-        scores = jnp.where(mask, scores, jnp.finfo(scores.dtype).min)
-        weights = self.attention_dropout(jax.nn.softmax(scores, axis=-1), rngs=rngs).astype(v.dtype)
-        y = weights @ v  # (B, h, Tq, dh)
+        scores = jnp.where(mask, scores, jnp.finfo(scores.dtype).min)  # (B, h, Tq, Tk)
+        weights = self.attention_dropout(jax.nn.softmax(scores, axis=-1), rngs=rngs).astype(q.dtype)
+        y = weights @ v.astype(q.dtype)  # (B, h, Tq, dh)
         return self.o(y.transpose(0, 2, 1, 3).reshape(B, Tq, d))
+
+    def __call__(self, x_q: jax.Array, x_kv: jax.Array, mask: jax.Array,
+                 rngs: nnx.Rngs | None = None) -> jax.Array:
+        return self.attend(x_q, *self.project_kv(x_kv), mask, rngs)
 
 
 class FeedForward(nnx.Module):
@@ -152,6 +158,38 @@ class DecoderLayer(nnx.Module):
                      lambda h: self.cross_attn(h, memory, cross_mask, rngs), self.cfg, self.dropout,
                      rngs)
         return residual(self.ffn_norm, x, lambda h: self.ffn(h, rngs), self.cfg, self.dropout, rngs)
+
+    def step(self, x: jax.Array, cache: LayerCache, t: jax.Array, self_mask: jax.Array,
+             cross_mask: jax.Array) -> tuple[jax.Array, LayerCache]:
+        """__call__() for one new token at position t [N, 1, d]: its key and value are written
+        into the fixed-size cache, cross-attention reuses the cached encoder keys/values.
+        Returns the new cache too: JAX arrays are immutable."""
+        written = {}
+
+        def self_attn(h: jax.Array) -> jax.Array:
+            k, v = self.self_attn.project_kv(h)
+            k, v = k.astype(cache.self_k.dtype), v.astype(cache.self_v.dtype)
+            written["k"] = jax.lax.dynamic_update_slice_in_dim(cache.self_k, k, t, axis=2)
+            written["v"] = jax.lax.dynamic_update_slice_in_dim(cache.self_v, v, t, axis=2)
+            return self.self_attn.attend(h, written["k"], written["v"], self_mask)
+
+        x = residual(self.self_attn_norm, x, self_attn, self.cfg, self.dropout, None)
+        x = residual(self.cross_attn_norm, x,
+                     lambda h: self.cross_attn.attend(h, cache.cross_k, cache.cross_v, cross_mask),
+                     self.cfg, self.dropout, None)
+        x = residual(self.ffn_norm, x, self.ffn, self.cfg, self.dropout, None)
+        return x, cache._replace(self_k=written["k"], self_v=written["v"])
+
+
+class LayerCache(NamedTuple):
+    """One decoder layer's keys and values (N, h, length, dh) for incremental decoding:
+    self-attention over the L output positions (filled as decoding goes), cross-attention over
+    the S source positions (computed once). A NamedTuple, so a pytree for lax loops."""
+
+    self_k: jax.Array
+    self_v: jax.Array
+    cross_k: jax.Array
+    cross_v: jax.Array
 
 
 class Stack(nnx.Module):
@@ -250,6 +288,33 @@ class Transformer(nnx.Module):
             x = self.decoder.final_norm(x)
         stages["decoder"] = x
         return x
+
+    def init_cache(self, memory: jax.Array, length: int) -> list[LayerCache]:
+        """Empty self-attention caches for `length` output positions; cross-attention keys and
+        values of `memory` [N, S, d], computed once."""
+        caches = []
+        for layer in self.decoder.layers:
+            cross_k, cross_v = layer.cross_attn.project_kv(memory)
+            N, h, _, dh = cross_k.shape
+            caches.append(LayerCache(jnp.zeros((N, h, length, dh), cross_k.dtype),
+                                     jnp.zeros((N, h, length, dh), cross_k.dtype), cross_k, cross_v))
+        return caches
+
+    def decode_step(self, tokens: jax.Array, t: jax.Array, cache: list[LayerCache],
+                    cross_mask: jax.Array) -> tuple[jax.Array, list[LayerCache]]:
+        """Logits [N, V] for the tokens [N] fed at position t, given the cache of positions
+        < t, and the updated cache. Every cached position is a real token (decoding never
+        emits pad_id)."""
+        x = self.embed(self.tgt_table, tokens[:, None], offset=t)
+        length = cache[0].self_k.shape[2]
+        self_mask = (jnp.arange(length) <= t)[None, None, None, :]
+        new_cache = []
+        for layer, layer_cache in zip(self.decoder.layers, cache, strict=True):
+            x, layer_cache = layer.step(x, layer_cache, t, self_mask, cross_mask)
+            new_cache.append(layer_cache)
+        if self.decoder.final_norm is not None:
+            x = self.decoder.final_norm(x)
+        return self.generator(x, self.tgt_table)[:, 0], new_cache
 
     def __call__(self, src: jax.Array, tgt: jax.Array, stages: Stages | None = None,
                  rngs: nnx.Rngs | None = None) -> jax.Array:

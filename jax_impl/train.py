@@ -1,10 +1,15 @@
-"""Training math in JAX/Flax NNX (SPEC §4): the label-smoothed loss, Adam with the paper's
-schedule, one training step, and canonical gradients for the parity tests.
+"""Training in JAX/Flax NNX (SPEC §4): the label-smoothed loss, Adam with the paper's schedule,
+one training step, canonical gradients for the parity tests, and `Trainer`, the adapter the
+framework-free loop (rosetta/harness.py) drives.
 
 Mirrors torch_impl/train.py function for function; diff them to see only framework differences.
 """
 
 from __future__ import annotations
+
+import contextlib
+from collections.abc import Iterable, Iterator, Mapping
+from typing import Any, ClassVar
 
 import jax
 import jax.numpy as jnp
@@ -12,10 +17,16 @@ import numpy as np
 import optax
 from flax import nnx
 
-from jax_impl.convert import flax_name
+from jax_impl.backend import DTYPES, Model, parity_mode
+from jax_impl.convert import build_model, flax_name, to_params
 from jax_impl.model import Transformer
+from rosetta.batching import Batch
 from rosetta.checkpoint import check_params
+from rosetta.config import ModelConfig
+from rosetta.errors import RosettaError
+from rosetta.metrics import cpu_name, max_rss_bytes
 from rosetta.params import Params, param_shapes
+from rosetta.trainer_state import check_state
 from rosetta.training import TrainConfig
 
 
@@ -99,3 +110,132 @@ def gradients(model: Transformer, src: jax.Array, tgt: jax.Array, labels: jax.Ar
             for path, value in nnx.to_flat_state(grads)}
     check_params(model.cfg, flat, source="gradients")
     return float(loss), {name: flat[name] for name in param_shapes(model.cfg)}  # checkpoint order
+
+
+@nnx.jit(static_argnames="label_smoothing")
+def _eval_loss(model: Transformer, src: jax.Array, tgt: jax.Array, labels: jax.Array,
+               label_smoothing: float) -> tuple[jax.Array, jax.Array]:
+    return loss_fn(model(src, tgt), labels, model.cfg.pad_id, label_smoothing)
+
+
+# -- The harness adapter ---------------------------------------------------------------------
+
+class Trainer:
+    """One model, its optimizer and its dropout generator behind the interface that
+    rosetta/harness.py drives; torch_impl/train.py's `Trainer` has the same methods.
+
+    Built from canonical weights (`rosetta.init_params` or a checkpoint: never re-initialised
+    here, PITFALLS 9). `dtype` "bfloat16" computes in bfloat16 (the model's dtype) with float32
+    weights and optimizer state. `parity` (default: on CPU only) pins full-precision float32
+    matmuls (PITFALLS 5); on a GPU the trainer leaves JAX's default (TF32), for speed. The
+    dropout generator is the trainer's own explicit `nnx.Rngs(dropout=seed)`.
+    """
+
+    framework: ClassVar[str] = "jax"
+    dtypes: ClassVar[tuple[str, ...]] = ("float32", "bfloat16")
+
+    def __init__(self, cfg: ModelConfig, params: Mapping[str, np.ndarray], train_cfg: TrainConfig,
+                 device: str | None = None, dtype: str = "float32", parity: bool | None = None):
+        if dtype not in self.dtypes:
+            raise RosettaError(f"the jax trainer computes in {', '.join(self.dtypes)}, not {dtype!r}")
+        self.cfg, self.train_cfg, self.dtype = cfg, train_cfg, dtype
+        self.device = jax.devices(device)[0] if device else jax.devices()[0]
+        self.parity = self.device.platform == "cpu" if parity is None else parity
+        with jax.default_device(self.device):
+            self.model = build_model(cfg, params, DTYPES[dtype])  # abstract, then the weights set
+            self.optimizer = make_optimizer(self.model, train_cfg)
+            self.rngs = nnx.Rngs(dropout=train_cfg.seed)
+        self.device_name = cpu_name() if self.device.platform == "cpu" else self.device.device_kind
+
+    # -- precision and placement -------------------------------------------------------------
+    @contextlib.contextmanager
+    def _context(self) -> Iterator[None]:
+        """The trainer's device as the default one, and the matmul precision."""
+        with jax.default_device(self.device), parity_mode(self.parity):
+            yield
+
+    # -- training and evaluation -------------------------------------------------------------
+    @property
+    def step_count(self) -> int:
+        """Updates done so far (the next update is step_count + 1 in the paper's eq. 3)."""
+        return int(self.optimizer.step[...])
+
+    def step(self, batch: Batch) -> dict[str, Any]:
+        """One update on `batch` (§5.3); returns {step, loss, lr, num_src_tokens, num_tgt_tokens}.
+        Reading the loss synchronises the device, so a wall clock around this call is honest."""
+        with self._context():
+            loss, lr = train_step(self.model, self.optimizer, self.rngs, batch.src, batch.tgt_in,
+                                  batch.labels, self.train_cfg)
+            loss_value = float(loss)
+        return {"step": self.step_count, "loss": loss_value, "lr": float(lr),
+                "num_src_tokens": int(batch.num_src_tokens), "num_tgt_tokens": int(batch.num_tgt_tokens)}
+
+    def eval_loss(self, batches: Iterable[Batch]) -> float:
+        """The training loss (label-smoothed) without dropout, averaged over every non-pad label
+        of `batches` (a token-weighted mean, not a mean of batch means)."""
+        total, count = 0.0, 0
+        self.model.eval()
+        try:
+            with self._context():
+                for batch in batches:
+                    loss, n = _eval_loss(self.model, jnp.asarray(batch.src), jnp.asarray(batch.tgt_in),
+                                         jnp.asarray(batch.labels), self.train_cfg.label_smoothing)
+                    total += float(loss) * int(n)
+                    count += int(n)
+        finally:
+            self.model.train()
+        return total / max(count, 1)
+
+    def params(self) -> Params:
+        """The current weights as canonical float32 NumPy copies."""
+        return to_params(self.model)
+
+    def backend_model(self) -> Model:
+        """A backend model (rosetta.backends interface: generate, logits) holding a copy of the
+        current weights, on the same device and compute dtype."""
+        with jax.default_device(self.device):
+            return Model(self.cfg, self.params(), self.dtype)
+
+    def peak_memory_bytes(self) -> int:
+        """Peak device memory in use (memory_stats, GPUs); on CPU the process's peak RSS."""
+        stats = self.device.memory_stats() or {}
+        return int(stats["peak_bytes_in_use"]) if "peak_bytes_in_use" in stats else max_rss_bytes()
+
+    # -- resumable state -------------------------------------------------------------------
+    def state_dict(self) -> dict[str, np.ndarray]:
+        """Everything besides the weights that an exact resume needs, as flat NumPy arrays
+        (written by the harness as safetensors): the step, every optax state leaf (Adam's count
+        and moments) and the nnx.Rngs key data and count."""
+        state: dict[str, np.ndarray] = {"step": np.asarray(self.step_count, dtype=np.int64)}
+        for path, variable in nnx.to_flat_state(nnx.state(self.optimizer)):
+            state[f"optimizer.{flax_name(path)}"] = np.array(variable.get_value())
+        for path, variable in nnx.to_flat_state(nnx.state(self.rngs)):
+            value = variable.get_value()
+            if jnp.issubdtype(value.dtype, jax.dtypes.prng_key):
+                value = jax.random.key_data(value)  # the raw uint32 words of the typed key
+            state[f"rng.{flax_name(path)}"] = np.array(value)
+        return state
+
+    def _state_shapes(self) -> dict[str, tuple[int, ...]]:
+        """The keys and shapes of `state_dict()` (optax's state exists from the start)."""
+        return {key: value.shape for key, value in self.state_dict().items()}
+
+    def load_state_dict(self, state: Mapping[str, np.ndarray]) -> None:
+        """Restore a `state_dict()` saved by a trainer of the same config; strict about keys.
+        Every leaf keeps its dtype, so the compiled step is the same one and resumes bit-exactly."""
+        check_state(state, self._state_shapes(), "jax")
+        with jax.default_device(self.device):
+            flat = nnx.to_flat_state(nnx.state(self.optimizer))
+            for path, variable in flat:
+                old = variable.get_value()
+                variable.set_value(jnp.array(state[f"optimizer.{flax_name(path)}"], dtype=old.dtype))
+            nnx.update(self.optimizer, nnx.from_flat_state(flat))
+            flat = nnx.to_flat_state(nnx.state(self.rngs))
+            for path, variable in flat:
+                old, saved = variable.get_value(), state[f"rng.{flax_name(path)}"]
+                if jnp.issubdtype(old.dtype, jax.dtypes.prng_key):
+                    new = jax.random.wrap_key_data(jnp.array(saved), impl=jax.random.key_impl(old))
+                else:
+                    new = jnp.array(saved, dtype=old.dtype)
+                variable.set_value(new)
+            nnx.update(self.rngs, nnx.from_flat_state(flat))

@@ -1,5 +1,3 @@
-"""The float64 NumPy reference: forward pass and decoding only; the executable spec."""
+"""The float64 NumPy reference: forward pass and decoding only; the executable spec.
 
-from numpy_ref.backend import Model
-
-__all__ = ["Model"]
+model.py is the model, decode.py the searches, backend.py the common interface."""

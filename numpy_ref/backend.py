@@ -6,7 +6,7 @@ from collections.abc import Mapping
 
 import numpy as np
 
-from numpy_ref import model
+from numpy_ref import decode, model
 from rosetta.backends import BackendModel
 from rosetta.params import Params
 
@@ -34,3 +34,17 @@ class Model(BackendModel):
         stages: dict[str, np.ndarray] = {}
         model.forward(self.params, self.config, src, tgt, stages)
         return stages
+
+    def _generate(self, src: np.ndarray, beam_size: int, alpha: float,
+                  max_len_margin: int) -> decode.Generation:
+        if beam_size == 1:
+            return decode.greedy_search(self.params, self.config, src, max_len_margin)
+        return decode.beam_search(self.params, self.config, src, beam_size, alpha, max_len_margin)
+
+    def _step_logits(self, src: np.ndarray, tgt: np.ndarray) -> np.ndarray:
+        # The plain way: position t from the whole prefix tgt[:, :t+1], recomputed each time.
+        memory = model.encode(self.params, self.config, src)
+        return np.concatenate([
+            model.generator(self.params, self.config,
+                            model.decode(self.params, self.config, tgt[:, : t + 1], memory, src)[:, -1:])
+            for t in range(tgt.shape[1])], axis=1)

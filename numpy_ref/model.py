@@ -164,7 +164,8 @@ def embed(table: np.ndarray, ids: np.ndarray, cfg: ModelConfig, offset: int = 0)
     x = table[ids]
     if cfg.scale_embeddings:
         x = x * math.sqrt(cfg.d_model)
-    return x + positional_encoding(cfg.positional_encoding, ids.shape[1], cfg.d_model, offset)
+    table = positional_encoding(cfg.positional_encoding, ids.shape[1], cfg.d_model, offset)
+    return x + table.astype(x.dtype)  # or float32 models would silently compute in float64
 
 
 def encode(params: Params, cfg: ModelConfig, src: np.ndarray, stages: Stages | None = None):

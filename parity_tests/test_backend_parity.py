@@ -55,3 +55,69 @@ def test_canonical_round_trip_is_bit_exact(backend, dtype, cfg, params):
     for name, value in params.items():
         assert back[name].dtype == np.float32, name
         assert back[name].tobytes() == value.tobytes(), name
+
+
+BACKENDS = sorted({backend for backend, _ in CASES})
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
+@pytest.mark.parametrize("src,tgt,message", [
+    ([[5, 64]], [[1, 5]], "src holds token id 64, outside the vocabulary [0, 64)"),
+    ([[5, 6]], [[1, -1]], "tgt holds token id -1"),
+    (np.array([[5.0, 6.0]]), [[1, 5]], "src must hold integer token ids, got dtype float64"),
+    ([[5] * 129], [[1, 5]], "src has length 129, longer than max_len 128"),
+    (np.zeros((0, 3), np.int64), [[1]], "src is empty"),
+    ([[5, 6], [7, 8]], [[1, 5]], "src has batch size 2 but tgt has 1"),
+])
+def test_bad_input_is_refused_by_every_backend(backend, src, tgt, message):
+    from rosetta import InputError, init_params, preset
+
+    cfg = preset("tiny")
+    model = from_params(cfg, init_params(cfg), backend)
+    with pytest.raises(InputError) as err:
+        model.logits(src, tgt)
+    assert message in str(err.value)
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
+def test_mismatched_checkpoint_is_refused_by_every_backend(backend, tmp_path):
+    import json
+
+    import safetensors.numpy
+
+    from rosetta import CheckpointError, init_params, load, preset
+    from rosetta.checkpoint import FORMAT
+
+    cfg = preset("tiny")
+    tensors = init_params(cfg)
+    tensors["encoder.layers.1.ffn.linear2.kernel"] = np.zeros((64, 16), np.float32)
+    meta = {"format": FORMAT, "config": json.dumps(cfg.to_dict()), "dtype": "float32"}
+    safetensors.numpy.save_file(tensors, str(tmp_path / "m.safetensors"), metadata=meta)
+    with pytest.raises(CheckpointError, match=r"encoder.layers.1.ffn.linear2.kernel has shape \(64, 16\)"):
+        load(tmp_path / "m.safetensors", backend)
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
+def test_unknown_dtype_is_refused(backend):
+    from rosetta import RosettaError, init_params, preset
+
+    cfg = preset("tiny")
+    with pytest.raises(RosettaError, match=f"backend '{backend}' has no dtype 'int8'"):
+        from_params(cfg, init_params(cfg), backend, "int8")
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
+def test_models_never_share_memory_with_the_callers_arrays(backend):
+    from rosetta import init_params, preset
+
+    cfg = preset("tiny", share_embeddings="none", output_bias=True)
+    params = init_params(cfg)
+    before = {k: v.copy() for k, v in params.items()}
+    model = from_params(cfg, params, backend)
+    for value in model.to_params().values():
+        value += 1.0  # writing into what to_params returned must not reach the model ...
+    for value in params.values():
+        value -= 1.0  # ... nor writing into the caller's arrays
+    again = model.to_params()
+    for name, value in before.items():
+        assert np.array_equal(again[name], value), name

@@ -241,3 +241,13 @@ def test_memory_of_the_wrong_shape_is_refused():
     src, tgt = np.array([[5, 6, 7]]), np.array([[1, 5]])
     with pytest.raises(InputError, match=r"memory has shape \(1, 2, 32\), expected \(1, 3, 32\)"):
         m.decode(tgt, np.zeros((1, 2, 32)), src)
+
+
+def test_float32_reference_computes_in_float32():
+    # A float64 positional table added to float32 embeddings once promoted the whole
+    # "float32" model to float64, hiding float32 rounding from the parity report.
+    cfg = preset("tiny")
+    src, tgt = random_batch(cfg, 2, 5, 4, seed=0)
+    m = from_params(cfg, init_params(cfg), "numpy", "float32")
+    for name, value in m.stages(src, tgt).items():
+        assert value.dtype == np.float32, name

@@ -18,6 +18,7 @@ from typing import ClassVar
 
 import numpy as np
 
+from numpy_ref.decode import Generation
 from rosetta.checkpoint import check_params, load_checkpoint, save_checkpoint
 from rosetta.config import ModelConfig
 from rosetta.errors import InputError, RosettaError
@@ -86,6 +87,27 @@ class BackendModel(ABC):
         src = check_src(self.config, src)
         return self._stages(src, check_tgt(self.config, tgt, src.shape[0]))
 
+    def generate(self, src: object, beam_size: int = 1, alpha: float = 0.6,
+                 max_len_margin: int = 50) -> Generation:
+        """Translate source ids [B, S]: greedy search for beam_size 1, else beam search with
+        the length penalty of Wu et al. 2016 (the paper: beam 4, alpha 0.6, margin 50). Each
+        sentence emits at most (its real length + max_len_margin) tokens, capped at max_len.
+        Identical algorithm in every backend (numpy_ref/decode.py)."""
+        src = check_src(self.config, src)
+        if isinstance(beam_size, bool) or not isinstance(beam_size, int) or beam_size < 1:
+            raise InputError(f"beam_size must be an integer >= 1, got {beam_size!r}")
+        if not isinstance(alpha, (int, float)) or not 0 <= alpha < float("inf"):
+            raise InputError(f"alpha must be a number >= 0, got {alpha!r}")
+        if isinstance(max_len_margin, bool) or not isinstance(max_len_margin, int) or max_len_margin < 0:
+            raise InputError(f"max_len_margin must be an integer >= 0, got {max_len_margin!r}")
+        return self._generate(src, beam_size, float(alpha), max_len_margin)
+
+    def step_logits(self, src: object, tgt: object) -> np.ndarray:
+        """logits [B, T, V] computed the way generation does, one position at a time (with the
+        key/value cache where the backend has one). Equals `logits` for pad-free targets."""
+        src = check_src(self.config, src)
+        return self._step_logits(src, check_tgt(self.config, tgt, src.shape[0]))
+
     # -- what a backend implements -----------------------------------------------------
     @abstractmethod
     def _build(self, params: Mapping[str, np.ndarray]) -> None: ...
@@ -105,6 +127,13 @@ class BackendModel(ABC):
 
     @abstractmethod
     def _stages(self, src: np.ndarray, tgt: np.ndarray) -> dict[str, np.ndarray]: ...
+
+    @abstractmethod
+    def _generate(self, src: np.ndarray, beam_size: int, alpha: float,
+                  max_len_margin: int) -> Generation: ...
+
+    @abstractmethod
+    def _step_logits(self, src: np.ndarray, tgt: np.ndarray) -> np.ndarray: ...
 
 
 def get_backend(name: str) -> type[BackendModel]:

@@ -4,6 +4,7 @@
     rosetta parity --checkpoint m.safetensors
     rosetta init --preset tiny --out m.safetensors [--set d_model=64 ...]
     rosetta config --preset base            # the config JSON and its parameter count
+    echo "5 6 7 2" | rosetta generate --checkpoint m.safetensors --backend jax --beam 4
 """
 
 from __future__ import annotations
@@ -71,6 +72,39 @@ def cmd_init(args: argparse.Namespace) -> int:
     return 0
 
 
+def _read_id_lines(stream) -> list[list[int]]:
+    rows = []
+    for number, line in enumerate(stream, 1):
+        try:
+            rows.append([int(tok) for tok in line.split()])
+        except ValueError:
+            raise RosettaError(
+                f"input line {number}: expected space-separated token ids, got {line.strip()!r}") from None
+    return rows
+
+
+def cmd_generate(args: argparse.Namespace) -> int:
+    import numpy as np
+
+    from rosetta.backends import load
+
+    model = load(args.checkpoint, args.backend, args.dtype)
+    pad = model.config.pad_id
+    rows = _read_id_lines(sys.stdin)
+    for start in range(0, len(rows), args.batch_size):
+        chunk = rows[start: start + args.batch_size]
+        if any(not row for row in chunk):
+            raise RosettaError(f"input line {start + 1 + [bool(r) for r in chunk].index(False)} is empty")
+        src = np.full((len(chunk), max(map(len, chunk))), pad, dtype=np.int64)
+        for i, row in enumerate(chunk):
+            src[i, : len(row)] = row
+        out = model.generate(src, args.beam, args.alpha, args.margin)
+        for tokens, score in zip(out.tokens, out.scores, strict=True):
+            text = " ".join(map(str, tokens))
+            print(f"{text}\t{score:.6f}" if args.scores else text)
+    return 0
+
+
 def cmd_config(args: argparse.Namespace) -> int:
     cfg = preset(args.preset, **_overrides(args.set))
     print(json.dumps(cfg.to_dict(), indent=2))
@@ -97,6 +131,17 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--out", required=True)
     p.add_argument("--dtype", default="float32", choices=["float32", "float16", "bfloat16"])
     p.set_defaults(func=cmd_init)
+
+    p = cmds.add_parser("generate", help="decode token ids read from stdin (one sentence a line)")
+    p.add_argument("--checkpoint", required=True)
+    p.add_argument("--backend", default="numpy", help="numpy, torch or jax")
+    p.add_argument("--dtype", default=None, help="compute dtype (default: the backend's first)")
+    p.add_argument("--beam", type=int, default=1, help="beam size; 1 = greedy search")
+    p.add_argument("--alpha", type=float, default=0.6, help="length penalty exponent (Wu et al. 2016)")
+    p.add_argument("--margin", type=int, default=50, help="max output length = source length + margin")
+    p.add_argument("--batch-size", type=int, default=32)
+    p.add_argument("--scores", action="store_true", help="print each score after a tab")
+    p.set_defaults(func=cmd_generate)
 
     p = cmds.add_parser("config", help="print a preset's config JSON and parameter count")
     _add_model_args(p)

@@ -11,8 +11,9 @@ import torch
 from rosetta.backends import BackendModel
 from rosetta.errors import RosettaError
 from rosetta.params import Params
+from torch_impl import decode
 from torch_impl.convert import from_state_dict, to_state_dict
-from torch_impl.model import Transformer
+from torch_impl.model import Transformer, source_mask
 
 # Compute dtype -> (parameter dtype, autocast dtype or None).
 DTYPES = {
@@ -94,3 +95,20 @@ class Model(BackendModel):
         with self._context():
             self.module(self._tensor(src), self._tensor(tgt), stages)
             return {name: self._numpy(value) for name, value in stages.items()}
+
+    def _generate(self, src: np.ndarray, beam_size: int, alpha: float,
+                  max_len_margin: int, cache: bool = True) -> decode.Generation:
+        with self._context():
+            if beam_size == 1:
+                return decode.greedy_search(self.module, self.config, self._tensor(src), max_len_margin,
+                                            cache)
+            return decode.beam_search(self.module, self.config, self._tensor(src), beam_size, alpha,
+                                      max_len_margin, cache)
+
+    def _step_logits(self, src: np.ndarray, tgt: np.ndarray) -> np.ndarray:
+        with self._context():
+            src_t, tgt_t = self._tensor(src), self._tensor(tgt)
+            cache = self.module.init_cache(self.module.encode(src_t), tgt.shape[1])
+            cross_mask = source_mask(src_t, self.config.pad_id)
+            steps = [self.module.decode_step(tgt_t[:, t], t, cache, cross_mask) for t in range(tgt.shape[1])]
+            return self._numpy(torch.stack(steps, dim=1))

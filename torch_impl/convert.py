@@ -33,7 +33,9 @@ def to_state_dict(
     for name in param_shapes(cfg):
         key, transposed = torch_name(name)
         value = np.asarray(params[name])
-        state[key] = torch.from_numpy(np.ascontiguousarray(value.T if transposed else value)).to(dtype)
+        # torch.tensor copies: the module must never share memory with the caller's arrays,
+        # or an optimizer step would write into them.
+        state[key] = torch.tensor(value.T if transposed else value, dtype=dtype)
     return state
 
 
@@ -48,6 +50,6 @@ def from_state_dict(cfg: ModelConfig, state: Mapping[str, torch.Tensor]) -> Para
     params = {}
     for key, name in expected.items():
         value = state[key].detach().to("cpu", torch.float32).numpy()
-        params[name] = np.ascontiguousarray(value.T if torch_name(name)[1] else value)
+        params[name] = np.array(value.T if torch_name(name)[1] else value)  # a copy, not a view
     check_params(cfg, params, source="state_dict")
     return params

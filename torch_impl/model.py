@@ -10,6 +10,7 @@ Shapes: B batch, S source length, T target length, d d_model, h heads, dh d_head
 from __future__ import annotations
 
 import math
+from dataclasses import dataclass
 
 import torch
 import torch.nn.functional as F
@@ -63,25 +64,30 @@ class MultiHeadAttention(nn.Module):
         self.q, self.k, self.v, self.o = (nn.Linear(d, d, bias=bias) for _ in range(4))
         self.num_heads, self.attention_dropout = cfg.num_heads, cfg.attention_dropout
 
-    def forward(self, x_q: torch.Tensor, x_kv: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
+    def split_heads(self, x: torch.Tensor) -> torch.Tensor:  # (B, T, d) -> (B, h, T, dh)
+        B, T, d = x.shape
+        return x.view(B, T, self.num_heads, d // self.num_heads).transpose(1, 2)
+
+    def project_kv(self, x_kv: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """Keys and values (B, h, Tk, dh): what a decoding cache stores."""
+        return self.split_heads(self.k(x_kv)), self.split_heads(self.v(x_kv))
+
+    def attend(self, x_q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
+               mask: torch.Tensor) -> torch.Tensor:
         B, Tq, d = x_q.shape
-        Tk, dh = x_kv.shape[1], d // self.num_heads
-
-        def split_heads(x: torch.Tensor, T: int) -> torch.Tensor:  # (B, T, d) -> (B, h, T, dh)
-            return x.view(B, T, self.num_heads, dh).transpose(1, 2)
-
-        q = split_heads(self.q(x_q), Tq)
-        k = split_heads(self.k(x_kv), Tk)
-        v = split_heads(self.v(x_kv), Tk)
+        q = self.split_heads(self.q(x_q))
         # An additive mask holding the dtype's most negative finite value (SPEC §2), not a
         # boolean one: SDPA turns boolean masks into -inf, and a row whose keys are all masked
         # then gives NaN or zeros instead of uniform weights (PITFALLS 4). Fused kernels
         # (memory-efficient, cuDNN) take additive masks too.
-        bias = torch.zeros((), dtype=q.dtype, device=q.device).masked_fill(
-            ~mask, torch.finfo(q.dtype).min) if mask.dtype == torch.bool else mask
+        bias = torch.zeros((), dtype=q.dtype, device=q.device).masked_fill(~mask, torch.finfo(q.dtype).min)
         dropout = self.attention_dropout if self.training else 0.0
-        y = F.scaled_dot_product_attention(q, k, v, attn_mask=bias, dropout_p=dropout)  # (B, h, Tq, dh)
+        y = F.scaled_dot_product_attention(q, k.to(q.dtype), v.to(q.dtype), attn_mask=bias,
+                                           dropout_p=dropout)  # (B, h, Tq, dh)
         return self.o(y.transpose(1, 2).reshape(B, Tq, d))
+
+    def forward(self, x_q: torch.Tensor, x_kv: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
+        return self.attend(x_q, *self.project_kv(x_kv), mask)
 
 
 class FeedForward(nn.Module):
@@ -148,6 +154,33 @@ class DecoderLayer(nn.Module):
         x = residual(self.cross_attn_norm, x, lambda h: self.cross_attn(h, memory, cross_mask),
                      self.cfg, self.dropout)
         return residual(self.ffn_norm, x, self.ffn, self.cfg, self.dropout)
+
+    def step(self, x: torch.Tensor, cache: LayerCache, t: int, self_mask: torch.Tensor,
+             cross_mask: torch.Tensor) -> torch.Tensor:
+        """forward() for one new token at position t [N, 1, d]: its key and value are written
+        into the preallocated cache, cross-attention reuses the cached encoder keys/values."""
+        def self_attn(h: torch.Tensor) -> torch.Tensor:
+            k, v = self.self_attn.project_kv(h)
+            cache.self_k[:, :, t: t + 1], cache.self_v[:, :, t: t + 1] = k, v
+            return self.self_attn.attend(h, cache.self_k, cache.self_v, self_mask)
+
+        x = residual(self.self_attn_norm, x, self_attn, self.cfg, self.dropout)
+        x = residual(self.cross_attn_norm, x,
+                     lambda h: self.cross_attn.attend(h, cache.cross_k, cache.cross_v, cross_mask),
+                     self.cfg, self.dropout)
+        return residual(self.ffn_norm, x, self.ffn, self.cfg, self.dropout)
+
+
+@dataclass
+class LayerCache:
+    """One decoder layer's keys and values (N, h, length, dh) for incremental decoding:
+    self-attention over the L output positions (filled as decoding goes), cross-attention over
+    the S source positions (computed once)."""
+
+    self_k: torch.Tensor
+    self_v: torch.Tensor
+    cross_k: torch.Tensor
+    cross_v: torch.Tensor
 
 
 class Stack(nn.Module):
@@ -235,6 +268,30 @@ class Transformer(nn.Module):
             x = self.decoder.final_norm(x)
         stages["decoder"] = x
         return x
+
+    def init_cache(self, memory: torch.Tensor, length: int) -> list[LayerCache]:
+        """Empty self-attention caches for `length` output positions; cross-attention keys and
+        values of `memory` [N, S, d], computed once."""
+        caches = []
+        for layer in self.decoder.layers:
+            cross_k, cross_v = layer.cross_attn.project_kv(memory)
+            N, h, _, dh = cross_k.shape
+            caches.append(LayerCache(cross_k.new_zeros(N, h, length, dh),
+                                     cross_k.new_zeros(N, h, length, dh), cross_k, cross_v))
+        return caches
+
+    def decode_step(self, tokens: torch.Tensor, t: int, cache: list[LayerCache],
+                    cross_mask: torch.Tensor) -> torch.Tensor:
+        """Logits [N, V] for the tokens [N] fed at position t, given the cache of positions
+        < t. Every cached position is a real token (decoding never emits pad_id)."""
+        x = self.embed(self.tgt_table, tokens[:, None], offset=t)
+        length = cache[0].self_k.shape[2]
+        self_mask = (torch.arange(length, device=x.device) <= t)[None, None, None, :]
+        for layer, layer_cache in zip(self.decoder.layers, cache, strict=True):
+            x = layer.step(x, layer_cache, t, self_mask, cross_mask)
+        if self.decoder.final_norm is not None:
+            x = self.decoder.final_norm(x)
+        return self.generator(x, self.tgt_table)[:, 0]
 
     def forward(self, src: torch.Tensor, tgt: torch.Tensor,
                 stages: Stages | None = None) -> torch.Tensor:

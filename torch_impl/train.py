@@ -1,17 +1,27 @@
-"""Training math in PyTorch (SPEC §4): the label-smoothed loss, Adam with the paper's schedule,
-one training step, and canonical gradients for the parity tests.
+"""Training in PyTorch (SPEC §4): the label-smoothed loss, Adam with the paper's schedule, one
+training step, canonical gradients for the parity tests, and `Trainer`, the adapter the
+framework-free loop (rosetta/harness.py) drives.
 
 Mirrors jax_impl/train.py function for function; diff them to see only framework differences.
 """
 
 from __future__ import annotations
 
-from collections.abc import Callable
+import contextlib
+from collections.abc import Callable, Iterable, Iterator, Mapping
+from typing import Any, ClassVar
 
+import numpy as np
 import torch
 
+from rosetta.batching import Batch
+from rosetta.config import ModelConfig
+from rosetta.errors import RosettaError
+from rosetta.metrics import cpu_name, max_rss_bytes
 from rosetta.params import Params
+from rosetta.trainer_state import check_state
 from rosetta.training import TrainConfig, learning_rate
+from torch_impl.backend import DTYPES, Model, parity_mode
 from torch_impl.convert import from_state_dict
 from torch_impl.model import Transformer
 
@@ -45,15 +55,22 @@ def make_optimizer(module: Transformer, train_cfg: TrainConfig
     return optimizer, torch.optim.lr_scheduler.LambdaLR(optimizer, schedule(module.cfg.d_model, train_cfg))
 
 
+def _autocast(device: torch.device, dtype: torch.dtype | None) -> contextlib.AbstractContextManager:
+    return torch.autocast(device.type, dtype=dtype) if dtype is not None else contextlib.nullcontext()
+
+
 def train_step(module: Transformer, optimizer: torch.optim.Optimizer,
                scheduler: torch.optim.lr_scheduler.LRScheduler, src: torch.Tensor, tgt: torch.Tensor,
-               labels: torch.Tensor, train_cfg: TrainConfig) -> tuple[torch.Tensor, float]:
+               labels: torch.Tensor, train_cfg: TrainConfig,
+               autocast: torch.dtype | None = None) -> tuple[torch.Tensor, float]:
     """One update: forward with dropout (torch's generator: PITFALLS 10), loss, backward,
-    optional global-norm clipping, Adam, schedule. Returns (loss, lr used); the loss is a
-    detached 0-d tensor (reading it synchronises)."""
+    optional global-norm clipping, Adam, schedule. `autocast` (e.g. torch.bfloat16) runs the
+    forward pass under torch.autocast, float32 weights (JAX: the model's compute dtype).
+    Returns (loss, lr used); the loss is a detached 0-d tensor (reading it synchronises)."""
     module.train()
     optimizer.zero_grad(set_to_none=True)
-    loss, _ = loss_fn(module(src, tgt), labels, module.cfg.pad_id, train_cfg.label_smoothing)
+    with _autocast(src.device, autocast):  # the backward pass runs outside autocast, as torch advises
+        loss, _ = loss_fn(module(src, tgt), labels, module.cfg.pad_id, train_cfg.label_smoothing)
     loss.backward()
     if train_cfg.clip_norm is not None:
         # Scales by clip/(norm + 1e-6) where optax scales by clip/norm: ~1e-6 relative apart.
@@ -72,8 +89,182 @@ def gradients(module: Transformer, src: torch.Tensor, tgt: torch.Tensor, labels:
     module.zero_grad(set_to_none=True)
     loss, _ = loss_fn(module(src, tgt), labels, module.cfg.pad_id, label_smoothing)
     loss.backward()
-    grads = {name: torch.zeros_like(p) if p.grad is None else p.grad
+    grads = {name: torch.zeros_like(p) if p.grad is None else p.grad.detach().clone()
              for name, p in module.named_parameters()}
     module.zero_grad(set_to_none=True)
-    return float(loss), from_state_dict(module.cfg, grads)
+    return float(loss.detach()), from_state_dict(module.cfg, grads)
 
+
+
+# -- The harness adapter ---------------------------------------------------------------------
+
+class Trainer:
+    """One model, its optimizer and its dropout generator behind the interface that
+    rosetta/harness.py drives; jax_impl/train.py's `Trainer` has the same methods.
+
+    Built from canonical weights (`rosetta.init_params` or a checkpoint: never re-initialised
+    here, PITFALLS 9). `dtype` "bfloat16" runs the forward pass under torch.autocast with
+    float32 weights and optimizer state. `parity` (default: on CPU only) pins full-precision
+    float32 matmuls (PITFALLS 5); on a GPU the trainer leaves it off and allows TF32, for speed.
+    The dropout generator is the trainer's own: torch's global generator is swapped in for each
+    step and saved back after it, so nothing else in the process moves this trainer's stream.
+    """
+
+    framework: ClassVar[str] = "torch"
+    dtypes: ClassVar[tuple[str, ...]] = ("float32", "bfloat16")
+
+    def __init__(self, cfg: ModelConfig, params: Mapping[str, np.ndarray], train_cfg: TrainConfig,
+                 device: str | None = None, dtype: str = "float32", parity: bool | None = None):
+        if dtype not in self.dtypes:
+            raise RosettaError(f"the torch trainer computes in {', '.join(self.dtypes)}, not {dtype!r}")
+        self.cfg, self.train_cfg, self.dtype = cfg, train_cfg, dtype
+        model = Model(cfg, params, dtype, device=device)  # meta device, then the weights assigned
+        self.device, self.module, self.autocast = model.device, model.module, DTYPES[dtype][1]
+        self.parity = self.device.type == "cpu" if parity is None else parity
+        self.optimizer, self.scheduler = make_optimizer(self.module, train_cfg)
+        self.device_name = (torch.cuda.get_device_name(self.device) if self.device.type == "cuda"
+                            else cpu_name())
+        with torch.random.fork_rng(devices=self._rng_devices()):
+            torch.manual_seed(train_cfg.seed)  # seeds the CPU and every CUDA generator
+            self._rng = self._get_rng()
+        if self.device.type == "cuda":
+            torch.cuda.reset_peak_memory_stats(self.device)
+
+    # -- precision and randomness ------------------------------------------------------------
+    def _rng_devices(self) -> list[torch.device]:
+        return [self.device] if self.device.type == "cuda" else []
+
+    def _get_rng(self) -> dict[str, torch.Tensor]:
+        rng = {"cpu": torch.get_rng_state()}
+        if self.device.type == "cuda":
+            rng["cuda"] = torch.cuda.get_rng_state(self.device)
+        return rng
+
+    @contextlib.contextmanager
+    def _context(self) -> Iterator[None]:
+        """The trainer's generator in place of torch's global one, and the matmul precision."""
+        with torch.random.fork_rng(devices=self._rng_devices()), self._precision():
+            torch.set_rng_state(self._rng["cpu"])
+            if "cuda" in self._rng:
+                torch.cuda.set_rng_state(self._rng["cuda"], self.device)
+            yield
+            self._rng = self._get_rng()
+
+    def _precision(self) -> contextlib.AbstractContextManager:
+        if self.parity:
+            return parity_mode()
+        if self.device.type == "cuda":
+            return _tf32()
+        return contextlib.nullcontext()
+
+    def _tensor(self, ids: np.ndarray) -> torch.Tensor:
+        return torch.from_numpy(np.ascontiguousarray(ids)).to(self.device, non_blocking=True)
+
+    # -- training and evaluation -------------------------------------------------------------
+    @property
+    def step_count(self) -> int:
+        """Updates done so far (the next update is step_count + 1 in the paper's eq. 3)."""
+        return int(self.scheduler.last_epoch)
+
+    def step(self, batch: Batch) -> dict[str, Any]:
+        """One update on `batch` (§5.3); returns {step, loss, lr, num_src_tokens, num_tgt_tokens}.
+        Reading the loss synchronises the device, so a wall clock around this call is honest."""
+        with self._context():
+            loss, lr = train_step(self.module, self.optimizer, self.scheduler, self._tensor(batch.src),
+                                  self._tensor(batch.tgt_in), self._tensor(batch.labels), self.train_cfg,
+                                  self.autocast)
+            loss_value = loss.item()
+        return {"step": self.step_count, "loss": loss_value, "lr": float(lr),
+                "num_src_tokens": int(batch.num_src_tokens), "num_tgt_tokens": int(batch.num_tgt_tokens)}
+
+    def eval_loss(self, batches: Iterable[Batch]) -> float:
+        """The training loss (label-smoothed) without dropout, averaged over every non-pad label
+        of `batches` (a token-weighted mean, not a mean of batch means)."""
+        total, count = 0.0, 0
+        self.module.eval()
+        try:
+            with torch.inference_mode(), self._precision():
+                for batch in batches:
+                    with _autocast(self.device, self.autocast):
+                        logits = self.module(self._tensor(batch.src), self._tensor(batch.tgt_in))
+                    loss, n = loss_fn(logits, self._tensor(batch.labels), self.cfg.pad_id,
+                                      self.train_cfg.label_smoothing)
+                    total += float(loss) * int(n)
+                    count += int(n)
+        finally:
+            self.module.train()
+        return total / max(count, 1)
+
+    def params(self) -> Params:
+        """The current weights as canonical float32 NumPy copies."""
+        return from_state_dict(self.cfg, self.module.state_dict())
+
+    def backend_model(self) -> Model:
+        """A backend model (rosetta.backends interface: generate, logits) holding a copy of the
+        current weights, on the same device and compute dtype."""
+        return Model(self.cfg, self.params(), self.dtype, device=str(self.device))
+
+    def peak_memory_bytes(self) -> int:
+        """Peak device memory allocated by torch (CUDA); on CPU the process's peak RSS."""
+        if self.device.type == "cuda":
+            return int(torch.cuda.max_memory_allocated(self.device))
+        return max_rss_bytes()
+
+    # -- resumable state -------------------------------------------------------------------
+    def state_dict(self) -> dict[str, np.ndarray]:
+        """Everything besides the weights that an exact resume needs, as flat NumPy arrays
+        (written by the harness as safetensors): the step, Adam's moments and step per
+        parameter, the optimizer's lr, the scheduler's counters, and the generator states."""
+        state: dict[str, np.ndarray] = {"step": np.asarray(self.step_count, dtype=np.int64)}
+        opt = self.optimizer.state_dict()
+        for index, (name, _) in enumerate(self.module.named_parameters()):
+            for key, value in opt["state"].get(index, {}).items():
+                state[f"optimizer.{name}.{key}"] = value.detach().cpu().numpy().copy()
+        state["optimizer.lr"] = np.asarray(opt["param_groups"][0]["lr"], dtype=np.float64)
+        sched = self.scheduler.state_dict()
+        state["scheduler.last_epoch"] = np.asarray(sched["last_epoch"], dtype=np.int64)
+        state["scheduler.step_count"] = np.asarray(sched["_step_count"], dtype=np.int64)
+        state["scheduler.last_lr"] = np.asarray(sched["_last_lr"], dtype=np.float64)
+        for device, value in self._rng.items():
+            state[f"rng.{device}"] = value.numpy().copy()
+        return state
+
+    def _state_shapes(self, with_moments: bool) -> dict[str, tuple[int, ...]]:
+        """The keys and shapes of `state_dict()`; Adam's moments exist after the first update."""
+        shapes = {"step": (), "optimizer.lr": (), "scheduler.last_epoch": (), "scheduler.step_count": (),
+                  "scheduler.last_lr": (1,)}
+        if with_moments:
+            for name, p in self.module.named_parameters():
+                shapes |= {f"optimizer.{name}.step": (), f"optimizer.{name}.exp_avg": tuple(p.shape),
+                           f"optimizer.{name}.exp_avg_sq": tuple(p.shape)}
+        return shapes | {f"rng.{device}": tuple(value.shape) for device, value in self._rng.items()}
+
+    def load_state_dict(self, state: Mapping[str, np.ndarray]) -> None:
+        """Restore a `state_dict()` saved by a trainer of the same config; strict about keys."""
+        check_state(state, self._state_shapes(int(np.asarray(state.get("step", 0))) > 0), "torch")
+        opt = self.optimizer.state_dict()
+        for index, (name, _) in enumerate(self.module.named_parameters()):
+            if f"optimizer.{name}.step" in state:
+                opt["state"][index] = {key: torch.from_numpy(np.array(state[f"optimizer.{name}.{key}"]))
+                                       for key in ("step", "exp_avg", "exp_avg_sq")}
+        opt["param_groups"][0]["lr"] = float(state["optimizer.lr"])
+        self.optimizer.load_state_dict(opt)  # moves the moments to the parameters' device
+        sched = self.scheduler.state_dict()
+        sched.update(last_epoch=int(state["scheduler.last_epoch"]),
+                     _step_count=int(state["scheduler.step_count"]),
+                     _last_lr=[float(x) for x in np.atleast_1d(state["scheduler.last_lr"])])
+        self.scheduler.load_state_dict(sched)
+        self._rng = {device: torch.from_numpy(np.array(state[f"rng.{device}"])) for device in self._rng}
+
+
+@contextlib.contextmanager
+def _tf32() -> Iterator[None]:
+    """TF32 matmuls for float32 on Ampere and newer GPUs: the speed mode (PITFALLS 5)."""
+    saved = (torch.get_float32_matmul_precision(), torch.backends.cudnn.allow_tf32)
+    torch.set_float32_matmul_precision("high")
+    torch.backends.cudnn.allow_tf32 = True
+    try:
+        yield
+    finally:
+        torch.set_float32_matmul_precision(saved[0])
+        torch.backends.cudnn.allow_tf32 = saved[1]

@@ -1,0 +1,1 @@
+"""Speed measurements: ratios against a peer measured in the same run, never unit tests."""

@@ -1,0 +1,136 @@
+"""Greedy and beam search in JAX with a fixed-size key/value cache: the encoder runs once and
+the whole generation loop is one compiled `lax.while_loop` (no Python per token). Step for
+step the algorithm of numpy_ref/decode.py (read its docstring first); `cache=False`
+recomputes the whole prefix instead (for benchmarks)."""
+
+from __future__ import annotations
+
+from functools import partial
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from flax import nnx
+
+from jax_impl.model import LayerCache, Transformer, source_mask
+from numpy_ref.decode import NEG, Generation, output_limits, strip
+from rosetta.config import ModelConfig
+
+
+def length_penalty(length: jax.Array | int, alpha: float) -> jax.Array:
+    """lp(Y) = ((5 + |Y|) / 6)^alpha, Wu et al. 2016, eq. 14."""
+    return ((5.0 + jnp.asarray(length, dtype=jnp.float32)) / 6.0) ** alpha
+
+
+class Steps:
+    """next_log_probs(cache, tokens, t) -> ([N, V] log-probabilities of output position t for
+    rows whose emitted tokens are `tokens` [N, L], new cache); `reorder(cache, rows)` follows
+    the beams' reordering. Functional: the cache is loop state."""
+
+    def __init__(self, module: Transformer, src: jax.Array, memory: jax.Array, length: int,
+                 cache: bool = True):
+        self.module, self.src, self.memory, self.cfg = module, src, memory, module.cfg
+        self.use_cache, self.length = cache, length
+        self.cross_mask = source_mask(src, self.cfg.pad_id)
+
+    def init_cache(self) -> list[LayerCache]:
+        return self.module.init_cache(self.memory, self.length) if self.use_cache else []
+
+    def next_log_probs(self, cache: list[LayerCache], tokens: jax.Array,
+                       t: jax.Array) -> tuple[jax.Array, list[LayerCache]]:
+        bos = jnp.full_like(tokens[:, :1], self.cfg.bos_id)
+        if self.use_cache:
+            fed = jnp.where(t == 0, bos[:, 0], tokens[:, jnp.maximum(t - 1, 0)])
+            logits, cache = self.module.decode_step(fed, t, cache, self.cross_mask)
+        else:  # the plain way: the whole prefix again (static shape: causality hides > t)
+            prefix = jnp.concatenate([bos, tokens[:, :-1]], axis=1)
+            hidden = self.module.decode(prefix, self.memory, self.src)
+            hidden = jax.lax.dynamic_slice_in_dim(hidden, t, 1, axis=1)
+            logits = self.module.generator(hidden, self.module.tgt_table)[:, 0]
+        logp = jax.nn.log_softmax(logits.astype(jnp.float32), axis=-1)
+        return logp.at[:, self.cfg.pad_id].set(NEG), cache  # never emit padding
+
+    @staticmethod
+    def reorder(cache: list[LayerCache], rows: jax.Array) -> list[LayerCache]:
+        return [c._replace(self_k=c.self_k[rows], self_v=c.self_v[rows]) for c in cache]
+
+
+@partial(jax.jit, static_argnames=("graphdef", "length", "cache"))
+def _greedy(graphdef, state, src, limits, *, length: int, cache: bool):
+    module = nnx.merge(graphdef, state)
+    cfg, B = module.cfg, src.shape[0]
+    steps = Steps(module, src, module.encode(src), length, cache)
+
+    def body(carry):
+        t, tokens, scores, done, kv = carry
+        logp, kv = steps.next_log_probs(kv, tokens, t)
+        best = jnp.argmax(logp, axis=-1)  # first maximum: the lower index wins ties
+        scores = jnp.where(done, scores, scores + jnp.take_along_axis(logp, best[:, None], 1)[:, 0])
+        tokens = tokens.at[:, t].set(jnp.where(done, cfg.pad_id, best))
+        done = done | (best == cfg.eos_id) | (t + 1 >= limits)
+        return t + 1, tokens, scores, done, kv
+
+    init = (0, jnp.full((B, length), cfg.pad_id), jnp.zeros(B), jnp.zeros(B, bool), steps.init_cache())
+    _, tokens, scores, _, _ = jax.lax.while_loop(
+        lambda c: (c[0] < length) & ~c[3].all(), body, init)
+    return tokens, scores
+
+
+@partial(jax.jit, static_argnames=("graphdef", "beam_size", "alpha", "length", "cache"))
+def _beam(graphdef, state, src, limits, *, beam_size: int, alpha: float, length: int, cache: bool):
+    module = nnx.merge(graphdef, state)
+    cfg, B, K, L = module.cfg, src.shape[0], beam_size, length
+    memory = jnp.repeat(module.encode(src), K, axis=0)  # beam k of sentence b: row b*K+k
+    steps = Steps(module, jnp.repeat(src, K, axis=0), memory, L, cache)
+    lp_limit = length_penalty(limits, alpha)
+
+    def body(carry):
+        t, seqs, alive, fin_seqs, fin_scores, done, kv = carry
+        logp, kv = steps.next_log_probs(kv, seqs.reshape(B * K, L), t)
+        V = logp.shape[-1]
+        cand = (alive[:, :, None] + logp.reshape(B, K, V)).reshape(B, K * V)
+        top_logp, top = jax.lax.top_k(cand, 2 * K)  # ties: lower index first
+        origin, token = top // V, top % V
+        top_seqs = jnp.take_along_axis(seqs, origin[:, :, None], axis=1).at[:, :, t].set(token)
+        final = (token == cfg.eos_id) | (t + 1 >= limits)[:, None]
+        # Finished: keep the best K of the old finished and the new final candidates.
+        new_scores = jnp.where(final, top_logp / length_penalty(t + 1, alpha), NEG)
+        new_fin_scores, keep = jax.lax.top_k(jnp.concatenate([fin_scores, new_scores], axis=1), K)
+        new_fin_seqs = jnp.take_along_axis(jnp.concatenate([fin_seqs, top_seqs], axis=1),
+                                           keep[:, :, None], axis=1)
+        # Alive: the best K candidates that did not finish.
+        new_alive, keep = jax.lax.top_k(jnp.where(final, NEG, top_logp), K)
+        new_seqs = jnp.take_along_axis(top_seqs, keep[:, :, None], axis=1)
+        kv = steps.reorder(kv, (jnp.arange(B)[:, None] * K
+                                + jnp.take_along_axis(origin, keep, axis=1)).reshape(-1))
+        # Sentences already done keep their state.
+        frozen = done[:, None]
+        fin_scores = jnp.where(frozen, fin_scores, new_fin_scores)
+        fin_seqs = jnp.where(frozen[:, :, None], fin_seqs, new_fin_seqs)
+        alive = jnp.where(frozen, alive, new_alive)
+        seqs = jnp.where(frozen[:, :, None], seqs, new_seqs)
+        # Stop when no alive hypothesis can beat the worst kept finished one (see numpy_ref).
+        hopeless = fin_scores[:, -1] >= alive[:, 0] / lp_limit
+        done = done | (t + 1 >= limits) | hopeless
+        return t + 1, seqs, alive, fin_seqs, fin_scores, done, kv
+
+    seqs = jnp.full((B, K, L), cfg.pad_id)
+    alive = jnp.tile(jnp.array([0.0] + [NEG] * (K - 1)), (B, 1))  # beam 0 expands first
+    init = (0, seqs, alive, seqs, jnp.full((B, K), NEG), jnp.zeros(B, bool), steps.init_cache())
+    out = jax.lax.while_loop(lambda c: (c[0] < L) & ~c[5].all(), body, init)
+    return out[3][:, 0], out[4][:, 0]
+
+
+def greedy_search(graphdef, state, cfg: ModelConfig, src: np.ndarray, max_len_margin: int = 50,
+                  cache: bool = True) -> Generation:
+    limits, L = output_limits(cfg, src, max_len_margin)
+    tokens, scores = _greedy(graphdef, state, src, limits, length=L, cache=cache)
+    return Generation(strip(cfg, np.asarray(tokens)), np.asarray(scores, dtype=np.float64))
+
+
+def beam_search(graphdef, state, cfg: ModelConfig, src: np.ndarray, beam_size: int = 4,
+                alpha: float = 0.6, max_len_margin: int = 50, cache: bool = True) -> Generation:
+    limits, L = output_limits(cfg, src, max_len_margin)
+    tokens, scores = _beam(graphdef, state, src, limits, beam_size=beam_size, alpha=float(alpha),
+                           length=L, cache=cache)
+    return Generation(strip(cfg, np.asarray(tokens)), np.asarray(scores, dtype=np.float64))

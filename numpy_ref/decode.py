@@ -1,0 +1,137 @@
+"""Greedy and beam search, the plain way: every step re-runs the decoder on the whole prefix.
+
+This is the oracle for the cached searches of torch_impl/decode.py and jax_impl/decode.py,
+which follow the same algorithm step for step (same state, same order, same tie-breaking):
+
+- the decoder starts from `bos_id`; sentence b may emit at most `limits[b]` tokens
+  (its real source length + `max_len_margin`, capped at `max_len`), the last one forced final;
+- pad_id is never emitted (its log-probability is set to NEG, as Marian does), so every
+  emitted token is a real key for later steps;
+- beam search keeps `beam_size` alive hypotheses ranked by log-probability and `beam_size`
+  finished ones ranked by log-probability / lp(length), lp(n) = ((5 + n) / 6)^alpha, the
+  length penalty of Wu et al. 2016 (eq. 14); a sentence stops when no alive hypothesis can
+  still beat its worst finished one, or at its limit. Ties go to the lower index.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import numpy as np
+
+from numpy_ref import model as ref
+from rosetta.config import ModelConfig
+from rosetta.params import Params
+
+NEG = -1e9  # "impossible" score: finite, so NEG - NEG is 0, not NaN
+
+
+@dataclass(frozen=True)
+class Generation:
+    """Per sentence: emitted tokens (without the start token and without eos) and score
+    (sum of log-probabilities for greedy; that over lp(length) for beam search)."""
+
+    tokens: list[list[int]]
+    scores: np.ndarray
+
+
+def length_penalty(length: np.ndarray | int, alpha: float) -> np.ndarray:
+    """lp(Y) = ((5 + |Y|) / 6)^alpha, Wu et al. 2016, eq. 14."""
+    return ((5.0 + np.asarray(length, dtype=np.float64)) / 6.0) ** alpha
+
+
+def output_limits(cfg: ModelConfig, src: np.ndarray, max_len_margin: int) -> tuple[np.ndarray, int]:
+    """Per-sentence limits (real source length + margin, at most max_len) and the static
+    buffer length L = min(S + margin, max_len) that every backend allocates."""
+    limits = np.minimum((src != cfg.pad_id).sum(axis=1) + max_len_margin, cfg.max_len)
+    return np.maximum(limits, 1), max(1, min(src.shape[1] + max_len_margin, cfg.max_len))
+
+
+def log_softmax(x: np.ndarray) -> np.ndarray:
+    shifted = x - x.max(axis=-1, keepdims=True)
+    return shifted - np.log(np.exp(shifted).sum(axis=-1, keepdims=True))
+
+
+def next_log_probs(params: Params, cfg: ModelConfig, memory: np.ndarray, src: np.ndarray,
+                   tokens: np.ndarray, t: int) -> np.ndarray:
+    """[N, V] log-probabilities of the token at output position t, recomputing the whole
+    prefix [bos, tokens[:, :t]] (no cache: the plain way)."""
+    prefix = np.concatenate([np.full((len(tokens), 1), cfg.bos_id), tokens[:, :t]], axis=1)
+    hidden = ref.decode(params, cfg, prefix, memory, src)[:, -1:]
+    logp = log_softmax(ref.generator(params, cfg, hidden)[:, 0])
+    logp[:, cfg.pad_id] = NEG
+    return logp
+
+
+def greedy_search(params: Params, cfg: ModelConfig, src: np.ndarray,
+                  max_len_margin: int = 50) -> Generation:
+    B = src.shape[0]
+    limits, L = output_limits(cfg, src, max_len_margin)
+    memory = ref.encode(params, cfg, src)
+    tokens = np.full((B, L), cfg.pad_id)
+    scores, done = np.zeros(B), np.zeros(B, dtype=bool)
+    for t in range(L):
+        logp = next_log_probs(params, cfg, memory, src, tokens, t)
+        best = logp.argmax(axis=-1)  # first maximum: the lower index wins ties
+        scores = np.where(done, scores, scores + logp[np.arange(B), best])
+        tokens[:, t] = np.where(done, cfg.pad_id, best)
+        done |= (best == cfg.eos_id) | (t + 1 >= limits)
+        if done.all():
+            break
+    return Generation(strip(cfg, tokens), scores)
+
+
+def beam_search(params: Params, cfg: ModelConfig, src: np.ndarray, beam_size: int = 4,
+                alpha: float = 0.6, max_len_margin: int = 50) -> Generation:
+    B, K = src.shape[0], beam_size
+    limits, L = output_limits(cfg, src, max_len_margin)
+    memory = np.repeat(ref.encode(params, cfg, src), K, axis=0)  # beam k of sentence b: row b*K+k
+    src_k = np.repeat(src, K, axis=0)
+    seqs = np.full((B, K, L), cfg.pad_id)
+    alive = np.tile([0.0] + [NEG] * (K - 1), (B, 1))  # only beam 0 expands at the first step
+    fin_seqs, fin_scores = seqs.copy(), np.full((B, K), NEG)
+    done = np.zeros(B, dtype=bool)
+    for t in range(L):
+        logp = next_log_probs(params, cfg, memory, src_k, seqs.reshape(B * K, L), t)
+        V = logp.shape[-1]
+        cand = (alive[:, :, None] + logp.reshape(B, K, V)).reshape(B, K * V)
+        top = np.argsort(-cand, axis=-1, kind="stable")[:, : 2 * K]  # ties: lower index first
+        top_logp = np.take_along_axis(cand, top, axis=-1)
+        origin, token = top // V, top % V
+        top_seqs = np.take_along_axis(seqs, origin[:, :, None], axis=1)
+        top_seqs[:, :, t] = token
+        final = (token == cfg.eos_id) | (t + 1 >= limits)[:, None]
+        # Finished: keep the best K of the old finished and the new final candidates.
+        new_scores = np.where(final, top_logp / length_penalty(t + 1, alpha), NEG)
+        all_scores = np.concatenate([fin_scores, new_scores], axis=1)
+        keep = np.argsort(-all_scores, axis=-1, kind="stable")[:, :K]
+        new_fin_scores = np.take_along_axis(all_scores, keep, axis=1)
+        new_fin_seqs = np.take_along_axis(np.concatenate([fin_seqs, top_seqs], axis=1),
+                                          keep[:, :, None], axis=1)
+        # Alive: the best K candidates that did not finish.
+        alive_cand = np.where(final, NEG, top_logp)
+        keep = np.argsort(-alive_cand, axis=-1, kind="stable")[:, :K]
+        new_alive = np.take_along_axis(alive_cand, keep, axis=1)
+        new_seqs = np.take_along_axis(top_seqs, keep[:, :, None], axis=1)
+        # Sentences already done keep their state.
+        frozen = done[:, None]
+        fin_scores = np.where(frozen, fin_scores, new_fin_scores)
+        fin_seqs = np.where(frozen[:, :, None], fin_seqs, new_fin_seqs)
+        alive = np.where(frozen, alive, new_alive)
+        seqs = np.where(frozen[:, :, None], seqs, new_seqs)
+        # Stop when no alive hypothesis can beat the worst kept finished one: log-probs only
+        # fall and, for alpha >= 0, lp grows, so alive/lp(limit) bounds any future score.
+        hopeless = fin_scores[:, -1] >= alive[:, 0] / length_penalty(limits, alpha)
+        done |= (t + 1 >= limits) | hopeless
+        if done.all():
+            break
+    return Generation(strip(cfg, fin_seqs[:, 0]), fin_scores[:, 0])
+
+
+def strip(cfg: ModelConfig, tokens: np.ndarray) -> list[list[int]]:
+    """Each row up to (not including) its first eos; pad fills the rest."""
+    out = []
+    for row in np.asarray(tokens).tolist():
+        row = row[: row.index(cfg.eos_id)] if cfg.eos_id in row else row
+        out.append([tok for tok in row if tok != cfg.pad_id])
+    return out

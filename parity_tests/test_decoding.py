@@ -1,0 +1,199 @@
+"""Incremental decoding and search: cached steps equal full recomputation, the searches agree
+token for token across backends, and beam search finds what exhaustive search finds."""
+
+from __future__ import annotations
+
+import itertools
+
+import numpy as np
+import pytest
+
+from numpy_ref import model as ref
+from numpy_ref.decode import length_penalty, log_softmax
+from rosetta import InputError, from_params, init_params, preset
+from rosetta.parity import random_batch, relative_error
+
+BACKENDS = ["numpy", "torch", "jax"]
+STEP_TOLERANCE = 1e-5  # float32 cached step logits vs float64 full recomputation
+SCORE_TOLERANCE = 1e-5  # beam scores across backends, relative
+
+
+def _perturbed(cfg, seed=0):
+    rng = np.random.default_rng(seed)
+    return {k: (v + 0.05 * rng.standard_normal(v.shape)).astype(np.float32)
+            for k, v in init_params(cfg, seed).items()}
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
+@pytest.mark.parametrize("overrides", [
+    {}, dict(norm_first=True, activation="gelu", share_embeddings="none", output_bias=True),
+    dict(positional_encoding="sinusoidal_concat_t2t", attention_bias=False, bos_id=0),
+])
+def test_cached_step_logits_equal_full_recomputation(backend, overrides):
+    cfg = preset("tiny", **overrides)
+    params = _perturbed(cfg)
+    src, tgt = random_batch(cfg, 3, 9, 12, seed=4, pad=False)
+    src[1:, 6:] = cfg.pad_id  # padded sources still allowed; targets are pad-free prefixes
+    want = from_params(cfg, params, "numpy").logits(src, tgt)
+    got = from_params(cfg, params, backend, "float32").step_logits(src, tgt)
+    assert relative_error(got, want) <= STEP_TOLERANCE
+
+
+# -- exhaustive search as an independent oracle -----------------------------------------------
+
+def _exhaustive_best(params, cfg, src_row, limit, alpha):
+    """Every sequence of non-pad tokens that ends in eos or stops at `limit`, scored by
+    log P / lp(length) with the float64 reference: the best one and its score."""
+    params = {k: v.astype(np.float64) for k, v in params.items()}
+    tokens = [t for t in range(cfg.tgt_vocab_size) if t != cfg.pad_id]
+    best = (None, -np.inf)
+    for n in range(1, limit + 1):
+        for seq in itertools.product(tokens, repeat=n):
+            if cfg.eos_id in seq[:-1] or (n < limit and seq[-1] != cfg.eos_id):
+                continue
+            tgt = np.array([[cfg.bos_id, *seq[:-1]]])
+            logp = log_softmax(ref.forward(params, cfg, src_row[None], tgt)[0])
+            # Decoding renormalises over non-pad tokens only by excluding pad from the search;
+            # its log-probabilities are the full softmax's, so the scores are comparable.
+            score = sum(logp[i, tok] for i, tok in enumerate(seq)) / length_penalty(n, alpha)
+            if score > best[1]:
+                best = (list(seq[: seq.index(cfg.eos_id)] if cfg.eos_id in seq else seq), score)
+    return best
+
+
+@pytest.mark.parametrize("alpha", [0.0, 0.6, 2.0])
+def test_wide_beam_search_finds_the_exhaustive_optimum(alpha):
+    cfg = preset("tiny", src_vocab_size=6, tgt_vocab_size=6, d_model=16, num_heads=2,
+                 num_encoder_layers=1, num_decoder_layers=1, d_ff=32)
+    params = _perturbed(cfg, seed=3)
+    src = np.array([[3, 4, 5], [4, 4, 0]])
+    margin = 0  # limits: the real source lengths, 3 and 2 tokens
+    got = from_params(cfg, params, "numpy").generate(src, beam_size=125, alpha=alpha,
+                                                      max_len_margin=margin)
+    for b, limit in enumerate([3, 2]):
+        tokens, score = _exhaustive_best(params, cfg, src[b], limit, alpha)
+        assert got.tokens[b] == tokens
+        assert got.scores[b] == pytest.approx(score, rel=1e-12)
+
+
+# -- the same search in every backend -----------------------------------------------------------
+
+def _decision_margin(params, cfg, src, tokens):
+    """Smallest gap between the chosen and the runner-up log-probability along greedy paths:
+    a near-tie makes token identity across float32 backends a matter of luck."""
+    gaps, params64 = [], {k: v.astype(np.float64) for k, v in params.items()}
+    for b, row in enumerate(tokens):
+        seq = [*row, cfg.eos_id]
+        tgt = np.array([[cfg.bos_id, *seq[:-1]]])
+        logp = log_softmax(ref.forward(params64, cfg, src[b: b + 1], tgt)[0])
+        logp[:, cfg.pad_id] = -np.inf
+        top2 = np.sort(logp, axis=-1)[:, -2:]
+        gaps.extend(top2[:, 1] - top2[:, 0])
+    return min(gaps)
+
+
+@pytest.mark.parametrize("beam_size", [1, 4])
+def test_searches_agree_across_backends_on_random_weights(beam_size):
+    cfg = preset("tiny", max_len=40)
+    params = _perturbed(cfg, seed=5)
+    src, _ = random_batch(cfg, 4, 8, 2, seed=6)
+    want = from_params(cfg, params, "numpy").generate(src, beam_size, max_len_margin=6)
+    if beam_size == 1:
+        # Random weights: say so when a decision is a near-tie, rather than pass by luck.
+        margin = _decision_margin(params, cfg, src, want.tokens)
+        assert margin > 1e-4, f"greedy path has a near-tie ({margin:.1e}): pick another seed"
+    for backend in ("torch", "jax"):
+        got = from_params(cfg, params, backend).generate(src, beam_size, max_len_margin=6)
+        assert got.tokens == want.tokens, backend
+        np.testing.assert_allclose(got.scores, want.scores, rtol=SCORE_TOLERANCE)
+
+
+@pytest.mark.parametrize("backend", ["torch", "jax"])
+@pytest.mark.parametrize("beam_size", [1, 3])
+def test_cache_off_gives_the_same_search(backend, beam_size):
+    cfg = preset("tiny", max_len=32)
+    params = _perturbed(cfg, seed=7)
+    src, _ = random_batch(cfg, 3, 6, 2, seed=8)
+    model = from_params(cfg, params, backend)
+    with_cache = model._generate(src, beam_size, 0.6, 5, cache=True)
+    without = model._generate(src, beam_size, 0.6, 5, cache=False)
+    assert with_cache.tokens == without.tokens
+    np.testing.assert_allclose(with_cache.scores, without.scores, rtol=1e-5)
+
+
+def test_output_length_limit_and_eos():
+    cfg = preset("tiny", max_len=20)
+    params = _perturbed(cfg, seed=9)
+    src = np.array([[5, 6, 7, 8, 9, 10, 11], [5, 6, 0, 0, 0, 0, 0]])
+    for beam_size in (1, 3):
+        out = from_params(cfg, params, "numpy").generate(src, beam_size, max_len_margin=2)
+        assert len(out.tokens[0]) <= 9 and len(out.tokens[1]) <= 4  # real length + margin
+        assert all(cfg.eos_id not in row and cfg.pad_id not in row for row in out.tokens)
+    out = from_params(cfg, params, "numpy").generate(src, 1, max_len_margin=100)
+    assert all(len(row) <= cfg.max_len for row in out.tokens)
+
+
+@pytest.mark.parametrize("kwargs,message", [
+    (dict(beam_size=0), "beam_size must be an integer >= 1"),
+    (dict(beam_size=2.0), "beam_size must be an integer >= 1"),
+    (dict(alpha=-1.0), "alpha must be a number >= 0"),
+    (dict(max_len_margin=-3), "max_len_margin must be an integer >= 0"),
+])
+@pytest.mark.parametrize("backend", BACKENDS)
+def test_bad_search_arguments_are_refused(backend, kwargs, message):
+    cfg = preset("tiny")
+    with pytest.raises(InputError, match=message):
+        from_params(cfg, init_params(cfg), backend).generate(np.array([[5, 6]]), **kwargs)
+
+
+# -- a trained model: confident decisions, so token identity is a real check -------------------
+
+@pytest.fixture(scope="module")
+def copy_model():
+    """A tiny model trained here for 400 steps on the copy task (PyTorch, seeded)."""
+    import torch
+
+    from rosetta.data import synthetic_pairs
+    from rosetta.training import TrainConfig
+    from torch_impl import train as torch_train
+    from torch_impl.backend import Model as TorchModel
+    from torch_impl.convert import from_state_dict
+
+    cfg = preset("tiny", src_vocab_size=16, tgt_vocab_size=16, dropout=0.0, max_len=32)
+    tc = TrainConfig(warmup_steps=100, lr_factor=1.0, label_smoothing=0.0)
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)  # tiny matmuls: one thread is ~10x faster than two on 2 cores
+    torch.manual_seed(0)
+    module = TorchModel(cfg, init_params(cfg, seed=0), "float32", device="cpu").module
+    optimizer, scheduler = torch_train.make_optimizer(module, tc)
+    pairs = synthetic_pairs("copy", num_examples=400 * 32, vocab_size=16, min_len=2, max_len=8, seed=0)
+    for step in range(400):
+        chunk = pairs[step * 32: (step + 1) * 32]
+        T = max(len(x) for x, _ in chunk) + 1
+        src, tgt, labels = (np.full((32, T), cfg.pad_id) for _ in range(3))
+        for i, (x, y) in enumerate(chunk):
+            src[i, : len(x) + 1] = [*x, cfg.eos_id]
+            tgt[i, : len(y) + 1] = [cfg.bos_id, *y]
+            labels[i, : len(y) + 1] = [*y, cfg.eos_id]
+        torch_train.train_step(module, optimizer, scheduler, *map(torch.from_numpy, (src, tgt, labels)), tc)
+    torch.set_num_threads(threads)
+    return cfg, from_state_dict(cfg, module.state_dict())
+
+
+@pytest.mark.parametrize("beam_size", [1, 4])
+def test_trained_copy_model_decodes_identically_in_every_backend(copy_model, beam_size):
+    cfg, params = copy_model
+    rng = np.random.default_rng(11)
+    src = np.full((6, 9), cfg.pad_id)
+    for b in range(6):
+        n = int(rng.integers(2, 9))
+        src[b, : n + 1] = [*rng.integers(3, 16, size=n), cfg.eos_id]
+    want = from_params(cfg, params, "numpy").generate(src, beam_size, alpha=0.6, max_len_margin=4)
+    # Training worked: the model copies, so its decisions are far from ties.
+    copied = [list(row[: list(row).index(cfg.eos_id)]) for row in src]
+    assert sum(w == c for w, c in zip(want.tokens, copied, strict=True)) >= 5
+    assert _decision_margin(params, cfg, src, want.tokens) > 1e-2
+    for backend in ("torch", "jax"):
+        got = from_params(cfg, params, backend).generate(src, beam_size, alpha=0.6, max_len_margin=4)
+        assert got.tokens == want.tokens, backend
+        np.testing.assert_allclose(got.scores, want.scores, rtol=SCORE_TOLERANCE)

@@ -1,0 +1,424 @@
+"""Training math (SPEC §4) agrees between PyTorch and JAX and with independent sources: the
+paper's schedule formula written out here, the peer libraries' own losses, central finite
+differences of the float64 NumPy reference, and torch.autograd.gradcheck. Dropout is 0
+throughout: no two frameworks draw the same masks (PITFALLS 10)."""
+
+from __future__ import annotations
+
+import json
+import math
+from functools import cache
+
+import numpy as np
+import pytest
+
+torch = pytest.importorskip("torch")
+jax = pytest.importorskip("jax")
+optax = pytest.importorskip("optax")
+import jax.numpy as jnp  # noqa: E402
+from flax import nnx  # noqa: E402
+
+import jax_impl.train as jt  # noqa: E402
+import torch_impl.train as tt  # noqa: E402
+from jax_impl.backend import parity_mode as jax_parity_mode  # noqa: E402
+from jax_impl.convert import build_model, to_params  # noqa: E402
+from numpy_ref.model import forward as reference_forward  # noqa: E402
+from rosetta import ModelConfig, init_params, param_shapes, preset  # noqa: E402
+from rosetta.errors import ConfigError  # noqa: E402
+from rosetta.parity import random_batch, relative_error  # noqa: E402
+from rosetta.training import TrainConfig, learning_rate  # noqa: E402
+from torch_impl.backend import Model as TorchModel  # noqa: E402
+from torch_impl.backend import parity_mode as torch_parity_mode  # noqa: E402
+from torch_impl.convert import from_state_dict  # noqa: E402
+
+pytestmark = pytest.mark.trainable
+
+NO_DROPOUT = dict(dropout=0.0, attention_dropout=0.0)  # activation_dropout follows dropout
+# Fewer layers where depth adds nothing new: each config costs one XLA compile (seconds on 2 cores).
+GRAD_CONFIGS: dict[str, dict] = {
+    "post_norm_relu_tied_all": {},
+    "pre_norm_gelu_share_none_output_bias_2_1_layers": dict(
+        norm_first=True, activation="gelu", share_embeddings="none", output_bias=True,
+        src_vocab_size=50, tgt_vocab_size=70, num_decoder_layers=1),
+    "share_decoder_1_1_layers": dict(share_embeddings="decoder", src_vocab_size=80, tgt_vocab_size=40,
+                                     num_encoder_layers=1, num_decoder_layers=1),
+}
+
+
+@pytest.fixture(autouse=True, scope="module")
+def one_thread():
+    """Tiny matmuls: OpenMP threads only add synchronisation on a small CPU box."""
+    saved = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(saved)
+
+
+# -- Helpers: written from the SPEC, not from the code under test ---------------------------
+
+def paper_lr(step: int, d_model: int, warmup: int, factor: float = 1.0) -> float:
+    """Eq. 3 by branch: linear warmup, then inverse square root decay."""
+    if step <= warmup:
+        return factor * step / (math.sqrt(d_model) * warmup**1.5)
+    return factor / math.sqrt(d_model * step)
+
+
+def make_labels(tgt: np.ndarray, pad_id: int, eos_id: int) -> np.ndarray:
+    """The decoder input shifted left by one, eos after the last real token, pad elsewhere."""
+    labels = np.full_like(tgt, pad_id)
+    for b, row in enumerate(tgt):
+        n = 1 + int((row[1:] != pad_id).sum())  # real length; position 0 is the start token
+        labels[b, : n - 1] = row[1:n]
+        labels[b, n - 1] = eos_id
+    return labels
+
+
+def perturbed_params(cfg: ModelConfig, seed: int = 1) -> dict[str, np.ndarray]:
+    """Canonical init plus noise, so zero biases and unit LayerNorm scales are not special."""
+    rng = np.random.default_rng(seed)
+    return {k: (v + 0.05 * rng.standard_normal(v.shape)).astype(np.float32)
+            for k, v in init_params(cfg, seed=0).items()}
+
+
+def as64(params: dict[str, np.ndarray]) -> dict[str, np.ndarray]:
+    return {k: v.astype(np.float64) for k, v in params.items()}
+
+
+def batch(cfg: ModelConfig, seed: int, b: int = 4, s: int = 11, t: int = 9):
+    src, tgt = random_batch(cfg, b, s, t, seed=seed)
+    return src, tgt, make_labels(tgt, cfg.pad_id, cfg.eos_id)
+
+
+def reference_loss(params: dict[str, np.ndarray], cfg: ModelConfig, src, tgt, labels, eps: float) -> float:
+    """float64: -Σ_v q_v log p_v with q = (1-ε) onehot(y) + ε/V, mean over non-pad labels."""
+    logits = reference_forward(params, cfg, src, tgt)
+    logp = logits - logits.max(-1, keepdims=True)
+    logp = logp - np.log(np.exp(logp).sum(-1, keepdims=True))
+    V = logits.shape[-1]
+    q = (1 - eps) * np.eye(V)[labels] + eps / V
+    per_token = -(q * logp).sum(-1)
+    mask = labels != cfg.pad_id
+    return float(per_token[mask].sum() / mask.sum())
+
+
+def own_copy(params: dict[str, np.ndarray]) -> dict[str, np.ndarray]:
+    # On CPU the torch module's untransposed float32 tensors share memory with the NumPy arrays
+    # it was built from, and jnp.asarray may too: an in-place torch update would then move the
+    # caller's params and a JAX model built from them. Each framework gets its own copy.
+    return {k: v.copy() for k, v in params.items()}
+
+
+def torch_module(cfg: ModelConfig, params, dtype: str = "float32"):
+    """Built as the backend builds it: meta device, then the canonical weights assigned."""
+    return TorchModel(cfg, own_copy(params), dtype, device="cpu").module
+
+
+def jax_model(cfg: ModelConfig, params):
+    return build_model(cfg, own_copy(params))
+
+
+def t(x: np.ndarray):
+    return torch.from_numpy(np.asarray(x))
+
+
+# Attention key biases get an exactly zero gradient: q·b_k is the same for every key, and
+# softmax ignores a constant shift. Both frameworks return roundoff there (~1e-9), and Adam,
+# which divides by sqrt(v) ~ |g|, turns that roundoff into lr-sized steps in arbitrary
+# directions. The output does not depend on them, so they are compared through the logits.
+def is_key_bias(name: str) -> bool:
+    return name.endswith(".k.bias")
+
+
+# -- TrainConfig and the schedule ---------------------------------------------------------
+
+def test_train_config_defaults_are_the_papers():
+    c = TrainConfig()
+    assert (c.label_smoothing, c.warmup_steps, c.lr_factor) == (0.1, 4000, 1.0)
+    assert (c.adam_b1, c.adam_b2, c.adam_eps, c.clip_norm) == (0.9, 0.98, 1e-9, None)
+
+
+def test_train_config_json_round_trip():
+    c = TrainConfig(label_smoothing=0.2, warmup_steps=10, clip_norm=1.5, seed=7)
+    assert TrainConfig.from_json(c.to_json()) == c
+    assert TrainConfig.from_dict(json.loads(c.to_json())) == c
+    with pytest.raises(ConfigError, match="lr_max"):
+        TrainConfig.from_dict({"lr_max": 1.0})
+
+
+@pytest.mark.parametrize("field, value", [
+    ("label_smoothing", 1.0), ("label_smoothing", -0.1), ("warmup_steps", 0), ("warmup_steps", 2.5),
+    ("lr_factor", 0.0), ("adam_b1", 1.0), ("adam_b2", True), ("adam_eps", 0.0), ("clip_norm", -1.0),
+    ("seed", -1),
+])
+def test_train_config_errors_name_the_field(field, value):
+    with pytest.raises(ConfigError, match=field):
+        TrainConfig(**{field: value})
+
+
+def test_learning_rate_is_eq3():
+    d, w = 512, 4000
+    for step in (1, w - 1, w, w + 1, 10 * w):
+        assert learning_rate(step, d, w) == pytest.approx(paper_lr(step, d, w), rel=1e-12)
+    assert learning_rate(7, 64, 10, factor=2.0) == pytest.approx(paper_lr(7, 64, 10, 2.0), rel=1e-12)
+    with pytest.raises(ConfigError, match="step"):
+        learning_rate(0, d, w)
+
+
+def test_learning_rate_peaks_at_warmup():
+    d, w = 512, 4000
+    lrs = [learning_rate(s, d, w) for s in range(1, 3 * w)]
+    assert int(np.argmax(lrs)) + 1 == w
+    assert lrs[w - 1] == pytest.approx((d * w) ** -0.5, rel=1e-12)
+
+
+class _OneParam:
+    """Just what make_optimizer reads: `cfg.d_model` and the parameters."""
+    cfg = ModelConfig(src_vocab_size=8, tgt_vocab_size=8, d_model=32, num_heads=4)
+
+
+def test_schedulers_apply_eq3_for_20_steps():
+    """Adam with a constant gradient g moves each weight by lr·g/(|g| + eps) ≈ lr per step
+    (bias correction makes m̂ = g and v̂ = g²): read the lr off the weights each optimizer
+    actually updated, and off the torch scheduler and the optax schedule."""
+    tc, steps = TrainConfig(warmup_steps=10, lr_factor=2.0), 20
+    expected = [paper_lr(s, 32, 10, 2.0) for s in range(1, steps + 1)]
+
+    torch_holder = torch.nn.Module()
+    torch_holder.cfg, torch_holder.w = _OneParam.cfg, torch.nn.Parameter(torch.zeros(3, dtype=torch.float64))
+    opt, sched = tt.make_optimizer(torch_holder, tc)
+    torch_lrs, torch_moves = [], []
+    for _ in range(steps):
+        torch_lrs.append(opt.param_groups[0]["lr"])
+        before = torch_holder.w.detach().clone()
+        torch_holder.w.grad = torch.full_like(before, 1e3)
+        opt.step()
+        sched.step()
+        torch_moves.append(float((before - torch_holder.w.detach())[0]))
+    assert torch_lrs == pytest.approx(expected, rel=1e-12)  # float64 all the way
+    np.testing.assert_allclose(torch_moves, expected, rtol=1e-9)
+
+    class JaxHolder(nnx.Module):
+        cfg = _OneParam.cfg
+
+        def __init__(self):
+            self.w = nnx.Param(jnp.zeros(3))
+
+    holder = JaxHolder()
+    jopt = jt.make_optimizer(holder, tc)
+    lr_fn = jt.schedule(32, tc)
+    jax_lrs, jax_moves = [], []
+    for _ in range(steps):
+        jax_lrs.append(float(lr_fn(jopt.step[...])))
+        before = float(holder.w[...][0])
+        jopt.update(holder, jax.tree.map(lambda x: jnp.full_like(x, 1e3), nnx.state(holder, nnx.Param)))
+        jax_moves.append(before - float(holder.w[...][0]))
+    # optax traces the schedule in float32: equal to within float32 rounding.
+    np.testing.assert_allclose(jax_lrs, expected, rtol=1e-6)
+    np.testing.assert_allclose(jax_moves, expected, rtol=1e-5)
+
+
+# -- The loss ------------------------------------------------------------------------------
+
+def random_logits(V: int = 13, pad_id: int = 0, seed: int = 0):
+    rng = np.random.default_rng(seed)
+    logits = (3.0 * rng.standard_normal((3, 7, V))).astype(np.float32)
+    labels = rng.integers(0, V, size=(3, 7))
+    labels[1, 4:] = pad_id
+    labels[2, 1:] = pad_id
+    labels[0, 2] = pad_id  # padding inside a row too
+    return logits, labels
+
+
+@pytest.mark.parametrize("eps", [0.0, 0.1, 0.3])
+def test_loss_matches_torch_and_optax(eps):
+    logits, labels = random_logits()
+    V, pad = logits.shape[-1], 0
+    mask = labels != pad
+
+    peer_torch = torch.nn.CrossEntropyLoss(label_smoothing=eps, ignore_index=pad)(
+        t(logits).reshape(-1, V), t(labels).reshape(-1))
+    per_pos = optax.softmax_cross_entropy(logits, optax.smooth_labels(jax.nn.one_hot(labels, V), eps))
+    peer_optax = float(jnp.sum(jnp.where(mask, per_pos, 0.0)) / mask.sum())
+
+    ours_torch, n_torch = tt.loss_fn(t(logits), t(labels), pad, eps)
+    ours_jax, n_jax = jt.loss_fn(jnp.asarray(logits), jnp.asarray(labels), pad, eps)
+    assert int(n_torch) == int(n_jax) == int(mask.sum())
+    assert relative_error(ours_torch.item(), peer_torch.item()) <= 1e-6
+    assert relative_error(float(ours_jax), peer_optax) <= 1e-6
+    assert relative_error(ours_torch.item(), float(ours_jax)) <= 1e-6
+    # The peers agree with each other too: ε/V over all classes, pad included (PITFALLS 11).
+    assert relative_error(peer_torch.item(), peer_optax) <= 1e-6
+
+
+def test_loss_of_bfloat16_logits_is_computed_in_float32():
+    logits, labels = random_logits()
+    low = torch.from_numpy(logits).to(torch.bfloat16)
+    loss, _ = tt.loss_fn(low, t(labels), 0, 0.1)
+    assert loss.dtype == torch.float32
+    assert loss.item() == pytest.approx(tt.loss_fn(low.float(), t(labels), 0, 0.1)[0].item(), rel=1e-7)
+    jlow = jnp.asarray(logits, jnp.bfloat16)
+    jloss, _ = jt.loss_fn(jlow, jnp.asarray(labels), 0, 0.1)
+    assert jloss.dtype == jnp.float32
+    assert float(jloss) == pytest.approx(float(jt.loss_fn(jlow.astype(jnp.float32), labels, 0, 0.1)[0]),
+                                         rel=1e-6)
+    assert float(jloss) == pytest.approx(loss.item(), rel=1e-6)
+
+
+def test_loss_gradcheck():
+    logits, labels = random_logits(V=5)
+    x = torch.from_numpy(logits.astype(np.float64)).requires_grad_()
+    assert torch.autograd.gradcheck(lambda z: tt.loss_fn(z, t(labels), 0, 0.1)[0], (x,))
+
+
+# -- Gradient parity -----------------------------------------------------------------------
+
+@cache
+def grad_case(name: str):
+    cfg = preset("tiny", **NO_DROPOUT, **GRAD_CONFIGS[name])
+    params = perturbed_params(cfg)
+    src, tgt, labels = batch(cfg, seed=3)
+    with torch_parity_mode():
+        torch_loss, torch_grads = tt.gradients(torch_module(cfg, params), t(src), t(tgt), t(labels), 0.1)
+    with jax_parity_mode():
+        jax_loss, jax_grads = jt.gradients(jax_model(cfg, params), src, tgt, labels, 0.1)
+    return cfg, params, (src, tgt, labels), (torch_loss, torch_grads), (jax_loss, jax_grads)
+
+
+@pytest.mark.parametrize("name", sorted(GRAD_CONFIGS))
+def test_gradient_parity(name):
+    cfg, _, _, (torch_loss, torch_grads), (jax_loss, jax_grads) = grad_case(name)
+    assert list(torch_grads) == list(jax_grads) == list(param_shapes(cfg))
+    assert relative_error(torch_loss, jax_loss) <= 1e-6
+    global_norm = math.sqrt(sum(float(np.sum(g.astype(np.float64) ** 2)) for g in jax_grads.values()))
+    for key, g_jax in jax_grads.items():
+        g_torch = torch_grads[key]
+        assert g_torch.shape == g_jax.shape == param_shapes(cfg)[key], key
+        if is_key_bias(key):  # exactly zero in exact arithmetic: both are roundoff
+            assert max(np.linalg.norm(g_torch), np.linalg.norm(g_jax)) <= 1e-6 * global_norm, key
+        else:
+            assert relative_error(g_torch, g_jax) <= 1e-5, key
+
+
+@pytest.mark.parametrize("name", sorted(GRAD_CONFIGS))
+def test_gradients_match_finite_differences(name):
+    """Central differences of the float64 NumPy reference loss, at each checked tensor's
+    largest-gradient entry: an independent check of what both frameworks agree on."""
+    cfg, params, (src, tgt, labels), (_, torch_grads), (_, jax_grads) = grad_case(name)
+    p64 = as64(params)
+    names = [n for n in param_shapes(cfg) if n.endswith((".embedding", "generator.kernel", "generator.bias",
+                                                         "decoder.layers.0.ffn.linear1.kernel",
+                                                         "encoder.layers.0.self_attn.q.kernel",
+                                                         "decoder.layers.0.cross_attn_norm.scale"))]
+    h = 1e-5
+    for key in names:
+        index = np.unravel_index(np.argmax(np.abs(jax_grads[key])), jax_grads[key].shape)
+        plus, minus = dict(p64), dict(p64)
+        plus[key], minus[key] = p64[key].copy(), p64[key].copy()
+        plus[key][index] += h
+        minus[key][index] -= h
+        fd = (reference_loss(plus, cfg, src, tgt, labels, 0.1)
+              - reference_loss(minus, cfg, src, tgt, labels, 0.1)) / (2 * h)
+        assert torch_grads[key][index] == pytest.approx(fd, rel=1e-4, abs=1e-7), key
+        assert jax_grads[key][index] == pytest.approx(fd, rel=1e-4, abs=1e-7), key
+
+
+def test_torch_gradcheck_float64():
+    """torch.autograd.gradcheck on a tiny float64 model built as the backend builds it
+    (to_state_dict(cfg, params, torch.float64) onto a meta-device module)."""
+    cfg = ModelConfig(src_vocab_size=11, tgt_vocab_size=11, d_model=8, num_heads=2, num_encoder_layers=1,
+                      num_decoder_layers=1, d_ff=16, max_len=16, activation="gelu", output_bias=True,
+                      **NO_DROPOUT)
+    module = torch_module(cfg, perturbed_params(cfg), "float64")
+    src, tgt, labels = batch(cfg, seed=5, b=2, s=5, t=4)
+    names = ["shared_embed.weight", "encoder.layers.0.self_attn.q.weight",
+             "decoder.layers.0.cross_attn.v.bias", "decoder.layers.0.ffn_norm.weight", "generator.bias"]
+    inputs = tuple(dict(module.named_parameters())[n].detach().clone().requires_grad_() for n in names)
+    assert all(x.dtype == torch.float64 for x in inputs)
+
+    def loss(*tensors):
+        logits = torch.func.functional_call(module, dict(zip(names, tensors, strict=True)), (t(src), t(tgt)))
+        return tt.loss_fn(logits, t(labels), cfg.pad_id, 0.1)[0]
+
+    assert torch.autograd.gradcheck(loss, inputs)
+
+
+# -- Optimizer-step parity -----------------------------------------------------------------
+
+def run_both(cfg: ModelConfig, params, tc: TrainConfig, batches):
+    """Train from the same weights on the same batches; weights after step 1 and at the end."""
+    module = torch_module(cfg, params)
+    opt, sched = tt.make_optimizer(module, tc)
+    model = jax_model(cfg, params)
+    jopt, rngs = jt.make_optimizer(model, tc), nnx.Rngs(dropout=tc.seed)
+    torch_log, jax_log, after_1 = [], [], None
+    for i, (src, tgt, labels) in enumerate(batches):
+        with torch_parity_mode():
+            loss, lr = tt.train_step(module, opt, sched, t(src), t(tgt), t(labels), tc)
+        torch_log.append((loss.item(), lr))
+        with jax_parity_mode():
+            jloss, jlr = jt.train_step(model, jopt, rngs, src, tgt, labels, tc)
+        jax_log.append((float(jloss), float(jlr)))
+        if i == 0:  # from_state_dict returns views of the live torch weights: copy
+            after_1 = (own_copy(from_state_dict(cfg, module.state_dict())), to_params(model))
+    final = (from_state_dict(cfg, module.state_dict()), to_params(model))
+    return torch_log, jax_log, after_1, final
+
+
+@pytest.mark.parametrize("clip_norm", [None, 0.5])
+def test_optimizer_step_parity(clip_norm):
+    cfg = preset("tiny", **NO_DROPOUT, num_encoder_layers=1, num_decoder_layers=1)  # one compile each
+    params = perturbed_params(cfg)
+    tc = TrainConfig(warmup_steps=10, lr_factor=0.2, clip_norm=clip_norm)
+    batches = [batch(cfg, seed=100 + s) for s in range(20)]
+    if clip_norm is not None:  # make sure clipping is active on the first step
+        _, g = tt.gradients(torch_module(cfg, params), *map(t, batches[0]), tc.label_smoothing)
+        assert math.sqrt(sum(float(np.sum(v.astype(np.float64) ** 2)) for v in g.values())) > clip_norm
+
+    torch_log, jax_log, after_1, final = run_both(cfg, params, tc, batches)
+
+    expected = [paper_lr(s, cfg.d_model, 10, 0.2) for s in range(1, 21)]
+    assert [lr for _, lr in torch_log] == pytest.approx(expected, rel=1e-12)
+    np.testing.assert_allclose([lr for _, lr in jax_log], expected, rtol=1e-6)  # float32 schedule
+    np.testing.assert_allclose([x for x, _ in jax_log], [x for x, _ in torch_log], rtol=1e-4)
+
+    for (torch_p, jax_p), tol in ((after_1, 1e-5), (final, 1e-4)):
+        for key in param_shapes(cfg):
+            if not is_key_bias(key):
+                assert relative_error(torch_p[key], jax_p[key]) <= tol, key
+    # The weights moved, so the comparison above is not trivially true.
+    assert relative_error(final[1]["shared_embed.embedding"], params["shared_embed.embedding"]) > 1e-2
+    # Key biases (see is_key_bias) drift apart but cannot change the output: the float64
+    # reference gives the same logits from either framework's trained weights.
+    src, tgt, _ = batches[0]
+    logits = [reference_forward(as64(p), cfg, src, tgt) for p in final]
+    assert relative_error(logits[0], logits[1]) <= 1e-4
+
+
+def test_train_step_applies_dropout_reproducibly():
+    """With dropout on, a step's loss differs from the eval loss and is reproducible from the
+    seed: torch's global generator, JAX's explicit nnx.Rngs (the streams differ: PITFALLS 10)."""
+    cfg = preset("tiny", dropout=0.3, num_encoder_layers=1, num_decoder_layers=1)
+    params, tc = perturbed_params(cfg), TrainConfig(warmup_steps=10, seed=3)
+    src, tgt, labels = batch(cfg, seed=7)
+    eval_loss = reference_loss(as64(params), cfg, src, tgt, labels, tc.label_smoothing)
+
+    def torch_loss() -> float:
+        with torch.random.fork_rng():  # leave the global generator as other tests find it
+            torch.manual_seed(tc.seed)
+            module = torch_module(cfg, params)
+            loss, _ = tt.train_step(module, *tt.make_optimizer(module, tc), t(src), t(tgt), t(labels), tc)
+            return loss.item()
+
+    jax_start = jax_model(cfg, params)
+    jax_start = (jax_start, jt.make_optimizer(jax_start, tc))
+
+    def jax_loss() -> float:
+        # Clones share the optimizer's transformation, so the second call reuses the compiled step.
+        model, optimizer = nnx.clone(jax_start)
+        rngs = nnx.Rngs(dropout=tc.seed)
+        return float(jt.train_step(model, optimizer, rngs, src, tgt, labels, tc)[0])
+
+    for loss_of in (torch_loss, jax_loss):
+        first = loss_of()
+        assert math.isfinite(first) and abs(first - eval_loss) > 1e-3
+        assert loss_of() == first

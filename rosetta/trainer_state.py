@@ -1,0 +1,61 @@
+"""The trainer-state file: what an exact resume needs besides the weights (optimizer moments,
+step, schedule counters, dropout-generator state), as flat NumPy arrays in one safetensors
+file. Framework-free: each `Trainer.state_dict()` (torch_impl/train.py, jax_impl/train.py)
+returns the arrays, the harness writes them; the keys are the framework's own.
+"""
+
+from __future__ import annotations
+
+import os
+from collections.abc import Mapping
+from pathlib import Path
+
+import numpy as np
+import safetensors
+import safetensors.numpy
+
+from rosetta.checkpoint import atomic_write_bytes
+from rosetta.errors import CheckpointError
+
+FORMAT = "rosetta-trainer-state/1"
+
+
+def check_state(state: Mapping[str, np.ndarray], shapes: Mapping[str, tuple[int, ...]],
+                framework: str) -> None:
+    """Refuse trainer state whose keys or shapes differ from what this trainer holds."""
+    missing, extra = sorted(set(shapes) - set(state)), sorted(set(state) - set(shapes))
+    if missing or extra:
+        raise CheckpointError(f"{framework} trainer state does not match this trainer: missing "
+                              f"{missing[:3]}, unexpected {extra[:3]} (another framework or config?)")
+    for key, shape in shapes.items():
+        if tuple(np.shape(state[key])) != tuple(shape):
+            raise CheckpointError(f"{framework} trainer state {key} has shape {np.shape(state[key])}, "
+                                  f"expected {tuple(shape)}")
+
+
+def save_trainer_state(path: str | os.PathLike, state: Mapping[str, np.ndarray], framework: str) -> Path:
+    """Write `state` atomically (temporary file, fsync, rename), tagged with its framework."""
+    tensors = {key: np.ascontiguousarray(value) for key, value in state.items()}
+    data = safetensors.numpy.save(tensors, metadata={"format": FORMAT, "framework": framework})
+    path = Path(path)
+    atomic_write_bytes(path, data)
+    return path
+
+
+def load_trainer_state(path: str | os.PathLike, framework: str) -> dict[str, np.ndarray]:
+    """Read a trainer-state file written for `framework`; refuse another framework's."""
+    path = Path(path)
+    if not path.is_file():
+        raise CheckpointError(f"{path}: no such trainer-state file")
+    try:
+        with safetensors.safe_open(str(path), framework="numpy") as f:
+            metadata = dict(f.metadata() or {})
+            state = {key: f.get_tensor(key) for key in f.keys()}
+    except (safetensors.SafetensorError, OSError, ValueError) as e:
+        raise CheckpointError(f"{path}: not a readable trainer-state file: {e}") from None
+    if metadata.get("format") != FORMAT:
+        raise CheckpointError(f"{path}: format {metadata.get('format')!r}, expected {FORMAT!r}")
+    if metadata.get("framework") != framework:
+        raise CheckpointError(f"{path}: trainer state of framework {metadata.get('framework')!r}, "
+                              f"cannot resume it in {framework!r}")
+    return state

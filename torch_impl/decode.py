@@ -1,0 +1,115 @@
+"""Greedy and beam search in PyTorch with a preallocated key/value cache: the encoder runs
+once, each step feeds one token. Step for step the algorithm of numpy_ref/decode.py (read its
+docstring first); `cache=False` recomputes the whole prefix instead (for benchmarks)."""
+
+from __future__ import annotations
+
+import torch
+
+from numpy_ref.decode import NEG, Generation, output_limits, strip
+from rosetta.config import ModelConfig
+from torch_impl.model import Transformer, source_mask
+
+
+def length_penalty(length: torch.Tensor | int, alpha: float) -> torch.Tensor:
+    """lp(Y) = ((5 + |Y|) / 6)^alpha, Wu et al. 2016, eq. 14."""
+    return ((5.0 + torch.as_tensor(length, dtype=torch.float32)) / 6.0) ** alpha
+
+
+class Steps:
+    """next_log_probs(tokens, t): [N, V] log-probabilities of output position t for rows whose
+    emitted tokens are `tokens` [N, L]; `reorder(rows)` follows the beams' reordering."""
+
+    def __init__(self, module: Transformer, src: torch.Tensor, memory: torch.Tensor, length: int,
+                 cache: bool = True):
+        self.module, self.src, self.memory, self.cfg = module, src, memory, module.cfg
+        self.cache = module.init_cache(memory, length) if cache else None
+        self.cross_mask = source_mask(src, self.cfg.pad_id)
+
+    def next_log_probs(self, tokens: torch.Tensor, t: int) -> torch.Tensor:
+        bos = torch.full_like(tokens[:, :1], self.cfg.bos_id)
+        if self.cache is not None:
+            fed = bos[:, 0] if t == 0 else tokens[:, t - 1]
+            logits = self.module.decode_step(fed, t, self.cache, self.cross_mask)
+        else:  # the plain way: the whole prefix again
+            prefix = torch.cat([bos, tokens[:, :t]], dim=1)
+            hidden = self.module.decode(prefix, self.memory, self.src)[:, -1:]
+            logits = self.module.generator(hidden, self.module.tgt_table)[:, 0]
+        logp = torch.log_softmax(logits.float(), dim=-1)
+        logp[:, self.cfg.pad_id] = NEG  # never emit padding
+        return logp
+
+    def reorder(self, rows: torch.Tensor) -> None:
+        for layer_cache in self.cache or []:
+            layer_cache.self_k = layer_cache.self_k[rows]
+            layer_cache.self_v = layer_cache.self_v[rows]
+
+
+def topk_stable(x: torch.Tensor, k: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """The k largest along the last axis, ties to the lower index (as numpy's stable argsort
+    and jax.lax.top_k; torch.topk leaves tie order unspecified)."""
+    values, index = torch.sort(x, dim=-1, descending=True, stable=True)
+    return values[..., :k], index[..., :k]
+
+
+def greedy_search(module: Transformer, cfg: ModelConfig, src: torch.Tensor,
+                  max_len_margin: int = 50, cache: bool = True) -> Generation:
+    B = src.shape[0]
+    limits_np, L = output_limits(cfg, src.cpu().numpy(), max_len_margin)
+    limits = torch.as_tensor(limits_np, device=src.device)
+    steps = Steps(module, src, module.encode(src), L, cache)
+    tokens = torch.full((B, L), cfg.pad_id, device=src.device)
+    scores = torch.zeros(B, device=src.device)
+    done = torch.zeros(B, dtype=torch.bool, device=src.device)
+    for t in range(L):
+        logp = steps.next_log_probs(tokens, t)
+        best = logp.argmax(dim=-1)  # first maximum: the lower index wins ties
+        scores = torch.where(done, scores, scores + logp.gather(1, best[:, None])[:, 0])
+        tokens[:, t] = torch.where(done, cfg.pad_id, best)
+        done |= (best == cfg.eos_id) | (t + 1 >= limits)
+        if bool(done.all()):
+            break
+    return Generation(strip(cfg, tokens.cpu().numpy()), scores.double().cpu().numpy())
+
+
+def beam_search(module: Transformer, cfg: ModelConfig, src: torch.Tensor, beam_size: int = 4,
+                alpha: float = 0.6, max_len_margin: int = 50, cache: bool = True) -> Generation:
+    B, K, dev = src.shape[0], beam_size, src.device
+    limits_np, L = output_limits(cfg, src.cpu().numpy(), max_len_margin)
+    limits = torch.as_tensor(limits_np, device=dev)
+    memory = module.encode(src).repeat_interleave(K, dim=0)  # beam k of sentence b: row b*K+k
+    steps = Steps(module, src.repeat_interleave(K, dim=0), memory, L, cache)
+    seqs = torch.full((B, K, L), cfg.pad_id, device=dev)
+    alive = torch.tensor([0.0] + [NEG] * (K - 1), device=dev).repeat(B, 1)  # beam 0 expands first
+    fin_seqs, fin_scores = seqs.clone(), torch.full((B, K), NEG, device=dev)
+    done = torch.zeros(B, dtype=torch.bool, device=dev)
+    for t in range(L):
+        logp = steps.next_log_probs(seqs.view(B * K, L), t)
+        V = logp.shape[-1]
+        cand = (alive[:, :, None] + logp.view(B, K, V)).view(B, K * V)
+        top_logp, top = topk_stable(cand, 2 * K)
+        origin, token = top // V, top % V
+        top_seqs = seqs.gather(1, origin[:, :, None].expand(B, 2 * K, L)).clone()
+        top_seqs[:, :, t] = token
+        final = (token == cfg.eos_id) | (t + 1 >= limits)[:, None]
+        # Finished: keep the best K of the old finished and the new final candidates.
+        new_scores = torch.where(final, top_logp / length_penalty(t + 1, alpha), NEG)
+        all_scores = torch.cat([fin_scores, new_scores], dim=1)
+        new_fin_scores, keep = topk_stable(all_scores, K)
+        new_fin_seqs = torch.cat([fin_seqs, top_seqs], dim=1).gather(1, keep[:, :, None].expand(B, K, L))
+        # Alive: the best K candidates that did not finish.
+        new_alive, keep = topk_stable(torch.where(final, NEG, top_logp), K)
+        new_seqs = top_seqs.gather(1, keep[:, :, None].expand(B, K, L))
+        steps.reorder((torch.arange(B, device=dev)[:, None] * K + origin.gather(1, keep)).view(-1))
+        # Sentences already done keep their state.
+        frozen = done[:, None]
+        fin_scores = torch.where(frozen, fin_scores, new_fin_scores)
+        fin_seqs = torch.where(frozen[:, :, None], fin_seqs, new_fin_seqs)
+        alive = torch.where(frozen, alive, new_alive)
+        seqs = torch.where(frozen[:, :, None], seqs, new_seqs)
+        # Stop when no alive hypothesis can beat the worst kept finished one (see numpy_ref).
+        hopeless = fin_scores[:, -1] >= alive[:, 0] / length_penalty(limits, alpha)
+        done |= (t + 1 >= limits) | hopeless
+        if bool(done.all()):
+            break
+    return Generation(strip(cfg, fin_seqs[:, 0].cpu().numpy()), fin_scores[:, 0].double().cpu().numpy())
