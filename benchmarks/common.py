@@ -66,10 +66,10 @@ def time_it(fn: Callable[[], object], repeats: int = 3, warmup: int = 1) -> dict
             "repeats": repeats}
 
 
-def write_results(name: str, payload: dict, markdown: str) -> tuple[Path, Path]:
-    """benchmarks/results/<name>.json and .md, written atomically."""
-    RESULTS.mkdir(parents=True, exist_ok=True)
-    json_path, md_path = RESULTS / f"{name}.json", RESULTS / f"{name}.md"
+def write_results(name: str, payload: dict, markdown: str, out_dir: Path | None = None) -> tuple[Path, Path]:
+    """<out_dir or benchmarks/results>/<name>.json and .md, written atomically."""
+    out_dir = out_dir or RESULTS
+    json_path, md_path = out_dir / f"{name}.json", out_dir / f"{name}.md"
     atomic_write_bytes(json_path, (json.dumps(payload, indent=2) + "\n").encode())
     atomic_write_bytes(md_path, markdown.encode())
     return json_path, md_path
