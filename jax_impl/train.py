@@ -118,6 +118,17 @@ def _eval_loss(model: Transformer, src: jax.Array, tgt: jax.Array, labels: jax.A
     return loss_fn(model(src, tgt), labels, model.cfg.pad_id, label_smoothing)
 
 
+def _device(name: str | None) -> jax.Device:
+    """'cpu', 'gpu', 'cuda' or 'cuda:1' (torch's spelling) -> that JAX device; None: the default."""
+    if not name:
+        return jax.devices()[0]
+    platform, _, index = name.partition(":")
+    try:
+        return jax.devices(platform)[int(index or 0)]
+    except (RuntimeError, ValueError, IndexError) as e:
+        raise RosettaError(f"JAX has no device {name!r} here ({e})") from None
+
+
 # -- The harness adapter ---------------------------------------------------------------------
 
 class Trainer:
@@ -139,7 +150,7 @@ class Trainer:
         if dtype not in self.dtypes:
             raise RosettaError(f"the jax trainer computes in {', '.join(self.dtypes)}, not {dtype!r}")
         self.cfg, self.train_cfg, self.dtype = cfg, train_cfg, dtype
-        self.device = jax.devices(device)[0] if device else jax.devices()[0]
+        self.device = _device(device)
         self.parity = self.device.platform == "cpu" if parity is None else parity
         with jax.default_device(self.device):
             self.model = build_model(cfg, params, DTYPES[dtype])  # abstract, then the weights set

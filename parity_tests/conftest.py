@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import numpy as np
 import pytest
+import torch
 
 from rosetta import ModelConfig, init_params, preset
 from rosetta.parity import random_batch
@@ -32,6 +33,16 @@ BATCH_SHAPES: dict[str, tuple[int, int, int, bool]] = {
     "batch_of_one": (1, 7, 7, False),
     "tgt_longer_than_src": (3, 5, 13, True),
 }
+
+
+@pytest.fixture(autouse=True, scope="session")
+def one_torch_thread():
+    """The suite's models are tiny: PyTorch's OpenMP threads only add synchronisation, up to
+    100x slower on a busy 2-core machine. Speed is measured in benchmarks/, not here."""
+    saved = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(saved)
 
 
 def variant_config(name: str) -> ModelConfig:

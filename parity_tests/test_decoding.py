@@ -161,8 +161,6 @@ def copy_model():
 
     cfg = preset("tiny", src_vocab_size=16, tgt_vocab_size=16, dropout=0.0, max_len=32)
     tc = TrainConfig(warmup_steps=100, lr_factor=1.0, label_smoothing=0.0)
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)  # tiny matmuls: one thread is ~10x faster than two on 2 cores
     torch.manual_seed(0)
     module = TorchModel(cfg, init_params(cfg, seed=0), "float32", device="cpu").module
     optimizer, scheduler = torch_train.make_optimizer(module, tc)
@@ -176,7 +174,6 @@ def copy_model():
             tgt[i, : len(y) + 1] = [cfg.bos_id, *y]
             labels[i, : len(y) + 1] = [*y, cfg.eos_id]
         torch_train.train_step(module, optimizer, scheduler, *map(torch.from_numpy, (src, tgt, labels)), tc)
-    torch.set_num_threads(threads)
     return cfg, from_state_dict(cfg, module.state_dict())
 
 

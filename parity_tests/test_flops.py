@@ -34,6 +34,7 @@ def test_training_is_three_forwards_and_mfu_uses_the_peak():
     cfg = preset("base")
     assert training_flops(cfg, 8, 20, 20) == 3 * forward_flops(cfg, 8, 20, 20)
     assert peak_flops("NVIDIA H100 80GB HBM3", "bfloat16") == pytest.approx(989.4e12)
+    assert peak_flops("NVIDIA H100 PCIe", "bfloat16") == pytest.approx(756e12)
     assert peak_flops("cpu", "float32") is None
     assert mfu(989.4e12, 2.0, 989.4e12) == pytest.approx(0.5)
     assert mfu(1.0, 1.0, None) is None

@@ -26,15 +26,6 @@ pytestmark = [pytest.mark.filterwarnings("ignore:enable_nested_tensor is True:Us
 D, HEADS, D_FF, PAD, MAX_LEN = 32, 4, 64, 0, 64
 
 
-@pytest.fixture(autouse=True, scope="module")
-def one_thread():
-    """Tiny matmuls: OpenMP threads only add synchronisation (100x slower on a busy 2-core box)."""
-    saved = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(saved)
-
-
 def sinusoidal_table(max_len: int, d: int) -> torch.Tensor:
     """The paper's table: PE[p, 2i] = sin(p / 10000^(2i/d)), PE[p, 2i+1] = cos(p / 10000^(2i/d))."""
     pe = torch.zeros(max_len, d, dtype=torch.float64)

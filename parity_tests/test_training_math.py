@@ -45,15 +45,6 @@ GRAD_CONFIGS: dict[str, dict] = {
 }
 
 
-@pytest.fixture(autouse=True, scope="module")
-def one_thread():
-    """Tiny matmuls: OpenMP threads only add synchronisation on a small CPU box."""
-    saved = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(saved)
-
-
 # -- Helpers: written from the SPEC, not from the code under test ---------------------------
 
 def paper_lr(step: int, d_model: int, warmup: int, factor: float = 1.0) -> float:

@@ -5,12 +5,16 @@
     rosetta init --preset tiny --out m.safetensors [--set d_model=64 ...]
     rosetta config --preset base            # the config JSON and its parameter count
     echo "5 6 7 2" | rosetta generate --checkpoint m.safetensors --backend jax --beam 4
+    rosetta train --backend torch jax --task copy --steps 300 --out runs/copy
+    rosetta train --backend torch --task multi30k --pair de-en --vocab-size 8000 --epochs 10 --out runs/de-en
+    echo "Ein Hund läuft." | rosetta translate --run runs/de-en/torch --backend numpy --beam 4
 """
 
 from __future__ import annotations
 
 import argparse
 import json
+import logging
 import sys
 
 from rosetta.checkpoint import load_checkpoint, save_checkpoint
@@ -112,6 +116,133 @@ def cmd_config(args: argparse.Namespace) -> int:
     return 0
 
 
+def _run_config(args: argparse.Namespace):
+    from rosetta.harness import RunConfig
+
+    buckets = None
+    if args.buckets:
+        try:
+            buckets = tuple(int(b) for b in args.buckets.split(","))
+        except ValueError:
+            raise RosettaError(f"--buckets takes comma-separated lengths (16,32,64), got {args.buckets!r}") \
+                from None
+    return RunConfig(
+        backends=tuple(args.backend), out=args.out, preset=args.preset, overrides=_overrides(args.set),
+        task=args.task, pair=args.pair, data_dir=args.data_dir, vocab_size=args.vocab_size,
+        train_size=args.train_size, eval_size=args.eval_size, eval_split=args.eval_split,
+        synthetic_max_len=args.synthetic_max_len, max_tokens=args.max_tokens, buckets=buckets,
+        steps=args.steps, epochs=args.epochs, eval_every=args.eval_every,
+        checkpoint_every=args.checkpoint_every, keep=args.keep, log_every=args.log_every,
+        resume=args.resume, overwrite=args.overwrite, dtype=args.dtype, device=args.device,
+        warmup=args.warmup, lr_factor=args.lr_factor, label_smoothing=args.label_smoothing,
+        clip_norm=args.clip_norm, seed=args.seed, beam=args.beam, alpha=args.alpha,
+        max_len_margin=args.margin, bleu_samples=args.bleu_samples, peak_tflops=args.peak_tflops,
+        progress=args.progress,
+    )
+
+
+class _StderrHandler(logging.Handler):
+    """Progress messages to whatever sys.stderr is at the time (pytest swaps it per test)."""
+
+    def emit(self, record: logging.LogRecord) -> None:
+        print(self.format(record), file=sys.stderr)
+
+
+def cmd_train(args: argparse.Namespace) -> int:
+    from pathlib import Path
+
+    from rosetta.harness import check_run, train
+
+    run = _run_config(args)
+    check_run(run)
+    logger = logging.getLogger("rosetta.harness")  # ours only: not every library's INFO lines
+    if not any(isinstance(h, _StderrHandler) for h in logger.handlers):
+        handler = _StderrHandler()
+        handler.setFormatter(logging.Formatter("rosetta: %(message)s"))
+        logger.addHandler(handler)
+    logger.setLevel(logging.INFO)
+    if args.download and run.task == "multi30k":
+        from rosetta.data import default_data_dir, download_multi30k
+
+        download_multi30k(run.data_dir or default_data_dir(), splits=("train", run.eval_split),
+                          langs=run.pair.split("-"))
+    train(run)
+    summary = Path(run.out) / "summary.md"
+    if summary.is_file():
+        print(summary.read_text(encoding="utf-8"), end="")
+    return 0
+
+
+def cmd_translate(args: argparse.Namespace) -> int:
+    from rosetta.backends import load
+    from rosetta.tokenizer import Tokenizer
+    from rosetta.translate import resolve_run, translate_lines
+
+    if bool(args.run) == bool(args.checkpoint):
+        raise RosettaError("give --run DIR, or --checkpoint FILE (with --tokenizer FILE for a text model)")
+    if args.run:
+        if args.tokenizer:
+            raise RosettaError("--tokenizer goes with --checkpoint; a run directory holds its own")
+        checkpoint, tokenizer_path = resolve_run(args.run)
+    else:
+        checkpoint, tokenizer_path = args.checkpoint, args.tokenizer
+    tokenizer = Tokenizer.load(tokenizer_path) if tokenizer_path else None
+    model = load(checkpoint, args.backend, args.dtype)
+    if tokenizer is not None and tokenizer.vocab_size != model.config.src_vocab_size:
+        raise RosettaError(f"the tokenizer has {tokenizer.vocab_size} ids but the model's source vocabulary "
+                           f"has {model.config.src_vocab_size}: not the tokenizer the model was trained with")
+    lines = sys.stdin.read().splitlines()
+    for line in translate_lines(model, tokenizer, lines, args.beam, args.alpha, args.margin, args.batch_size):
+        print(line)
+    return 0
+
+
+def _add_train_args(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--backend", nargs="+", default=["torch"], metavar="NAME",
+                   help="torch and/or jax; several train one after the other in OUT/<backend>/")
+    p.add_argument("--preset", default="tiny", help=f"model preset: {', '.join(sorted(PRESETS))}")
+    p.add_argument("--set", action="append", default=[], metavar="FIELD=VALUE",
+                   help="override a model config field (repeatable), e.g. --set dropout=0")
+    p.add_argument("--seed", type=int, default=0, help="seeds initial weights, batch order, dropout, data")
+    p.add_argument("--out", default="runs/train", help="output directory (default runs/train)")
+    p.add_argument("--resume", action="store_true", help="continue the run in OUT from its latest checkpoint")
+    p.add_argument("--overwrite", action="store_true", help="delete an earlier run in OUT and start afresh")
+    data = p.add_argument_group("data")
+    data.add_argument("--task", default="copy", help="copy, reverse (synthetic, no files) or multi30k")
+    data.add_argument("--pair", default="de-en", help="Multi30k language pair, source-target")
+    data.add_argument("--data-dir", help="Multi30k directory (default $ROSETTA_DATA_DIR or ../shared/data)")
+    data.add_argument("--download", action="store_true", help="fetch missing Multi30k files (network)")
+    data.add_argument("--vocab-size", type=int, default=8000, help="joint BPE vocabulary size (Multi30k)")
+    data.add_argument("--train-size", type=int, help="first N training pairs (synthetic: N generated)")
+    data.add_argument("--eval-size", type=int, help="first N evaluation pairs (synthetic default 500)")
+    data.add_argument("--eval-split", default="val", help="Multi30k split for validation loss and BLEU")
+    data.add_argument("--synthetic-max-len", type=int, default=16, help="longest synthetic sequence")
+    data.add_argument("--max-tokens", type=int, default=4096, help="tokens per batch (paper §5.1: 25000)")
+    data.add_argument("--buckets", help="bucket lengths, e.g. 16,32,64 (default 8,16,...,max_len)")
+    length = p.add_argument_group("schedule").add_mutually_exclusive_group()
+    length.add_argument("--steps", type=int, help="optimizer steps in all (default 1000)")
+    length.add_argument("--epochs", type=int, help="or: passes over the training data")
+    opt = p.add_argument_group("optimizer (paper §5.3, §5.4)")
+    opt.add_argument("--warmup", type=int, default=4000, help="warmup steps of eq. 3")
+    opt.add_argument("--lr-factor", type=float, default=1.0, help="factor on eq. 3's learning rate")
+    opt.add_argument("--label-smoothing", type=float, default=0.1)
+    opt.add_argument("--clip-norm", type=float, help="global gradient-norm clipping (default none)")
+    opt.add_argument("--dtype", default="float32", help="compute dtype: float32 or bfloat16")
+    opt.add_argument("--device", help="framework device, e.g. cpu or cuda (default: the framework's)")
+    ev = p.add_argument_group("evaluation, checkpoints, logging")
+    ev.add_argument("--eval-every", type=int, default=500, help="steps between evaluations (0: at the end)")
+    ev.add_argument("--beam", type=int, default=1, help="beam size for BLEU; 1 = greedy")
+    ev.add_argument("--alpha", type=float, default=0.6, help="length penalty exponent (Wu et al. 2016)")
+    ev.add_argument("--margin", type=int, default=50, help="max output length = source length + margin")
+    ev.add_argument("--bleu-samples", type=int, help="BLEU on the first N evaluation pairs (default all)")
+    ev.add_argument("--checkpoint-every", type=int, default=500, help="steps between checkpoints (0: end)")
+    ev.add_argument("--keep", type=int, default=3, help="checkpoints kept (the newest)")
+    ev.add_argument("--log-every", type=int, default=1, help="steps between log.jsonl records")
+    ev.add_argument("--peak-tflops", type=float, help="device peak TFLOP/s for MFU (default: known GPUs)")
+    ev.add_argument("--progress", action=argparse.BooleanOptionalAction, default=None,
+                    help="progress bar (default: when stderr is a terminal)")
+
+
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="rosetta", description=__doc__,
                                      formatter_class=argparse.RawDescriptionHelpFormatter)
@@ -146,6 +277,22 @@ def build_parser() -> argparse.ArgumentParser:
     p = cmds.add_parser("config", help="print a preset's config JSON and parameter count")
     _add_model_args(p)
     p.set_defaults(func=cmd_config)
+
+    p = cmds.add_parser("train", help="train torch and/or jax on the same data (synthetic copy by default)")
+    _add_train_args(p)
+    p.set_defaults(func=cmd_train)
+
+    p = cmds.add_parser("translate", help="translate stdin (a sentence a line) with a trained run")
+    p.add_argument("--run", help="a `rosetta train` output directory (its newest checkpoint)")
+    p.add_argument("--checkpoint", help="or: a model.safetensors file ...")
+    p.add_argument("--tokenizer", help="... and its tokenizer.json (none: lines are token ids)")
+    p.add_argument("--backend", default="numpy", help="numpy, torch or jax")
+    p.add_argument("--dtype", default=None, help="compute dtype (default: the backend's first)")
+    p.add_argument("--beam", type=int, default=4, help="beam size (the paper's 4); 1 = greedy search")
+    p.add_argument("--alpha", type=float, default=0.6, help="length penalty exponent (Wu et al. 2016)")
+    p.add_argument("--margin", type=int, default=50, help="max output length = source length + margin")
+    p.add_argument("--batch-size", type=int, default=32)
+    p.set_defaults(func=cmd_translate)
     return parser
 
 

@@ -37,7 +37,9 @@ def training_flops(cfg: ModelConfig, batch: int, src_len: int, tgt_len: int) -> 
 
 # Dense matmul peaks in TFLOP/s (vendor data sheets, without sparsity). float32 means TF32
 # tensor cores: the setting the benchmarks use for float32 throughput on GPUs.
+# Looked up in order, first match wins: the PCIe H100 before the SXM one.
 PEAK_TFLOPS: dict[tuple[str, str], float] = {
+    ("H100 PCIe", "bfloat16"): 756.0, ("H100 PCIe", "float32"): 378.0,
     ("H100", "bfloat16"): 989.4, ("H100", "float32"): 494.7,  # SXM (HBM3); H200 has the same chip
     ("H200", "bfloat16"): 989.4, ("H200", "float32"): 494.7,
     ("A100", "bfloat16"): 312.0, ("A100", "float32"): 156.0,

@@ -35,7 +35,7 @@ def check_state(state: Mapping[str, np.ndarray], shapes: Mapping[str, tuple[int,
 
 def save_trainer_state(path: str | os.PathLike, state: Mapping[str, np.ndarray], framework: str) -> Path:
     """Write `state` atomically (temporary file, fsync, rename), tagged with its framework."""
-    tensors = {key: np.ascontiguousarray(value) for key, value in state.items()}
+    tensors = {key: np.array(value, order="C") for key, value in state.items()}  # keeps 0-d arrays 0-d
     data = safetensors.numpy.save(tensors, metadata={"format": FORMAT, "framework": framework})
     path = Path(path)
     atomic_write_bytes(path, data)

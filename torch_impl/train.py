@@ -21,7 +21,7 @@ from rosetta.metrics import cpu_name, max_rss_bytes
 from rosetta.params import Params
 from rosetta.trainer_state import check_state
 from rosetta.training import TrainConfig, learning_rate
-from torch_impl.backend import DTYPES, Model, parity_mode
+from torch_impl.backend import DTYPES, Model, default_device, parity_mode
 from torch_impl.convert import from_state_dict
 from torch_impl.model import Transformer
 
@@ -96,6 +96,17 @@ def gradients(module: Transformer, src: torch.Tensor, tgt: torch.Tensor, labels:
 
 
 
+def _device(name: str | None) -> torch.device:
+    """'cpu', 'cuda' or 'cuda:1' -> that torch device, checked; None: CUDA if available, else CPU."""
+    try:
+        device = torch.device(name or default_device())
+    except RuntimeError as e:
+        raise RosettaError(f"torch has no device {name!r}: {e}") from None
+    if device.type == "cuda" and not torch.cuda.is_available():
+        raise RosettaError(f"torch has no device {name!r} here (no CUDA)")
+    return device
+
+
 # -- The harness adapter ---------------------------------------------------------------------
 
 class Trainer:
@@ -118,7 +129,7 @@ class Trainer:
         if dtype not in self.dtypes:
             raise RosettaError(f"the torch trainer computes in {', '.join(self.dtypes)}, not {dtype!r}")
         self.cfg, self.train_cfg, self.dtype = cfg, train_cfg, dtype
-        model = Model(cfg, params, dtype, device=device)  # meta device, then the weights assigned
+        model = Model(cfg, params, dtype, device=str(_device(device)))  # meta device, then the weights
         self.device, self.module, self.autocast = model.device, model.module, DTYPES[dtype][1]
         self.parity = self.device.type == "cpu" if parity is None else parity
         self.optimizer, self.scheduler = make_optimizer(self.module, train_cfg)

@@ -1,0 +1,32 @@
+"""The benchmark runners run end to end (tiny preset, one repeat). No timing assertions:
+speed is measured by benchmarks/, on purpose never judged in unit tests."""
+
+from __future__ import annotations
+
+from benchmarks import decode_speed
+from benchmarks.common import environment
+from benchmarks.run import markdown, run
+
+
+def test_benchmark_runner_smoke():
+    result, device = run("smoke")
+    rows = result["rows"]
+    impls = {(r["task"], r["impl"]) for r in rows}
+    assert {("train", "torch"), ("train", "jax"), ("train", "peer"), ("forward", "numpy"),
+            ("decode", "jax"), ("decode", "peer")} <= impls
+    assert all(r["median_s"] > 0 for r in rows)
+    # Every measurement of ours has a ratio against the nn.Transformer peer where one exists.
+    assert all("ratio_vs_peer" in r for r in rows if r["task"] == "train" and r["impl"] != "peer")
+    text = markdown(result, environment())
+    assert "| tiny | float32 | jax |" in text and device in text
+
+
+def test_decode_speed_smoke():
+    result = decode_speed.run(quick=True)
+    modes = {(r["backend"], r["search"], r["cache"]) for r in result["rows"]}
+    assert ("jax", "beam 4", True) in modes and ("numpy", "greedy", False) in modes
+    # Cached and uncached searches emit the same tokens (the benchmark compares like with like).
+    tokens = {(r["backend"], r["search"]): set() for r in result["rows"]}
+    for r in result["rows"]:
+        tokens[r["backend"], r["search"]].add(r["tokens"])
+    assert all(len(counts) == 1 for counts in tokens.values())

@@ -1,0 +1,468 @@
+"""The shared training loop: one loop trains PyTorch and JAX on the same data, from the same
+initial weights (rosetta.init_params), with the same schedule, through each framework's
+`Trainer` adapter (torch_impl/train.py, jax_impl/train.py). Framework-free itself: a framework
+is imported only when its trainer is built.
+
+    from rosetta.harness import RunConfig, train
+    results = train(RunConfig(backends=("torch", "jax"), task="copy", steps=300, out="runs/copy"))
+
+Per backend `b`, `out/b/` holds `run.json` (settings), `log.jsonl` (one JSON record per logged
+step and per evaluation), `checkpoints/` (rosetta/checkpoint_dir.py), `result.json`,
+`plot.png`, and `tokenizer.json` for text tasks; `out/` holds the combined `plot.png`,
+`summary.json` and `summary.md`. Batching is by token budget (paper §5.1, rosetta/batching.py),
+the optimizer and schedule are §5.3's, label smoothing and dropout §5.4's.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import importlib
+import json
+import logging
+import shutil
+import sys
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+
+from rosetta.batching import Batch, BatchIterator, eval_batches, restore_order
+from rosetta.checkpoint import atomic_write_bytes, load_checkpoint, save_checkpoint
+from rosetta.checkpoint_dir import clean_temporaries, latest_checkpoint, save_checkpoint_dir
+from rosetta.config import ModelConfig, preset
+from rosetta.errors import RosettaError
+from rosetta.flops import training_flops
+from rosetta.metrics import batch_lengths, mfu, peak_flops, real_training_flops
+from rosetta.params import init_params
+from rosetta.report import read_log, summarize, write_log, write_plot, write_summary
+from rosetta.tasks import TaskData, check_task, load_task, parse_pair
+from rosetta.trainer_state import load_trainer_state, save_trainer_state
+from rosetta.training import TrainConfig
+
+log = logging.getLogger("rosetta.harness")
+
+TRAINERS: dict[str, str] = {"torch": "torch_impl.train", "jax": "jax_impl.train"}
+RUN_FORMAT = "rosetta-run/1"
+DEFAULT_STEPS = 1000
+# The settings a resumed run must share with the run it continues (what fixes its batches,
+# weights and schedule); the rest (steps, evaluation, checkpoint and logging cadence) may change.
+IDENTITY_FIELDS: tuple[str, ...] = (
+    "preset", "overrides", "task", "pair", "vocab_size", "train_size", "synthetic_max_len", "max_tokens",
+    "buckets", "dtype", "warmup", "lr_factor", "label_smoothing", "clip_norm", "seed",
+)
+
+
+@dataclass(frozen=True)
+class RunConfig:
+    """Every setting of `rosetta train` (the CLI flags, one to one). `steps` or `epochs` sets
+    the length (neither: DEFAULT_STEPS); `eval_every` / `checkpoint_every` 0 means at the end
+    only; `bleu_samples` None evaluates BLEU on the whole evaluation split."""
+
+    backends: tuple[str, ...] = ("torch",)
+    out: str = "runs/train"
+    preset: str = "tiny"
+    overrides: dict[str, Any] = field(default_factory=dict)
+    task: str = "copy"
+    pair: str = "de-en"
+    data_dir: str | None = None
+    vocab_size: int = 8000
+    train_size: int | None = None
+    eval_size: int | None = None
+    eval_split: str = "val"
+    synthetic_max_len: int = 16
+    max_tokens: int = 4096
+    buckets: tuple[int, ...] | None = None
+    steps: int | None = None
+    epochs: int | None = None
+    eval_every: int = 500
+    checkpoint_every: int = 500
+    keep: int = 3
+    log_every: int = 1
+    resume: bool = False
+    overwrite: bool = False
+    dtype: str = "float32"
+    device: str | None = None
+    warmup: int = 4000
+    lr_factor: float = 1.0
+    label_smoothing: float = 0.1
+    clip_norm: float | None = None
+    seed: int = 0
+    beam: int = 1
+    alpha: float = 0.6
+    max_len_margin: int = 50
+    bleu_samples: int | None = None
+    peak_tflops: float | None = None
+    progress: bool | None = None
+
+    def to_dict(self) -> dict[str, Any]:
+        return {k: list(v) if isinstance(v, tuple) else v for k, v in dataclasses.asdict(self).items()}
+
+    def identity(self) -> dict[str, Any]:
+        return {name: self.to_dict()[name] for name in IDENTITY_FIELDS}
+
+    def train_config(self) -> TrainConfig:
+        return TrainConfig(label_smoothing=self.label_smoothing, warmup_steps=self.warmup,
+                           lr_factor=self.lr_factor, clip_norm=self.clip_norm, seed=self.seed)
+
+
+# -- Checks that run before any data is read or framework imported --------------------------------
+
+def _positive(name: str, value: Any, minimum: int = 1, optional: bool = False) -> None:
+    if optional and value is None:
+        return
+    if isinstance(value, bool) or not isinstance(value, int) or value < minimum:
+        raise RosettaError(f"--{name.replace('_', '-')} must be an integer >= {minimum}, got {value!r}")
+
+
+def check_run(run: RunConfig) -> None:
+    """Refuse bad settings with a message that names the flag."""
+    if not run.backends:
+        raise RosettaError("give at least one --backend (torch, jax)")
+    if len(set(run.backends)) != len(run.backends):
+        raise RosettaError(f"--backend lists a backend twice: {' '.join(run.backends)}")
+    for name in run.backends:
+        if name == "numpy":
+            raise RosettaError("backend 'numpy' is the forward-only reference and cannot train; "
+                               "train with torch or jax (and translate with numpy)")
+        if name not in TRAINERS:
+            raise RosettaError(f"unknown training backend {name!r}; choose from {', '.join(TRAINERS)}")
+    check_task(run.task)
+    if run.task == "multi30k":
+        parse_pair(run.pair)
+    if run.steps is not None and run.epochs is not None:
+        raise RosettaError("give --steps or --epochs, not both")
+    for name in ("steps", "epochs", "train_size", "eval_size", "bleu_samples"):
+        _positive(name, getattr(run, name), optional=True)
+    for name in ("max_tokens", "keep", "log_every", "synthetic_max_len", "beam"):
+        _positive(name, getattr(run, name))
+    for name in ("eval_every", "checkpoint_every", "max_len_margin"):
+        _positive(name, getattr(run, name), minimum=0)
+    if run.dtype not in ("float32", "bfloat16"):
+        raise RosettaError(f"--dtype must be float32 or bfloat16, got {run.dtype!r}")
+    if run.resume and run.overwrite:
+        raise RosettaError("--resume continues a run and --overwrite discards it: give one of them")
+    if run.peak_tflops is not None and not run.peak_tflops > 0:
+        raise RosettaError(f"--peak-tflops must be positive, got {run.peak_tflops!r}")
+    run.train_config()  # TrainConfig checks its own fields (ConfigError names the field)
+
+
+def trainer_class(backend: str) -> type:
+    """The framework's `Trainer` (imports the framework)."""
+    try:
+        module = importlib.import_module(TRAINERS[backend])
+    except ImportError as e:
+        raise RosettaError(f"backend {backend!r} cannot train here ({e.name} is not installed): "
+                           f"pip install 'rosetta-transformer[{backend}]'") from None
+    return module.Trainer
+
+
+def _run_dir_state(run_dir: Path) -> str:
+    """'none', 'run' (a rosetta run: run.json) or 'foreign' (something else, non-empty)."""
+    if (run_dir / "run.json").is_file():
+        return "run"
+    if run_dir.exists() and (not run_dir.is_dir() or any(run_dir.iterdir())):
+        return "foreign"
+    return "none"
+
+
+def _read_json(path: Path) -> dict[str, Any]:
+    try:
+        return json.loads(path.read_text(encoding="utf-8"))
+    except (OSError, json.JSONDecodeError) as e:
+        raise RosettaError(f"cannot read {path}: {e}") from None
+
+
+def check_out_dirs(run: RunConfig) -> list[Path]:
+    """Refuse to clobber: a fresh run needs empty backend directories (or --overwrite);
+    --resume needs the run to be there, started with the same settings. Returns the earlier
+    runs that --overwrite will delete (once the new run's data has loaded)."""
+    out, doomed = Path(run.out), []
+    for backend in run.backends:
+        run_dir = out / backend
+        state = _run_dir_state(run_dir)
+        if state == "foreign":
+            raise RosettaError(f"{run_dir} exists and is not a rosetta training run; choose another --out")
+        if run.resume:
+            if state != "run":
+                found = sorted(p.parent.name for p in out.glob("*/run.json"))
+                raise RosettaError(f"--resume: {run_dir} holds no run to resume (runs in {out}: "
+                                   f"{', '.join(found) or 'none'})")
+            saved = _read_json(run_dir / "run.json")
+            if saved.get("backend") != backend:
+                raise RosettaError(f"--resume: {run_dir} was trained with backend {saved.get('backend')!r}, "
+                                   f"not {backend!r}")
+            diffs = [f"{k}={saved['identity'].get(k)!r} (now {v!r})"
+                     for k, v in run.identity().items() if saved.get("identity", {}).get(k) != v]
+            if diffs:
+                raise RosettaError(f"cannot resume {run_dir} with different settings: it was started with "
+                                   f"{'; '.join(diffs)}; use the same settings, a new --out, or --overwrite")
+        elif state == "run":
+            if not run.overwrite:
+                result = run_dir / "result.json"
+                how = "finished" if result.is_file() else "unfinished"
+                raise RosettaError(f"{run_dir} already holds a {how} run; pass --resume to continue it or "
+                                   f"--overwrite to replace it")
+            doomed.append(run_dir)
+    return doomed
+
+
+# -- Data, model, evaluation -----------------------------------------------------------------
+
+def _model_config(run: RunConfig, task: TaskData) -> ModelConfig:
+    overrides = dict(run.overrides)
+    if task.tokenizer is not None:  # the joint BPE vocabulary sizes both tables (§5.1)
+        size = task.tokenizer.vocab_size
+        overrides |= {"src_vocab_size": size, "tgt_vocab_size": size}
+    return preset(run.preset, **overrides)
+
+
+def _load_task(run: RunConfig) -> TaskData:
+    """The task's data; on --resume a text task reloads the run's own tokenizer."""
+    tokenizer_path = None
+    if run.resume and run.task == "multi30k":
+        paths = [Path(run.out) / b / "tokenizer.json" for b in run.backends]
+        texts = {p.read_text(encoding="utf-8") if p.is_file() else None for p in paths}
+        if None in texts or len(texts) != 1:
+            raise RosettaError(f"--resume: the runs in {run.out} do not share one tokenizer.json")
+        tokenizer_path = paths[0]
+    base = preset(run.preset, **run.overrides)
+    return load_task(run.task, vocab_size=min(base.src_vocab_size, base.tgt_vocab_size), seed=run.seed,
+                     train_size=run.train_size, eval_size=run.eval_size, eval_split=run.eval_split,
+                     pair=run.pair, data_dir=run.data_dir,
+                     bpe_vocab_size=run.vocab_size, tokenizer_path=tokenizer_path,
+                     synthetic_max_len=run.synthetic_max_len)
+
+
+def _batching(run: RunConfig, cfg: ModelConfig) -> dict[str, Any]:
+    return dict(max_len=cfg.max_len, buckets=run.buckets, pad_id=cfg.pad_id, bos_id=cfg.bos_id,
+                eos_id=cfg.eos_id)
+
+
+def evaluate(trainer: Any, task: TaskData, loss_batches: list[Batch], gen_batches: list[Batch],
+             num_gen: int, run: RunConfig) -> dict[str, Any]:
+    """Validation loss, and BLEU (sacrebleu) of `model.generate` through the backend interface:
+    greedy by default, beam search with `run.beam` > 1; exact-match accuracy for synthetic tasks."""
+    try:
+        import sacrebleu
+    except ImportError:
+        raise RosettaError("BLEU needs sacrebleu: pip install 'rosetta-transformer[train]'") from None
+    start = time.perf_counter()
+    val_loss = trainer.eval_loss(loss_batches)
+    model = trainer.backend_model()
+    outputs = [model.generate(b.src, run.beam, run.alpha, run.max_len_margin).tokens for b in gen_batches]
+    hyp_ids = restore_order(gen_batches, outputs, num_gen)
+    kept = [i for i, h in enumerate(hyp_ids) if h is not None]  # pairs too long for the buckets drop out
+    hyps = [task.detokenize(hyp_ids[i]) for i in kept]
+    refs = [task.eval_refs[i] for i in kept]
+    # Id strings are already tokens: no further tokenisation for the synthetic tasks.
+    bleu = sacrebleu.corpus_bleu(hyps, [refs], tokenize="none" if task.synthetic else "13a").score
+    exact = (float(np.mean([list(hyp_ids[i]) == list(task.eval_pairs[i][1]) for i in kept]))
+             if task.synthetic and kept else None)
+    sample = {"hyp": hyps[0], "ref": refs[0]} if kept else None
+    return {"val_loss": val_loss, "bleu": bleu, "exact_match": exact, "bleu_sentences": len(kept),
+            "sample": sample, "eval_time_s": time.perf_counter() - start}
+
+
+# -- One backend -----------------------------------------------------------------------------
+
+class _Run:
+    """One backend's training run in `out/<backend>/`."""
+
+    def __init__(self, run: RunConfig, backend: str, task: TaskData, cfg: ModelConfig, params0: dict):
+        self.run, self.backend, self.task, self.cfg = run, backend, task, cfg
+        self.dir = Path(run.out) / backend
+        self.ckpt_root = self.dir / "checkpoints"
+        self.log_path = self.dir / "log.jsonl"
+        self.train_cfg = run.train_config()
+        batching = _batching(run, cfg)
+        self.iterator = BatchIterator(task.train_pairs, max_tokens=run.max_tokens, seed=run.seed, **batching)
+        self.total_steps = run.steps or (run.epochs * self.iterator.batches_per_epoch if run.epochs
+                                         else DEFAULT_STEPS)
+        self.loss_batches, _ = eval_batches(task.eval_pairs, max_tokens=run.max_tokens, **batching)
+        self.num_gen = min(run.bleu_samples or len(task.eval_pairs), len(task.eval_pairs))
+        self.gen_batches, _ = eval_batches(task.eval_pairs[:self.num_gen], max_tokens=run.max_tokens,
+                                           **batching)
+        self.params0, self.elapsed0 = params0, 0.0
+
+    # -- start or resume -------------------------------------------------------------------
+    def start(self) -> Any:
+        Trainer = trainer_class(self.backend)
+        if self.run.resume:
+            clean_temporaries(self.ckpt_root)
+            ckpt_dir = latest_checkpoint(self.ckpt_root)
+            if ckpt_dir is not None:
+                return self._resume(Trainer, ckpt_dir)
+            log.info("%s: no checkpoint yet in %s: starting from step 0", self.backend, self.ckpt_root)
+        self.dir.mkdir(parents=True, exist_ok=True)
+        record = {"format": RUN_FORMAT, "backend": self.backend, "identity": self.run.identity(),
+                  "model_config": self.cfg.to_dict(), "train_config": self.train_cfg.to_dict(),
+                  "args": self.run.to_dict()}
+        atomic_write_bytes(self.dir / "run.json", json.dumps(record, indent=2).encode("utf-8"))
+        if self.task.tokenizer is not None:
+            self.task.tokenizer.save(self.dir / "tokenizer.json")
+        write_log(self.log_path, [])
+        return Trainer(self.cfg, self.params0, self.train_cfg, device=self.run.device, dtype=self.run.dtype)
+
+    def _resume(self, Trainer: type, ckpt_dir: Path) -> Any:
+        state = _read_json(ckpt_dir / "state.json")
+        ckpt = load_checkpoint(ckpt_dir / "model.safetensors")
+        if ckpt.config != self.cfg:
+            raise RosettaError(f"cannot resume {self.dir}: its checkpoint's model config differs from this "
+                               f"command's ({ckpt_dir / 'model.safetensors'})")
+        trainer = Trainer(ckpt.config, ckpt.params, self.train_cfg, device=self.run.device,
+                          dtype=self.run.dtype)
+        trainer.load_state_dict(load_trainer_state(ckpt_dir / "trainer_state.safetensors", self.backend))
+        self.iterator.load_state_dict(state["data"])
+        step = int(state["step"])
+        if trainer.step_count != step:
+            raise RosettaError(f"{ckpt_dir}: trainer state at step {trainer.step_count}, state.json {step}")
+        write_log(self.log_path, [r for r in read_log(self.log_path) if r.get("step", 0) <= step])
+        self.elapsed0 = float(state.get("elapsed_s", 0.0))
+        log.info("%s: resumed from %s (step %d)", self.backend, ckpt_dir, step)
+        return trainer
+
+    # -- checkpoints -----------------------------------------------------------------------
+    def save(self, trainer: Any, elapsed: float) -> Path:
+        step = trainer.step_count
+        state = {"format": "rosetta-train-checkpoint/1", "step": step, "backend": self.backend,
+                 "dtype": self.run.dtype, "data": self.iterator.state_dict(), "elapsed_s": elapsed,
+                 "train_config": self.train_cfg.to_dict(), "run": self.run.to_dict()}
+
+        def write(tmp: Path) -> None:
+            save_checkpoint(tmp / "model.safetensors", self.cfg, trainer.params(),
+                            metadata={"step": str(step), "backend": self.backend})
+            save_trainer_state(tmp / "trainer_state.safetensors", trainer.state_dict(), self.backend)
+            atomic_write_bytes(tmp / "state.json", json.dumps(state, indent=2).encode("utf-8"))
+            if self.task.tokenizer is not None:
+                self.task.tokenizer.save(tmp / "tokenizer.json")
+
+        return save_checkpoint_dir(self.ckpt_root, step, write, self.run.keep)
+
+    # -- the loop --------------------------------------------------------------------------
+    def train(self) -> dict[str, Any]:
+        run = self.run
+        trainer = self.start()
+        if trainer.step_count >= self.total_steps and (self.dir / "result.json").is_file():
+            log.info("%s: already at step %d of %d: nothing to do", self.backend, trainer.step_count,
+                     self.total_steps)
+            return _read_json(self.dir / "result.json")
+        progress = _progress_bar(run, self.backend, self.total_steps, trainer.step_count)
+        with self.log_path.open("a", encoding="utf-8") as log_file:
+            self._loop(trainer, log_file, progress)
+        progress.close()
+        records = read_log(self.log_path)
+        result = {"backend": self.backend, "dtype": run.dtype, **summarize(records)}
+        atomic_write_bytes(self.dir / "result.json", json.dumps(result, indent=2).encode("utf-8"))
+        write_plot(self.dir / "plot.png", {self.backend: records}, title=f"{run.task}: {self.backend}")
+        return result
+
+    def _loop(self, trainer: Any, log_file: Any, progress: Any) -> None:
+        """Steps until `total_steps`: log, evaluate and checkpoint on their cadences and at the end.
+        An evaluation at step s is logged before checkpoint s, so a resume never repeats it."""
+        run = self.run
+        peak = peak_flops(trainer.device_name, run.dtype, run.peak_tflops)
+        seen_shapes: set[tuple[int, int]] = set()
+        clock = time.perf_counter()
+
+        def emit(record: dict[str, Any]) -> None:
+            log_file.write(json.dumps(record) + "\n")
+            log_file.flush()
+
+        while trainer.step_count < self.total_steps:
+            epoch = self.iterator.epoch  # the epoch this batch belongs to
+            batch = next(self.iterator)
+            start = time.perf_counter()
+            metrics = trainer.step(batch)
+            seconds = time.perf_counter() - start
+            step, last = metrics["step"], metrics["step"] == self.total_steps
+            first = batch.shape not in seen_shapes
+            seen_shapes.add(batch.shape)
+            record = self._train_record(trainer, batch, metrics, seconds, peak, first)
+            record |= {"epoch": epoch, "elapsed_s": self.elapsed0 + time.perf_counter() - clock}
+            if step % run.log_every == 0 or last:
+                emit(record)
+            progress.update(1)
+            progress.set_postfix(loss=f"{record['loss']:.3f}", tok_s=f"{record['tgt_tokens_per_s']:,.0f}")
+            if (run.eval_every and step % run.eval_every == 0) or last:
+                result = evaluate(trainer, self.task, self.loss_batches, self.gen_batches, self.num_gen, run)
+                emit({"kind": "eval", "backend": self.backend, "step": step, **result,
+                      "elapsed_s": self.elapsed0 + time.perf_counter() - clock})
+            if (run.checkpoint_every and step % run.checkpoint_every == 0) or last:
+                self.save(trainer, self.elapsed0 + time.perf_counter() - clock)
+
+    def _train_record(self, trainer: Any, batch: Batch, metrics: dict[str, Any], seconds: float,
+                      peak: float | None, first: bool) -> dict[str, Any]:
+        src_lengths, tgt_lengths = batch_lengths(batch.src, batch.labels, self.cfg.pad_id)
+        flops = real_training_flops(self.cfg, src_lengths, tgt_lengths)
+        rows, length = batch.shape
+        flops_padded = training_flops(self.cfg, rows, length, length)
+        seconds = max(seconds, 1e-9)
+        return {
+            "kind": "train", "backend": self.backend, "step": metrics["step"],
+            "loss": metrics["loss"], "lr": metrics["lr"],
+            "src_tokens": metrics["num_src_tokens"], "tgt_tokens": metrics["num_tgt_tokens"],
+            "src_tokens_padded": int(batch.src.size), "tgt_tokens_padded": int(batch.labels.size),
+            "step_time_s": seconds,
+            "src_tokens_per_s": metrics["num_src_tokens"] / seconds,
+            "tgt_tokens_per_s": metrics["num_tgt_tokens"] / seconds,
+            "src_tokens_per_s_padded": batch.src.size / seconds,
+            "tgt_tokens_per_s_padded": batch.labels.size / seconds,
+            "flops": flops, "tflops_per_s": flops / seconds / 1e12, "mfu": mfu(flops, seconds, peak),
+            "flops_padded": flops_padded, "mfu_padded": mfu(flops_padded, seconds, peak),
+            "peak_memory_bytes": trainer.peak_memory_bytes(), "batch_shape": list(batch.shape),
+            "first_of_shape": first, "device": trainer.device_name,
+        }
+
+
+class _NoProgress:
+    def update(self, n: int) -> None: ...
+    def set_postfix(self, **kwargs: Any) -> None: ...
+    def close(self) -> None: ...
+
+
+def _progress_bar(run: RunConfig, backend: str, total: int, initial: int) -> Any:
+    """A tqdm bar on stderr when it is a terminal (or when asked); a no-op otherwise."""
+    show = sys.stderr.isatty() if run.progress is None else run.progress
+    if not show:
+        return _NoProgress()
+    try:
+        from tqdm import tqdm
+    except ImportError:
+        return _NoProgress()
+    return tqdm(total=total, initial=initial, desc=backend, unit="step", dynamic_ncols=True)
+
+
+# -- Several backends ------------------------------------------------------------------------
+
+def train(run: RunConfig) -> dict[str, dict[str, Any]]:
+    """Train every backend of `run` in turn on the same data, from the same initial weights, with
+    the same schedule; then write the combined plot and summary. Returns each backend's result."""
+    check_run(run)
+    doomed = check_out_dirs(run)
+    task = _load_task(run)
+    cfg = _model_config(run, task)
+    for run_dir in doomed:  # --overwrite, and the new run's data and config are good
+        shutil.rmtree(run_dir)
+    params0 = init_params(cfg, run.seed)  # one initializer for every framework (SPEC §4)
+    results = {}
+    for backend in run.backends:
+        log.info("%s: training %s (%s) for the %s task in %s", backend, run.preset, run.dtype, run.task,
+                 Path(run.out) / backend)
+        results[backend] = _Run(run, backend, task, cfg, params0).train()
+    write_combined_report(Path(run.out), run)
+    return results
+
+
+def write_combined_report(out: Path, run: RunConfig) -> None:
+    """plot.png, summary.json and summary.md over every finished backend run in `out`."""
+    results, logs = {}, {}
+    found = sorted(p.name for p in out.iterdir() if (p / "result.json").is_file())
+    for name in [b for b in run.backends if b in found] + [b for b in found if b not in run.backends]:
+        run_dir = out / name
+        results[run_dir.name] = _read_json(run_dir / "result.json")
+        logs[run_dir.name] = read_log(run_dir / "log.jsonl")
+    if results:
+        write_plot(out / "plot.png", logs, title=f"{run.task}: {' vs '.join(results)}")
+        write_summary(out, results, run.to_dict())

@@ -1,0 +1,140 @@
+"""What a training run reports: its JSON-lines log read back, a per-framework summary, the plot
+(loss and throughput against step, one line per framework) and the side-by-side summary files.
+Framework-free; matplotlib with the Agg backend (no display needed).
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import statistics
+from collections.abc import Iterable, Mapping, Sequence
+from pathlib import Path
+from typing import Any
+
+from rosetta.checkpoint import atomic_write_bytes
+
+Record = dict[str, Any]
+
+
+def read_log(path: Path) -> list[Record]:
+    """The records of a log.jsonl; a torn last line (a killed writer) is skipped."""
+    if not path.is_file():
+        return []
+    records = []
+    for line in path.read_text(encoding="utf-8").splitlines():
+        try:
+            record = json.loads(line)
+        except json.JSONDecodeError:
+            continue
+        if isinstance(record, dict):
+            records.append(record)
+    return records
+
+
+def write_log(path: Path, records: Iterable[Record]) -> None:
+    """Replace a log atomically (used to drop the records after the checkpoint resumed from)."""
+    atomic_write_bytes(path, "".join(json.dumps(r) + "\n" for r in records).encode("utf-8"))
+
+
+def _median(values: Sequence[float | None]) -> float | None:
+    kept = [v for v in values if v is not None and math.isfinite(v)]
+    return statistics.median(kept) if kept else None
+
+
+def summarize(records: Sequence[Record]) -> Record:
+    """One framework's run in numbers. Speeds are medians over the steps that were not the
+    first of their batch shape (those include compilation and autotuning: PITFALLS 13)."""
+    train = [r for r in records if r.get("kind") == "train"]
+    evals = [r for r in records if r.get("kind") == "eval"]
+    timed = [r for r in train if not r.get("first_of_shape")] or train
+    last_eval = evals[-1] if evals else {}
+    return {
+        "steps": train[-1]["step"] if train else 0,
+        "final_loss": train[-1]["loss"] if train else None,
+        "val_loss": last_eval.get("val_loss"),
+        "first_val_loss": evals[0]["val_loss"] if evals else None,
+        "bleu": last_eval.get("bleu"),
+        "exact_match": last_eval.get("exact_match"),
+        "median_tgt_tokens_per_s": _median([r["tgt_tokens_per_s"] for r in timed]),
+        "median_src_tokens_per_s": _median([r["src_tokens_per_s"] for r in timed]),
+        "median_tgt_tokens_per_s_padded": _median([r["tgt_tokens_per_s_padded"] for r in timed]),
+        "median_step_time_s": _median([r["step_time_s"] for r in timed]),
+        "median_tflops_per_s": _median([r["tflops_per_s"] for r in timed]),
+        "median_mfu": _median([r["mfu"] for r in timed]),
+        "peak_memory_bytes": max((r["peak_memory_bytes"] for r in train), default=None),
+        "train_time_s": sum(r["step_time_s"] for r in train),
+        "wall_time_s": max((r.get("elapsed_s", 0.0) for r in records), default=0.0),
+        "device": train[-1].get("device") if train else None,
+    }
+
+
+def write_plot(path: Path, logs: Mapping[str, Sequence[Record]], title: str = "") -> None:
+    """Training loss (lines; validation loss as markers) and target tokens/s against step,
+    one colour per framework."""
+    import matplotlib
+
+    matplotlib.use("Agg")  # files only, no display
+    import matplotlib.pyplot as plt
+
+    fig, (ax_loss, ax_speed) = plt.subplots(1, 2, figsize=(11, 4))
+    for i, (name, records) in enumerate(logs.items()):
+        color = f"C{i}"
+        train = [r for r in records if r.get("kind") == "train"]
+        evals = [r for r in records if r.get("kind") == "eval"]
+        ax_loss.plot([r["step"] for r in train], [r["loss"] for r in train], color=color,
+                     label=f"{name} train")
+        if evals:
+            ax_loss.plot([r["step"] for r in evals], [r["val_loss"] for r in evals], "o--", color=color,
+                         label=f"{name} validation")
+        ax_speed.plot([r["step"] for r in train], [r["tgt_tokens_per_s"] for r in train], color=color,
+                      label=name)
+    ax_loss.set(xlabel="step", ylabel="loss (label-smoothed)", title="loss")
+    ax_speed.set(xlabel="step", ylabel="target tokens / s (real)", title="throughput")
+    for ax in (ax_loss, ax_speed):
+        ax.grid(alpha=0.3)
+        ax.legend()
+    if title:
+        fig.suptitle(title)
+    fig.tight_layout()
+    tmp = path.with_name(f".{path.name}.tmp.png")
+    fig.savefig(tmp, dpi=100)
+    plt.close(fig)
+    tmp.replace(path)
+
+
+def _fmt(value: Any, spec: str) -> str:
+    return "–" if value is None else format(value, spec)
+
+
+def write_summary(out: Path, results: Mapping[str, Record], run: Record) -> None:
+    """summary.json (everything) and summary.md (a side-by-side table) in `out`."""
+    atomic_write_bytes(out / "summary.json",
+                       json.dumps({"backends": results, "run": run}, indent=2).encode("utf-8"))
+    names = list(results)
+    rows = [
+        ("device", lambda r: str(r.get("device"))),
+        ("steps", lambda r: str(r["steps"])),
+        ("final train loss", lambda r: _fmt(r["final_loss"], ".4f")),
+        ("validation loss (first → last)",
+         lambda r: f"{_fmt(r['first_val_loss'], '.4f')} → {_fmt(r['val_loss'], '.4f')}"),
+        ("BLEU", lambda r: _fmt(r["bleu"], ".2f")),
+        ("exact match", lambda r: _fmt(r["exact_match"], ".3f")),
+        ("median target tokens/s", lambda r: _fmt(r["median_tgt_tokens_per_s"], ",.0f")),
+        ("median source tokens/s", lambda r: _fmt(r["median_src_tokens_per_s"], ",.0f")),
+        ("median step time (ms)",
+         lambda r: _fmt(None if r["median_step_time_s"] is None else 1e3 * r["median_step_time_s"], ".1f")),
+        ("median model TFLOP/s", lambda r: _fmt(r["median_tflops_per_s"], ".4f")),
+        ("median MFU", lambda r: _fmt(r["median_mfu"], ".2%")),
+        ("peak memory (MiB)",
+         lambda r: _fmt(None if r["peak_memory_bytes"] is None else r["peak_memory_bytes"] / 2**20, ",.0f")),
+        ("wall time (s)", lambda r: _fmt(r["wall_time_s"], ".1f")),
+    ]
+    lines = [f"# Training summary: task {run.get('task')}, preset {run.get('preset')}, "
+             f"dtype {run.get('dtype')}", "",
+             "| | " + " | ".join(names) + " |", "|---" * (len(names) + 1) + "|"]
+    lines += [f"| {label} | " + " | ".join(fn(results[n]) for n in names) + " |" for label, fn in rows]
+    lines += ["", "Speeds are medians over steps that were not the first of their batch shape "
+              "(compilation excluded). MFU counts matmul FLOPs of real tokens (rosetta/metrics.py); "
+              "– where the device's peak rate is unknown (pass --peak-tflops)."]
+    atomic_write_bytes(out / "summary.md", ("\n".join(lines) + "\n").encode("utf-8"))

@@ -1,0 +1,85 @@
+"""Translation with a trained checkpoint: find the checkpoint and tokenizer of a run, encode
+sentences, decode with any backend (`model.generate`: greedy or beam search), detokenise.
+
+A run directory (`rosetta train --out OUT`) resolves to its newest checkpoint:
+`OUT/<backend>/checkpoints/<latest>/model.safetensors` and the `tokenizer.json` beside it.
+Runs of the synthetic tasks have no tokenizer: their input lines are space-separated ids.
+As in training (rosetta/batching.py), every source gets eos appended.
+"""
+
+from __future__ import annotations
+
+import os
+from collections.abc import Sequence
+from pathlib import Path
+
+import numpy as np
+
+from rosetta.backends import BackendModel
+from rosetta.checkpoint_dir import latest_checkpoint
+from rosetta.errors import RosettaError
+from rosetta.tokenizer import Tokenizer
+
+
+def resolve_run(path: str | os.PathLike[str]) -> tuple[Path, Path | None]:
+    """(model.safetensors, tokenizer.json or None) of a run directory, a backend's run directory
+    or a checkpoint directory."""
+    path = Path(path)
+    if not path.is_dir():
+        raise RosettaError(f"--run {path}: no such directory")
+    if (path / "model.safetensors").is_file():
+        ckpt_dir, run_dir = path, path.parent.parent
+    elif (path / "checkpoints").is_dir() or (path / "run.json").is_file():
+        ckpt_dir = latest_checkpoint(path / "checkpoints")
+        if ckpt_dir is None:
+            raise RosettaError(f"--run {path}: the run has no checkpoint yet")
+        run_dir = path
+    else:
+        runs = sorted(p for p in path.iterdir() if (p / "run.json").is_file())
+        if not runs:
+            raise RosettaError(f"--run {path}: not a training run or checkpoint directory")
+        if len(runs) > 1:
+            names = ", ".join(p.name for p in runs)
+            raise RosettaError(f"--run {path}: holds the runs {names}; pass --run {path}/<one of them>")
+        return resolve_run(runs[0])
+    candidates = (ckpt_dir / "tokenizer.json", run_dir / "tokenizer.json")
+    tokenizer = next((p for p in candidates if p.is_file()), None)
+    return ckpt_dir / "model.safetensors", tokenizer
+
+
+def encode_line(line: str, number: int, tokenizer: Tokenizer | None, eos_id: int) -> list[int]:
+    """Source ids of one input line, eos appended: BPE for text, or the ids themselves."""
+    if tokenizer is not None:
+        return tokenizer.encode(line) + [eos_id]
+    try:
+        return [int(token) for token in line.split()] + [eos_id]
+    except ValueError:
+        raise RosettaError(f"input line {number}: this run has no tokenizer (a synthetic task), so lines "
+                           f"are space-separated token ids; got {line!r}") from None
+
+
+def translate_lines(model: BackendModel, tokenizer: Tokenizer | None, lines: Sequence[str], beam: int = 4,
+                    alpha: float = 0.6, max_len_margin: int = 50, batch_size: int = 32) -> list[str]:
+    """One output per input line (an empty line gives an empty output), in input order."""
+    cfg = model.config
+    outputs = [""] * len(lines)
+    todo = []
+    for number, line in enumerate(lines, 1):
+        text = line.strip()
+        if not text:
+            continue
+        ids = encode_line(text, number, tokenizer, cfg.eos_id)
+        if len(ids) > cfg.max_len:
+            raise RosettaError(f"input line {number} is {len(ids)} tokens long with eos, more than the "
+                               f"model's max_len {cfg.max_len}")
+        todo.append((number - 1, ids))
+    for start in range(0, len(todo), batch_size):
+        chunk = todo[start:start + batch_size]
+        src = np.full((len(chunk), max(len(ids) for _, ids in chunk)), cfg.pad_id, dtype=np.int64)
+        for row, (_, ids) in enumerate(chunk):
+            src[row, :len(ids)] = ids
+        generated = model.generate(src, beam, alpha, max_len_margin).tokens
+        for (index, _), tokens in zip(chunk, generated, strict=True):
+            outputs[index] = (tokenizer.decode(tokens) if tokenizer is not None
+                              else " ".join(str(t) for t in tokens))
+    return outputs
