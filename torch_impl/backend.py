@@ -25,17 +25,22 @@ DTYPES = {
 
 
 @contextlib.contextmanager
-def parity_mode(enabled: bool = True) -> Iterator[None]:
-    """float32 matmuls in full float32: no TF32 on Ampere and newer GPUs (PITFALLS 5)."""
+def float32_matmul_precision(precision: str) -> Iterator[None]:
+    """"highest": float32 matmuls in full float32; "high": TF32 tensor cores on Ampere and
+    newer GPUs (the speed mode). Restores the caller's setting afterwards (PITFALLS 5)."""
     saved = (torch.get_float32_matmul_precision(), torch.backends.cudnn.allow_tf32)
-    if enabled:
-        torch.set_float32_matmul_precision("highest")
-        torch.backends.cudnn.allow_tf32 = False
+    torch.set_float32_matmul_precision(precision)
+    torch.backends.cudnn.allow_tf32 = precision != "highest"
     try:
         yield
     finally:
         torch.set_float32_matmul_precision(saved[0])
         torch.backends.cudnn.allow_tf32 = saved[1]
+
+
+def parity_mode(enabled: bool = True) -> contextlib.AbstractContextManager:
+    """float32 results comparable on any device: no TF32 (PITFALLS 5)."""
+    return float32_matmul_precision("highest") if enabled else contextlib.nullcontext()
 
 
 def default_device() -> str:

@@ -21,7 +21,7 @@ from rosetta.metrics import cpu_name, max_rss_bytes
 from rosetta.params import Params
 from rosetta.trainer_state import check_state
 from rosetta.training import TrainConfig, learning_rate
-from torch_impl.backend import DTYPES, Model, default_device, parity_mode
+from torch_impl.backend import DTYPES, Model, default_device, float32_matmul_precision, parity_mode
 from torch_impl.convert import from_state_dict
 from torch_impl.model import Transformer
 
@@ -165,7 +165,7 @@ class Trainer:
         if self.parity:
             return parity_mode()
         if self.device.type == "cuda":
-            return _tf32()
+            return float32_matmul_precision("high")
         return contextlib.nullcontext()
 
     def _tensor(self, ids: np.ndarray) -> torch.Tensor:
@@ -266,16 +266,3 @@ class Trainer:
                      _last_lr=[float(x) for x in np.atleast_1d(state["scheduler.last_lr"])])
         self.scheduler.load_state_dict(sched)
         self._rng = {device: torch.from_numpy(np.array(state[f"rng.{device}"])) for device in self._rng}
-
-
-@contextlib.contextmanager
-def _tf32() -> Iterator[None]:
-    """TF32 matmuls for float32 on Ampere and newer GPUs: the speed mode (PITFALLS 5)."""
-    saved = (torch.get_float32_matmul_precision(), torch.backends.cudnn.allow_tf32)
-    torch.set_float32_matmul_precision("high")
-    torch.backends.cudnn.allow_tf32 = True
-    try:
-        yield
-    finally:
-        torch.set_float32_matmul_precision(saved[0])
-        torch.backends.cudnn.allow_tf32 = saved[1]
