@@ -9,15 +9,14 @@ from collections.abc import Callable
 
 import numpy as np
 import pytest
+import torch
+import torch.nn.functional as F
+from torch import nn
 
-torch = pytest.importorskip("torch")
-import torch.nn.functional as F  # noqa: E402
-from torch import nn  # noqa: E402
-
-import rosetta  # noqa: E402
-from rosetta.errors import CheckpointError, ConfigError  # noqa: E402
-from rosetta.parity import random_batch, relative_error, target_positions  # noqa: E402
-from torch_impl.port import port_nn_transformer, save_ported  # noqa: E402
+import rosetta
+from rosetta.errors import CheckpointError, ConfigError
+from rosetta.parity import random_batch, relative_error, target_positions
+from torch_impl.port import port_nn_transformer, save_ported
 
 # nn.Transformer's warnings about its nested-tensor fast path are harmless here.
 pytestmark = [pytest.mark.filterwarnings("ignore:enable_nested_tensor is True:UserWarning"),
