@@ -168,6 +168,10 @@ def bench_training(
     impls["jax"] = jax_runner
     impls["peer"] = lambda: torch_runner(peer.to(device))
     for name, make in impls.items():
+        if device == "cuda":
+            # Hand back what the previous implementation's caching allocator still holds: JAX
+            # allocates outside it and ran out of memory on `big` without this.
+            torch.cuda.empty_cache()
         step = make()
         if device == "cuda":
             torch.cuda.reset_peak_memory_stats()
