@@ -9,27 +9,26 @@ import json
 import math
 from functools import cache
 
+import jax
+import jax.numpy as jnp
 import numpy as np
+import optax
 import pytest
+import torch
+from flax import nnx
 
-torch = pytest.importorskip("torch")
-jax = pytest.importorskip("jax")
-optax = pytest.importorskip("optax")
-import jax.numpy as jnp  # noqa: E402
-from flax import nnx  # noqa: E402
-
-import jax_impl.train as jt  # noqa: E402
-import torch_impl.train as tt  # noqa: E402
-from jax_impl.backend import parity_mode as jax_parity_mode  # noqa: E402
-from jax_impl.convert import build_model, to_params  # noqa: E402
-from numpy_ref.model import forward as reference_forward  # noqa: E402
-from rosetta import ModelConfig, init_params, param_shapes, preset  # noqa: E402
-from rosetta.errors import ConfigError  # noqa: E402
-from rosetta.parity import random_batch, relative_error  # noqa: E402
-from rosetta.training import TrainConfig, learning_rate  # noqa: E402
-from torch_impl.backend import Model as TorchModel  # noqa: E402
-from torch_impl.backend import parity_mode as torch_parity_mode  # noqa: E402
-from torch_impl.convert import from_state_dict  # noqa: E402
+import jax_impl.train as jt
+import torch_impl.train as tt
+from jax_impl.backend import parity_mode as jax_parity_mode
+from jax_impl.convert import build_model, to_params
+from numpy_ref.model import forward as reference_forward
+from rosetta import ModelConfig, init_params, param_shapes, preset
+from rosetta.errors import ConfigError
+from rosetta.parity import random_batch, relative_error
+from rosetta.training import TrainConfig, learning_rate
+from torch_impl.backend import Model as TorchModel
+from torch_impl.backend import parity_mode as torch_parity_mode
+from torch_impl.convert import from_state_dict
 
 pytestmark = pytest.mark.trainable
 
