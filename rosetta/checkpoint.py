@@ -106,19 +106,23 @@ def atomic_write_bytes(path: Path, data: bytes) -> None:
         os.close(dir_fd)
 
 
-def load_checkpoint(path: str | os.PathLike) -> Checkpoint:
-    """Read and validate a checkpoint; tensors keep their stored dtype."""
-    path = Path(path)
+def read_safetensors(path: Path, what: str = "checkpoint") -> tuple[dict[str, str], dict[str, np.ndarray]]:
+    """(metadata, tensors) of a safetensors file, or a CheckpointError naming the file."""
     if not path.is_file():
-        raise CheckpointError(f"{path}: no such checkpoint file")
+        raise CheckpointError(f"{path}: no such {what} file")
     try:
         with safetensors.safe_open(str(path), framework="numpy") as f:
-            metadata = dict(f.metadata() or {})
-            tensors = {name: f.get_tensor(name) for name in f.keys()}
+            return dict(f.metadata() or {}), {name: f.get_tensor(name) for name in f.keys()}
     except (safetensors.SafetensorError, OSError, ValueError, TypeError) as e:
         raise CheckpointError(
             f"{path}: not a readable safetensors file (corrupt or truncated?): {e}"
         ) from None
+
+
+def load_checkpoint(path: str | os.PathLike) -> Checkpoint:
+    """Read and validate a checkpoint; tensors keep their stored dtype."""
+    path = Path(path)
+    metadata, tensors = read_safetensors(path)
     if metadata.get("format") != FORMAT:
         raise CheckpointError(
             f"{path}: metadata 'format' is {metadata.get('format')!r}, expected {FORMAT!r}"

@@ -197,6 +197,16 @@ def cmd_translate(args: argparse.Namespace) -> int:
     return 0
 
 
+def _add_search_args(p: argparse.ArgumentParser, beam: int) -> None:
+    """Backend and search flags shared by `generate` and `translate`."""
+    p.add_argument("--backend", default="numpy", help="numpy, torch or jax")
+    p.add_argument("--dtype", default=None, help="compute dtype (default: the backend's first)")
+    p.add_argument("--beam", type=int, default=beam, help="beam size (the paper's 4); 1 = greedy search")
+    p.add_argument("--alpha", type=float, default=0.6, help="length penalty exponent (Wu et al. 2016)")
+    p.add_argument("--margin", type=int, default=50, help="max output length = source length + margin")
+    p.add_argument("--batch-size", type=int, default=32)
+
+
 def _add_train_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--backend", nargs="+", default=["torch"], metavar="NAME",
                    help="torch and/or jax; several train one after the other in OUT/<backend>/")
@@ -265,12 +275,7 @@ def build_parser() -> argparse.ArgumentParser:
 
     p = cmds.add_parser("generate", help="decode token ids read from stdin (one sentence a line)")
     p.add_argument("--checkpoint", required=True)
-    p.add_argument("--backend", default="numpy", help="numpy, torch or jax")
-    p.add_argument("--dtype", default=None, help="compute dtype (default: the backend's first)")
-    p.add_argument("--beam", type=int, default=1, help="beam size; 1 = greedy search")
-    p.add_argument("--alpha", type=float, default=0.6, help="length penalty exponent (Wu et al. 2016)")
-    p.add_argument("--margin", type=int, default=50, help="max output length = source length + margin")
-    p.add_argument("--batch-size", type=int, default=32)
+    _add_search_args(p, beam=1)
     p.add_argument("--scores", action="store_true", help="print each score after a tab")
     p.set_defaults(func=cmd_generate)
 
@@ -286,12 +291,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--run", help="a `rosetta train` output directory (its newest checkpoint)")
     p.add_argument("--checkpoint", help="or: a model.safetensors file ...")
     p.add_argument("--tokenizer", help="... and its tokenizer.json (none: lines are token ids)")
-    p.add_argument("--backend", default="numpy", help="numpy, torch or jax")
-    p.add_argument("--dtype", default=None, help="compute dtype (default: the backend's first)")
-    p.add_argument("--beam", type=int, default=4, help="beam size (the paper's 4); 1 = greedy search")
-    p.add_argument("--alpha", type=float, default=0.6, help="length penalty exponent (Wu et al. 2016)")
-    p.add_argument("--margin", type=int, default=50, help="max output length = source length + margin")
-    p.add_argument("--batch-size", type=int, default=32)
+    _add_search_args(p, beam=4)
     p.set_defaults(func=cmd_translate)
     return parser
 

@@ -75,27 +75,34 @@ class ModelConfig:
 
     @classmethod
     def from_dict(cls, data: dict[str, Any]) -> ModelConfig:
-        if not isinstance(data, dict):
-            raise ConfigError(f"config must be a JSON object, got {type(data).__name__}")
-        known = {f.name for f in dataclasses.fields(cls)}
-        unknown = sorted(set(data) - known)
-        if unknown:
-            raise ConfigError(f"unknown config field(s): {', '.join(unknown)}")
-        missing = [name for name in REQUIRED_FIELDS if name not in data]
-        if missing:
-            raise ConfigError(f"missing required config field(s): {', '.join(missing)}")
-        return cls(**data)
+        return strict_from_dict(cls, data, "config", REQUIRED_FIELDS)
 
     @classmethod
     def from_json(cls, text: str) -> ModelConfig:
-        try:
-            data = json.loads(text)
-        except json.JSONDecodeError as e:
-            raise ConfigError(f"config is not valid JSON: {e}") from None
-        return cls.from_dict(data)
+        return cls.from_dict(parse_json(text, "config"))
 
     def replace(self, **changes: Any) -> ModelConfig:
         return dataclasses.replace(self, **changes)
+
+
+def parse_json(text: str, what: str) -> Any:
+    try:
+        return json.loads(text)
+    except json.JSONDecodeError as e:
+        raise ConfigError(f"{what} is not valid JSON: {e}") from None
+
+
+def strict_from_dict(cls: type, data: Any, what: str, required: tuple[str, ...] = ()) -> Any:
+    """`cls(**data)` for a config dataclass, refusing non-objects, unknown and missing fields."""
+    if not isinstance(data, dict):
+        raise ConfigError(f"{what} must be a JSON object, got {type(data).__name__}")
+    unknown = sorted(set(data) - {f.name for f in dataclasses.fields(cls)})
+    if unknown:
+        raise ConfigError(f"unknown {what} field(s): {', '.join(unknown)}")
+    missing = [name for name in required if name not in data]
+    if missing:
+        raise ConfigError(f"missing required {what} field(s): {', '.join(missing)}")
+    return cls(**data)
 
 
 # Named presets. `base` and `big` are Table 3 of the paper with its 37,000-token shared

@@ -14,7 +14,7 @@ import numpy as np
 import safetensors
 import safetensors.numpy
 
-from rosetta.checkpoint import atomic_write_bytes
+from rosetta.checkpoint import atomic_write_bytes, read_safetensors
 from rosetta.errors import CheckpointError
 
 FORMAT = "rosetta-trainer-state/1"
@@ -45,14 +45,7 @@ def save_trainer_state(path: str | os.PathLike, state: Mapping[str, np.ndarray],
 def load_trainer_state(path: str | os.PathLike, framework: str) -> dict[str, np.ndarray]:
     """Read a trainer-state file written for `framework`; refuse another framework's."""
     path = Path(path)
-    if not path.is_file():
-        raise CheckpointError(f"{path}: no such trainer-state file")
-    try:
-        with safetensors.safe_open(str(path), framework="numpy") as f:
-            metadata = dict(f.metadata() or {})
-            state = {key: f.get_tensor(key) for key in f.keys()}
-    except (safetensors.SafetensorError, OSError, ValueError) as e:
-        raise CheckpointError(f"{path}: not a readable trainer-state file: {e}") from None
+    metadata, state = read_safetensors(path, "trainer-state")
     if metadata.get("format") != FORMAT:
         raise CheckpointError(f"{path}: format {metadata.get('format')!r}, expected {FORMAT!r}")
     if metadata.get("framework") != framework:

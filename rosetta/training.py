@@ -14,6 +14,7 @@ import numbers
 from dataclasses import dataclass
 from typing import Any
 
+from rosetta.config import parse_json, strict_from_dict
 from rosetta.errors import ConfigError
 
 
@@ -42,20 +43,11 @@ class TrainConfig:
 
     @classmethod
     def from_dict(cls, data: dict[str, Any]) -> TrainConfig:
-        if not isinstance(data, dict):
-            raise ConfigError(f"train config must be a JSON object, got {type(data).__name__}")
-        unknown = sorted(set(data) - {f.name for f in dataclasses.fields(cls)})
-        if unknown:
-            raise ConfigError(f"unknown train config field(s): {', '.join(unknown)}")
-        return cls(**data)
+        return strict_from_dict(cls, data, "train config")
 
     @classmethod
     def from_json(cls, text: str) -> TrainConfig:
-        try:
-            data = json.loads(text)
-        except json.JSONDecodeError as e:
-            raise ConfigError(f"train config is not valid JSON: {e}") from None
-        return cls.from_dict(data)
+        return cls.from_dict(parse_json(text, "train config"))
 
     def replace(self, **changes: Any) -> TrainConfig:
         return dataclasses.replace(self, **changes)
