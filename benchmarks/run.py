@@ -18,11 +18,14 @@ from __future__ import annotations
 
 import argparse
 import contextlib
+import copy
 import datetime as dt
 import json
+import multiprocessing
 import os
 import re
 import time
+from concurrent.futures import ProcessPoolExecutor
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -38,10 +41,12 @@ from flax import nnx
 
 from benchmarks.common import RESULTS, environment, write_results
 from benchmarks.peer import make_peer
+from benchmarks.report import markdown, plot
 from jax_impl import train as jax_train
 from jax_impl.backend import Model as JaxModel
 from jax_impl.convert import build_model
 from rosetta import from_params, preset
+from rosetta.checkpoint import atomic_write_bytes
 from rosetta.flops import forward_flops, mfu, peak_flops, training_flops
 from rosetta.parity import random_batch
 from rosetta.training import TrainConfig
@@ -66,6 +71,7 @@ class Suite:
     repeats: int
     warmup: int
     compile: tuple[tuple[str, str], ...]  # (preset, dtype) where torch.compile is measured
+    xla_flags: str = ""  # XLA_FLAGS for the run, unless the caller set XLA_FLAGS
 
 
 SUITES = {
@@ -74,9 +80,14 @@ SUITES = {
     "cpu": Suite({"tiny": Size(32, 32, 16, 16, 16), "small": Size(16, 32, 8, 16, 16)},
                  ("float32",), 5, 3, 2, (("tiny", "float32"),)),
     # base and big first (they matter); torch.compile where it counts, bfloat16, to stay < 10 min.
-    "gpu": Suite({"base": Size(256, 64, 64, 32, 32), "big": Size(256, 64, 64, 32, 32),
+    # base and big: 384 x 64 tokens a side, the paper's ~25,000 source and target tokens per
+    # batch (§5.1); torch.compile on bfloat16 (the precision that matters), to stay < 10 min.
+    "gpu": Suite({"base": Size(384, 64, 64, 32, 32), "big": Size(384, 64, 64, 32, 32),
                   "tiny": Size(64, 32, 32, 32, 32)}, ("bfloat16", "float32"), 10, 3, 3,
-                 (("base", "bfloat16"), ("big", "bfloat16"))),
+                 (("base", "bfloat16"), ("big", "bfloat16")),
+                 # Matmuls through cuBLAS, as PyTorch's: XLA's default also autotunes Triton GEMM
+                 # kernels, ~70 s per compiled step on an H100, which does not fit in 10 minutes.
+                 xla_flags="--xla_gpu_enable_triton_gemm=false"),
 }
 
 def sync() -> None:
@@ -86,10 +97,13 @@ def sync() -> None:
 
 
 def measure(fn, repeats: int, warmup: int, inner: int = 1) -> dict:
-    """Median seconds per call of fn over `repeats` blocks of `inner` calls, after `warmup`."""
+    """Median seconds per call of fn over `repeats` blocks of `inner` calls, after `warmup`
+    calls; `warmup_s` (not part of the numbers) is what the warm-up took: mostly compilation."""
+    start = time.perf_counter()
     for _ in range(warmup):
-        fn()
-    sync()
+        out = fn()
+    jax.block_until_ready(out) if warmup and isinstance(out, jax.Array) else sync()
+    warmup_s = time.perf_counter() - start
     times = []
     for _ in range(repeats):
         start = time.perf_counter()
@@ -103,7 +117,12 @@ def measure(fn, repeats: int, warmup: int, inner: int = 1) -> dict:
         "max_s": max(times),
         "repeats": repeats,
         "inner": inner,
+        "warmup_s": warmup_s,
     }
+
+
+def log(what: str, t: dict) -> None:
+    print(f"    {what}: warm-up {t['warmup_s']:.1f} s, median {t['median_s'] * 1e3:.2f} ms", flush=True)
 
 
 def training_batch(cfg, size: Size, seed: int = 0):
@@ -116,6 +135,11 @@ def training_batch(cfg, size: Size, seed: int = 0):
         labels[b, : n - 1] = tgt[b, 1:n]
         labels[b, n - 1] = cfg.eos_id
     return src, tgt, labels
+
+
+def autocast_dtype(dtype: str) -> torch.dtype | None:
+    """PyTorch computes bfloat16 under torch.autocast with float32 weights, as the trainer does."""
+    return torch.bfloat16 if dtype == "bfloat16" else None
 
 
 def autocast(dtype: str, device: str):
@@ -144,13 +168,9 @@ def bench_training(
 
     def torch_runner(module):
         optimizer, scheduler = torch_train.make_optimizer(module, tc)
+        step = torch_train.make_train_step(module, optimizer, scheduler, tc, autocast_dtype(dtype))
         batch = [torch.from_numpy(a).to(device) for a in (src, tgt, labels)]
-
-        def step():
-            with autocast(dtype, device):
-                return torch_train.train_step(module, optimizer, scheduler, *batch, tc)[0]
-
-        return step
+        return lambda: step(*batch)[0]
 
     impls = {"torch": lambda: torch_runner(TorchModel(cfg, params, "float32", device).module)}
     if compile_ok:
@@ -162,11 +182,12 @@ def bench_training(
     def jax_runner():
         model = build_model(cfg, params, jax_dtype)
         optimizer, rngs = jax_train.make_optimizer(model, tc), nnx.Rngs(dropout=0)
+        step = jax_train.make_train_step(model, optimizer, rngs, tc)
         batch = [jnp.asarray(a) for a in (src, tgt, labels)]
-        return lambda: jax_train.train_step(model, optimizer, rngs, *batch, tc)[0]
+        return lambda: step(*batch)[0]
 
-    impls["jax"] = jax_runner
-    impls["peer"] = lambda: torch_runner(peer.to(device))
+    impls["peer"] = lambda: torch_runner(copy.deepcopy(peer).to(device))  # its weights stay as given
+    impls["jax"] = jax_runner  # last: JAX's allocator keeps what it took (see measure_group)
     for name, make in impls.items():
         if device == "cuda":
             # Hand back what the previous implementation's caching allocator still holds: JAX
@@ -176,6 +197,7 @@ def bench_training(
         if device == "cuda":
             torch.cuda.reset_peak_memory_stats()
         t = measure(step, suite.repeats, suite.warmup, inner=suite.steps)
+        log(f"train {name}", t)
         peak = peak_memory(name, device)
         rows.append(
             dict(
@@ -208,16 +230,14 @@ def bench_forward(cfg, params, peer, size: Size, dtype: str, suite: Suite, devic
     from jax_impl.backend import _logits
 
     src_j, tgt_j = jnp.asarray(src), jnp.asarray(tgt)
-    impls = {
-        "torch": torch_fwd(torch_module),
-        "jax": lambda: _logits(jax_model.graphdef, jax_model.state, src_j, tgt_j),
-        "peer": torch_fwd(peer.to(device).eval()),
-    }
+    impls = {"torch": torch_fwd(torch_module), "peer": torch_fwd(peer.to(device).eval())}
     if dtype == "float32" and device == "cpu":
         numpy_model = from_params(cfg, params, "numpy", "float32")
         impls["numpy"] = lambda: numpy_model.logits(src, tgt)
+    impls["jax"] = lambda: _logits(jax_model.graphdef, jax_model.state, src_j, tgt_j)
     for name, fn in impls.items():
         t = measure(fn, suite.repeats, suite.warmup, inner=max(1, suite.steps // 2))
+        log(f"forward {name}", t)
         rows.append(
             dict(
                 task="forward",
@@ -238,13 +258,16 @@ def bench_decoding(cfg, params, peer, size: Size, suite: Suite, device: str) -> 
         models["numpy"] = from_params(cfg, params, "numpy", "float32")
     for beam in (1, 4):
         for name, model in models.items():
-            out = model.generate(src, beam, 0.6, size.margin)
+            start = time.perf_counter()
+            out = model.generate(src, beam, 0.6, size.margin)  # the warm-up (compilation) call
+            warmup_s = time.perf_counter() - start
             tokens = sum(len(t) + 1 for t in out.tokens)
             t = measure(
                 lambda model=model, beam=beam: model.generate(src, beam, 0.6, size.margin),
                 max(1, suite.repeats),
-                warmup=1 if name != "numpy" else 0,
-            )
+                warmup=0,
+            ) | {"warmup_s": warmup_s}
+            log(f"decode {name} beam {beam}", t)
             rows.append(
                 dict(
                     task="decode",
@@ -293,35 +316,49 @@ def add_ratios(rows: list[dict]) -> None:
             row["ratio_vs_peer"] = theirs / ours
 
 
+def measure_group(suite_name: str, preset_name: str, dtype: str) -> list[dict]:
+    """Every measurement of one preset and dtype: training, forward latency and (float32)
+    decoding, each with the peer; every implementation starts from the same weights."""
+    suite, size = SUITES[suite_name], SUITES[suite_name].presets[preset_name]
+    device = "cuda" if torch.cuda.is_available() else "cpu"
+    if device == "cuda":
+        torch.set_float32_matmul_precision("high")  # TF32, as JAX's default on GPUs
+    peer, cfg, params = make_peer(preset(preset_name, max_len=max(128, size.decode_len + size.margin + 1)))
+    compile_ok = (preset_name, dtype) in suite.compile
+    found = bench_training(cfg, params, peer, size, dtype, suite, compile_ok, device)
+    found += bench_forward(cfg, params, peer, size, dtype, suite, device)
+    if dtype == "float32":
+        found += bench_decoding(cfg, params, peer, size, suite, device)
+    peak = peak_flops(torch.cuda.get_device_name(0) if device == "cuda" else "cpu", dtype)
+    for row in found:
+        row.update(preset=preset_name, dtype=dtype)
+        if row["task"] == "train":
+            row["mfu"] = mfu(row["flops_per_step"], row["median_s"], peak)
+    return found
+
+
 def run(suite_name: str, partial: Path | None = None) -> tuple[dict, str]:
-    """All measurements of a suite; after each (preset, dtype), the rows so far go to `partial`."""
+    """All measurements of a suite; after each (preset, dtype), the rows so far go to `partial`.
+    On a GPU each (preset, dtype) runs in a fresh process: JAX's allocator keeps the memory it
+    took until the process ends, and PyTorch's measurements after it would run out."""
     suite = SUITES[suite_name]
     device = "cuda" if torch.cuda.is_available() else "cpu"
     device_name = torch.cuda.get_device_name(0) if device == "cuda" else "cpu"
-    if device == "cuda":
-        torch.set_float32_matmul_precision("high")  # TF32, as JAX's default on GPUs
     rows = []
     started = time.perf_counter()
-    for preset_name, size in suite.presets.items():
-        base_cfg = preset(preset_name, max_len=max(128, size.decode_len + size.margin + 1))
-        peer, cfg, params = make_peer(base_cfg)
+    for preset_name in suite.presets:
         for dtype in suite.dtypes:
-            tag = dict(preset=preset_name, dtype=dtype)
             t0 = time.perf_counter()
-            found = bench_training(
-                cfg, params, peer, size, dtype, suite, (preset_name, dtype) in suite.compile, device
-            )
-            found += bench_forward(cfg, params, peer, size, dtype, suite, device)
-            if dtype == "float32":
-                found += bench_decoding(cfg, params, peer, size, suite, device)
-            peak = peak_flops(device_name, dtype)
-            for row in found:
-                row.update(tag)
-                if row["task"] == "train":
-                    row["mfu"] = mfu(row["flops_per_step"], row["median_s"], peak)
+            print(f"{preset_name} {dtype}:", flush=True)
+            if device == "cuda":
+                spawn = multiprocessing.get_context("spawn")
+                with ProcessPoolExecutor(max_workers=1, mp_context=spawn) as pool:
+                    found = pool.submit(measure_group, suite_name, preset_name, dtype).result()
+            else:
+                found = measure_group(suite_name, preset_name, dtype)
             rows += found
             if partial is not None:
-                partial.write_text(json.dumps(rows, indent=1))
+                atomic_write_bytes(partial, json.dumps(rows, indent=1).encode())
             print(
                 f"[{time.perf_counter() - started:6.1f}s] {preset_name} {dtype}: "
                 f"{len(found)} rows in {time.perf_counter() - t0:.1f}s",
@@ -336,65 +373,6 @@ def run(suite_name: str, partial: Path | None = None) -> tuple[dict, str]:
     ), device_name
 
 
-def markdown(result: dict, env: dict) -> str:
-    def fmt(x, spec=".3g"):
-        return "–" if x is None else format(x, spec)
-
-    lines = [
-        f"# Benchmarks: {result['suite']} suite on {result['device']}",
-        "",
-        f"{env['date']}, commit {env['commit']}, torch {env.get('torch')}, jax {env.get('jax')}, "
-        f"flax {env.get('flax')}. Median of {result['rows'][0]['repeats']} repeats (spread in "
-        "brackets); ratio vs peer = peer time / our time for the same work (torch.nn.Transformer, "
-        "same weights; > 1 means faster than the peer; decoding: per emitted token). Sizes: "
-        + "; ".join(
-            f"{k}: train/forward {v['batch']}x{v['length']}, decode {v['decode_batch']} "
-            f"sentences x {v['decode_len']} + {v['margin']}"
-            for k, v in result["sizes"].items()
-        ),
-        "",
-        "## Training (one optimizer step, dropout on)",
-        "",
-        "| preset | dtype | impl | step ms | target tokens/s (real) | padded tokens/s | MFU | "
-        "peak mem GB | ratio vs peer |",
-        "| --- | --- | --- | --- | --- | --- | --- | --- | --- |",
-    ]
-    for r in (r for r in result["rows"] if r["task"] == "train"):
-        mem = None if r.get("peak_memory_bytes") is None else r["peak_memory_bytes"] / 1e9
-        lines.append(
-            f"| {r['preset']} | {r['dtype']} | {r['impl']} | {r['median_s'] * 1e3:.1f} "
-            f"[{r['min_s'] * 1e3:.1f}–{r['max_s'] * 1e3:.1f}] | {r['tokens_per_s']:,.0f} | "
-            f"{r['padded_tokens_per_s']:,.0f} | {fmt(r.get('mfu') and 100 * r['mfu'], '.1f')}"
-            f"{'%' if r.get('mfu') else ''} | {fmt(mem, '.2f')} | {fmt(r.get('ratio_vs_peer'), '.2f')} |"
-        )
-    lines += [
-        "",
-        "## Forward latency (one batch)",
-        "",
-        "| preset | dtype | impl | ms | sentences/s | ratio vs peer |",
-        "| --- | --- | --- | --- | --- | --- |",
-    ]
-    for r in (r for r in result["rows"] if r["task"] == "forward"):
-        lines.append(
-            f"| {r['preset']} | {r['dtype']} | {r['impl']} | {r['median_s'] * 1e3:.2f} "
-            f"[{r['min_s'] * 1e3:.2f}–{r['max_s'] * 1e3:.2f}] | {r['sentences_per_s']:,.0f} | "
-            f"{fmt(r.get('ratio_vs_peer'), '.2f')} |"
-        )
-    lines += [
-        "",
-        "## Decoding (float32, cached; peer: nn.Transformer re-decoding the prefix)",
-        "",
-        "| preset | impl | search | s | sentences/s | tokens/s | ratio vs peer |",
-        "| --- | --- | --- | --- | --- | --- | --- |",
-    ]
-    for r in (r for r in result["rows"] if r["task"] == "decode"):
-        lines.append(
-            f"| {r['preset']} | {r['impl']} | {r['search']} | {r['median_s']:.3f} | "
-            f"{r['sentences_per_s']:,.1f} | {r['tokens_per_s']:,.0f} | {fmt(r.get('ratio_vs_peer'), '.2f')} |"
-        )
-    return "\n".join(lines) + "\n"
-
-
 def main(argv: list[str] | None = None) -> None:
     parser = argparse.ArgumentParser(
         description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
@@ -403,17 +381,28 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--no-write", action="store_true", help="print the table only")
     parser.add_argument("--out-dir", type=Path, default=None, help="default: benchmarks/results")
     args = parser.parse_args(argv)
+    suite = SUITES[args.suite]
+    if suite.xla_flags and "XLA_FLAGS" not in os.environ:  # before JAX starts, here and in workers
+        os.environ["XLA_FLAGS"] = suite.xla_flags
     env = environment()
-    partial = None if args.no_write else (args.out_dir or RESULTS) / f"{args.suite}.partial.json"
+    out_dir = args.out_dir or RESULTS
+    partial = None if args.no_write else out_dir / f"{args.suite}.partial.json"
     if partial is not None:
         partial.parent.mkdir(parents=True, exist_ok=True)
-    result, device_name = run(args.suite, partial)
-    text = markdown(result, env)
+    measured, device_name = run(args.suite, partial)
+    settings = {"steps per repeat": suite.steps, "warm-up calls": suite.warmup}
+    if os.environ.get("XLA_FLAGS"):
+        settings["XLA_FLAGS"] = os.environ["XLA_FLAGS"]
+    if device_name != "cpu":
+        settings["float32 matmuls"] = "TF32 in both frameworks"
+    result = {"environment": env, "settings": settings, **measured}
+    text = markdown(result)
     print(text)
     if not args.no_write:
         device = re.sub(r"[^A-Za-z0-9]+", "-", device_name).strip("-").lower()
         name = f"{args.suite}_{device}_{dt.date.today().isoformat()}"
-        print("wrote", *write_results(name, {"environment": env, **result}, text, args.out_dir))
+        json_path, md_path = write_results(name, result, text, out_dir)
+        print("wrote", json_path, md_path, plot(result, json_path.with_suffix(".png")))
         partial.unlink(missing_ok=True)
 
 

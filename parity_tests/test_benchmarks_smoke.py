@@ -5,10 +5,11 @@ from __future__ import annotations
 
 from benchmarks import decode_speed
 from benchmarks.common import environment
-from benchmarks.run import markdown, run
+from benchmarks.report import markdown, plot
+from benchmarks.run import run
 
 
-def test_benchmark_runner_smoke():
+def test_benchmark_runner_smoke(tmp_path):
     result, device = run("smoke")
     rows = result["rows"]
     impls = {(r["task"], r["impl"]) for r in rows}
@@ -17,8 +18,11 @@ def test_benchmark_runner_smoke():
     assert all(r["median_s"] > 0 for r in rows)
     # Every measurement of ours has a ratio against the nn.Transformer peer where one exists.
     assert all("ratio_vs_peer" in r for r in rows if r["task"] == "train" and r["impl"] != "peer")
-    text = markdown(result, environment())
-    assert "| tiny | float32 | jax |" in text and device in text
+    result = {"environment": environment(), "settings": {"steps per repeat": 2}, **result}
+    text = markdown(result)
+    assert "| tiny | float32 | jax |" in text and device in text and "steps per repeat 2" in text
+    png = plot(result, tmp_path / "smoke.png")
+    assert png.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
 
 
 def test_decode_speed_smoke():

@@ -50,8 +50,10 @@ def make_optimizer(module: Transformer, train_cfg: TrainConfig
                    ) -> tuple[torch.optim.Adam, torch.optim.lr_scheduler.LambdaLR]:
     """Adam (eps after the square root, bias correction, no weight decay: §5.3) with base lr 1,
     so that LambdaLR's lr at optimizer step s (from 1) is exactly learning_rate(s)."""
+    # On CUDA the fused kernel (one launch for every tensor) instead of the default foreach path.
+    fused = next(module.parameters()).is_cuda
     optimizer = torch.optim.Adam(module.parameters(), lr=1.0, betas=(train_cfg.adam_b1, train_cfg.adam_b2),
-                                 eps=train_cfg.adam_eps, weight_decay=0.0)
+                                 eps=train_cfg.adam_eps, weight_decay=0.0, fused=fused or None)
     return optimizer, torch.optim.lr_scheduler.LambdaLR(optimizer, schedule(module.cfg.d_model, train_cfg))
 
 
@@ -79,6 +81,17 @@ def train_step(module: Transformer, optimizer: torch.optim.Optimizer,
     optimizer.step()
     scheduler.step()
     return loss.detach(), lr
+
+
+def make_train_step(module: Transformer, optimizer: torch.optim.Optimizer,
+                    scheduler: torch.optim.lr_scheduler.LRScheduler, train_cfg: TrainConfig,
+                    autocast: torch.dtype | None = None) -> Callable[..., tuple[torch.Tensor, float]]:
+    """`train_step` with the module, optimizer and schedule bound: step(src, tgt, labels).
+    (JAX needs this to skip a per-call graph walk; eager PyTorch has none to skip.)"""
+    def step(src: torch.Tensor, tgt: torch.Tensor, labels: torch.Tensor) -> tuple[torch.Tensor, float]:
+        return train_step(module, optimizer, scheduler, src, tgt, labels, train_cfg, autocast)
+
+    return step
 
 
 def gradients(module: Transformer, src: torch.Tensor, tgt: torch.Tensor, labels: torch.Tensor,
@@ -133,6 +146,8 @@ class Trainer:
         self.device, self.module, self.autocast = model.device, model.module, DTYPES[dtype][1]
         self.parity = self.device.type == "cpu" if parity is None else parity
         self.optimizer, self.scheduler = make_optimizer(self.module, train_cfg)
+        self._train_step = make_train_step(self.module, self.optimizer, self.scheduler, train_cfg,
+                                           self.autocast)
         self.device_name = (torch.cuda.get_device_name(self.device) if self.device.type == "cuda"
                             else cpu_name())
         with torch.random.fork_rng(devices=self._rng_devices()):
@@ -181,9 +196,8 @@ class Trainer:
         """One update on `batch` (§5.3); returns {step, loss, lr, num_src_tokens, num_tgt_tokens}.
         Reading the loss synchronises the device, so a wall clock around this call is honest."""
         with self._context():
-            loss, lr = train_step(self.module, self.optimizer, self.scheduler, self._tensor(batch.src),
-                                  self._tensor(batch.tgt_in), self._tensor(batch.labels), self.train_cfg,
-                                  self.autocast)
+            loss, lr = self._train_step(self._tensor(batch.src), self._tensor(batch.tgt_in),
+                                        self._tensor(batch.labels))
             loss_value = loss.item()
         return {"step": self.step_count, "loss": loss_value, "lr": float(lr),
                 "num_src_tokens": int(batch.num_src_tokens), "num_tgt_tokens": int(batch.num_tgt_tokens)}

@@ -1,0 +1,187 @@
+"""What a benchmark run leaves behind, from its JSON: the Markdown tables, the plot, and the
+README's copy of the newest tables.
+
+    python -m benchmarks.report benchmarks/results/gpu_*.json   # (re)draw those files' plots
+    python -m benchmarks.report --readme                         # README <- newest cpu and gpu tables
+
+benchmarks/run.py calls `markdown` and `plot` after every run; the README block is refreshed on
+request only (a test checks that it matches the newest results files).
+"""
+
+from __future__ import annotations
+
+import argparse
+import io
+import json
+import re
+from pathlib import Path
+
+from benchmarks.common import RESULTS
+from rosetta.checkpoint import atomic_write_bytes
+
+README = Path(__file__).parent.parent / "README.md"
+BEGIN, END = "<!-- benchmarks:begin -->", "<!-- benchmarks:end -->"
+IMPL_ORDER = ("numpy", "torch", "torch.compile", "jax", "peer")
+SUITES_IN_README = ("gpu", "cpu")  # newest results file of each, in this order
+
+
+def _sorted(rows: list[dict], task: str) -> list[dict]:
+    """One task's rows in run order of presets and dtypes, implementations in IMPL_ORDER."""
+    rows = [r for r in rows if r["task"] == task]
+    groups = list(dict.fromkeys((r["preset"], r["dtype"]) for r in rows))
+    searches = ("greedy", "beam 4")
+    return sorted(rows, key=lambda r: (groups.index((r["preset"], r["dtype"])),
+                                       searches.index(r.get("search", "greedy")),
+                                       IMPL_ORDER.index(r["impl"])))
+
+
+def _fmt(x: float | None, spec: str) -> str:
+    return "–" if x is None else format(x, spec)
+
+
+def tables(result: dict) -> str:
+    """The training, forward and decoding tables of one run."""
+    lines = [
+        "Training (one optimizer step, dropout on)",
+        "",
+        "| preset | dtype | impl | step ms | target tokens/s (real) | padded tokens/s | MFU | "
+        "peak mem GB | ratio vs peer |",
+        "| --- | --- | --- | --- | --- | --- | --- | --- | --- |",
+    ]
+    for r in _sorted(result["rows"], "train"):
+        mem = None if r.get("peak_memory_bytes") is None else r["peak_memory_bytes"] / 1e9
+        mfu = None if r.get("mfu") is None else f"{100 * r['mfu']:.1f}%"
+        lines.append(
+            f"| {r['preset']} | {r['dtype']} | {r['impl']} | {r['median_s'] * 1e3:.1f} "
+            f"[{r['min_s'] * 1e3:.1f}–{r['max_s'] * 1e3:.1f}] | {r['tokens_per_s']:,.0f} | "
+            f"{r['padded_tokens_per_s']:,.0f} | {mfu or '–'} | {_fmt(mem, '.2f')} | "
+            f"{_fmt(r.get('ratio_vs_peer'), '.2f')} |"
+        )
+    lines += ["", "Forward latency (one batch)", "",
+              "| preset | dtype | impl | ms | sentences/s | ratio vs peer |",
+              "| --- | --- | --- | --- | --- | --- |"]
+    for r in _sorted(result["rows"], "forward"):
+        lines.append(
+            f"| {r['preset']} | {r['dtype']} | {r['impl']} | {r['median_s'] * 1e3:.2f} "
+            f"[{r['min_s'] * 1e3:.2f}–{r['max_s'] * 1e3:.2f}] | {r['sentences_per_s']:,.0f} | "
+            f"{_fmt(r.get('ratio_vs_peer'), '.2f')} |"
+        )
+    lines += ["", "Decoding (float32, cached; the peer: nn.Transformer re-decoding the prefix, greedy only)",
+              "", "| preset | impl | search | s | sentences/s | tokens/s | ratio vs peer |",
+              "| --- | --- | --- | --- | --- | --- | --- |"]
+    for r in _sorted(result["rows"], "decode"):
+        lines.append(
+            f"| {r['preset']} | {r['impl']} | {r['search']} | {r['median_s']:.3f} | "
+            f"{r['sentences_per_s']:,.1f} | {r['tokens_per_s']:,.0f} | "
+            f"{_fmt(r.get('ratio_vs_peer'), '.2f')} |"
+        )
+    return "\n".join(lines) + "\n"
+
+
+def describe(result: dict) -> str:
+    """One paragraph: when, which machine and commit, which versions and settings."""
+    env, settings = result["environment"], result.get("settings", {})
+    sizes = "; ".join(
+        f"{k}: train/forward {v['batch']}x{v['length']}, decode {v['decode_batch']} sentences x "
+        f"{v['decode_len']} + {v['margin']}" for k, v in result["sizes"].items()
+    )
+    extra = "".join(f", {k} {v}" for k, v in settings.items())
+    return (
+        f"{env['date']}, {result['device']} ({env.get('machine')}), commit {env['commit']}, "
+        f"torch {env.get('torch')}, jax {env.get('jax')}, flax {env.get('flax')}{extra}. Median "
+        f"of {result['rows'][0]['repeats']} repeats (spread in brackets); ratio vs peer = peer "
+        "time / our time for the same work (torch.nn.Transformer, same weights; > 1: faster than "
+        f"the peer; decoding: per emitted token). Sizes: {sizes}.\n"
+    )
+
+
+def markdown(result: dict) -> str:
+    """The results file's Markdown: title, description, tables."""
+    return (f"# Benchmarks: {result['suite']} suite on {result['device']}\n\n{describe(result)}\n"
+            + tables(result))
+
+
+def plot(result: dict, path: Path) -> Path:
+    """Ratio vs the peer of every measurement (> 1: faster than nn.Transformer), one panel per
+    task; training bars carry their MFU where the device's peak is known. Written atomically."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    tasks = [t for t in ("train", "forward", "decode") if any(r["task"] == t for r in result["rows"])]
+    fig, axes = plt.subplots(len(tasks), 1, figsize=(10, 3.2 * len(tasks)), squeeze=False)
+    colors = dict(zip(IMPL_ORDER, ("tab:gray", "tab:red", "tab:orange", "tab:blue", "black"), strict=True))
+    for ax, task in zip(axes[:, 0], tasks, strict=True):
+        rows = [r for r in _sorted(result["rows"], task) if r.get("ratio_vs_peer") is not None]
+        groups = list(dict.fromkeys((r["preset"], r["dtype"], r.get("search", "")) for r in rows))
+        impls = [i for i in IMPL_ORDER if any(r["impl"] == i for r in rows)]
+        width = 0.8 / max(len(impls), 1)
+        for j, impl in enumerate(impls):
+            offset = (j - (len(impls) - 1) / 2) * width
+            for r in (r for r in rows if r["impl"] == impl):
+                x = groups.index((r["preset"], r["dtype"], r.get("search", ""))) + offset
+                ax.bar(x, r["ratio_vs_peer"], width, color=colors[impl],
+                       label=impl if r is next(q for q in rows if q["impl"] == impl) else None)
+                if r.get("mfu"):
+                    ax.annotate(f"{100 * r['mfu']:.0f}%", (x, r["ratio_vs_peer"]), ha="center",
+                                va="bottom", fontsize=7)
+        ax.axhline(1.0, color="black", linewidth=0.8, linestyle="--")
+        ax.set_xticks(range(len(groups)), [" ".join(g).strip() for g in groups], fontsize=8)
+        ax.set_ylabel("ratio vs peer")
+        ax.set_title({"train": "training step (labels: MFU)", "forward": "forward latency",
+                      "decode": "decoding, per emitted token"}[task], fontsize=10)
+        ax.legend(fontsize=8, ncol=len(impls))
+    fig.suptitle(f"{result['suite']} suite, {result['device']}, commit {result['environment']['commit']}",
+                 fontsize=10)
+    fig.tight_layout()
+    buffer = io.BytesIO()
+    fig.savefig(buffer, format="png", dpi=100)
+    plt.close(fig)
+    atomic_write_bytes(path, buffer.getvalue())
+    return path
+
+
+def newest(suite: str, results: Path = RESULTS) -> Path | None:
+    """The newest complete results file of a suite (names end in the ISO date)."""
+    files = [p for p in results.glob(f"{suite}_*.json") if re.search(r"_\d{4}-\d\d-\d\d\.json$", p.name)]
+    return max(files, key=lambda p: (p.stem[-10:], p.name), default=None)
+
+
+def readme_block(results: Path = RESULTS) -> str:
+    """What the README shows between its markers: the newest tables of each suite."""
+    parts = [BEGIN]
+    for suite in SUITES_IN_README:
+        path = newest(suite, results)
+        if path is None:
+            continue
+        result = json.loads(path.read_text())
+        rel = path.relative_to(README.parent) if path.is_relative_to(README.parent) else path
+        parts += [f"**`--suite {suite}`**, from `{rel}` (plot: `{rel.with_suffix('.png')}`): "
+                  + describe(result), tables(result)]
+    return "\n".join(parts + [END])
+
+
+def update_readme(readme: Path = README, results: Path = RESULTS) -> None:
+    text = readme.read_text()
+    if BEGIN not in text or END not in text:
+        raise SystemExit(f"{readme} has no {BEGIN} ... {END} block")
+    start, stop = text.index(BEGIN), text.index(END) + len(END)
+    atomic_write_bytes(readme, (text[:start] + readme_block(results) + text[stop:]).encode())
+
+
+def main(argv: list[str] | None = None) -> None:
+    parser = argparse.ArgumentParser(description=__doc__,
+                                     formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("results", nargs="*", type=Path, help="results JSON files to re-plot")
+    parser.add_argument("--readme", action="store_true", help="refresh the README's benchmark tables")
+    args = parser.parse_args(argv)
+    for path in args.results:
+        print("wrote", plot(json.loads(path.read_text()), path.with_suffix(".png")))
+    if args.readme:
+        update_readme()
+        print("updated", README)
+
+
+if __name__ == "__main__":
+    main()
