@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import datetime as dt
 import json
+import os
 import platform
 import statistics
 import subprocess
@@ -24,6 +25,9 @@ def environment() -> dict:
         "processor": platform.processor() or platform.machine(),
         "python": platform.python_version(),
     }
+    if os.environ.get("ROSETTA_COMMIT"):  # a machine whose checkout has no (or a stale) .git
+        info["commit"] = os.environ["ROSETTA_COMMIT"] + " (from ROSETTA_COMMIT)"
+        return _versions(info)
     try:
         info["commit"] = subprocess.run(["git", "rev-parse", "--short", "HEAD"], capture_output=True,
                                         text=True, cwd=Path(__file__).parent, check=True).stdout.strip()
@@ -32,6 +36,11 @@ def environment() -> dict:
         info["commit"] += "+dirty" if dirty else ""
     except (OSError, subprocess.CalledProcessError):
         info["commit"] = "unknown"
+    return _versions(info)
+
+
+def _versions(info: dict) -> dict:
+    """Add the library versions (and the devices they see) to `info`."""
     import numpy
     info["numpy"] = numpy.__version__
     try:

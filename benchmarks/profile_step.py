@@ -1,11 +1,11 @@
-"""Where one PyTorch training step spends its time: torch.profiler over a few steps of our eager
-model and of the nn.Transformer peer (benchmarks/peer.py), on the GPU suite's batch.
+"""Where one training step spends its time on a GPU: torch.profiler over a few steps of our
+eager PyTorch model and of the nn.Transformer peer (benchmarks/peer.py) on the GPU suite's
+batch, kernels grouped by kind; and the label-smoothed loss over the vocabulary timed alone
+(forward + backward) in eager PyTorch, torch.compile and JAX.
 
-    python -m benchmarks.profile_step --preset base --dtype bfloat16
+    python -m benchmarks.profile_step --preset base --dtype bfloat16 > profile.md
 
-Prints, per implementation, wall time per step, GPU kernel time per step (their ratio: how busy
-the GPU is; well under 1 means the step waits on the CPU to launch kernels) and the kernels
-that take most of the GPU time. Needs a CUDA device.
+Needs a CUDA device.
 """
 
 from __future__ import annotations
@@ -13,38 +13,100 @@ from __future__ import annotations
 import argparse
 import time
 
+import jax
+import jax.numpy as jnp
+import numpy as np
 import torch
 from torch.profiler import ProfilerActivity, profile
 
+from benchmarks.common import environment
 from benchmarks.peer import make_peer
 from benchmarks.run import SUITES, autocast_dtype, training_batch
+from jax_impl import train as jax_train
 from rosetta import preset
+from rosetta.flops import training_flops
 from rosetta.training import TrainConfig
 from torch_impl import train as torch_train
 from torch_impl.backend import Model as TorchModel
 
+# Kernel name fragments -> kind; the first match wins, anything else is "other".
+KINDS = (
+    ("matmul (cuBLAS)", ("nvjet", "gemm", "cutlass", "xmma", "cublas")),
+    ("attention (cuDNN/flash SDPA)", ("sdpa", "flash", "fmha", "attention")),
+    ("softmax over the vocabulary (loss)", ("SoftMax",)),
+    ("LayerNorm", ("layer_norm", "GammaBeta", "LayerNorm")),
+    ("dropout", ("dropout",)),
+    ("Adam", ("adam", "Adam")),
+    ("casts and copies", ("copy_kernel",)),
+)
 
-def profile_impl(name: str, module: torch.nn.Module, batch, dtype: str, steps: int) -> str:
+
+def kind_of(kernel: str) -> str:
+    kinds = (kind for kind, keys in KINDS if any(k in kernel for k in keys))
+    return next(kinds, "other elementwise, reductions")
+
+
+def wall_time(fn, steps: int) -> float:
+    for _ in range(3):
+        fn()
+    torch.cuda.synchronize()
+    start = time.perf_counter()
+    for _ in range(steps):
+        fn()
+    torch.cuda.synchronize()
+    return (time.perf_counter() - start) / steps
+
+
+def profile_impl(name: str, module: torch.nn.Module, batch, dtype: str, steps: int, flops: int) -> str:
     tc = TrainConfig(warmup_steps=4000)
     optimizer, scheduler = torch_train.make_optimizer(module, tc)
     step = torch_train.make_train_step(module, optimizer, scheduler, tc, autocast_dtype(dtype))
-    for _ in range(3):
-        step(*batch)
-    torch.cuda.synchronize()
-    start = time.perf_counter()
-    with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as prof:
+    wall = wall_time(lambda: step(*batch), steps)
+    with profile(activities=[ProfilerActivity.CUDA]) as prof:
         for _ in range(steps):
             step(*batch)
         torch.cuda.synchronize()
-    wall = (time.perf_counter() - start) / steps
-    events = [e for e in prof.key_averages() if e.device_type == torch.autograd.DeviceType.CUDA]
-    gpu = sum(e.self_device_time_total for e in events) / steps / 1e6  # µs -> s
-    lines = [f"## {name}: {wall * 1e3:.1f} ms per step (under the profiler), GPU kernels "
-             f"{gpu * 1e3:.1f} ms per step ({gpu / wall:.0%} busy)", "",
-             "| kernel | ms per step | share | calls per step |", "| --- | --- | --- | --- |"]
-    for e in sorted(events, key=lambda e: -e.self_device_time_total)[:15]:
-        t = e.self_device_time_total / steps / 1e6
-        lines.append(f"| `{e.key[:90]}` | {t * 1e3:.2f} | {t / gpu:.0%} | {e.count // steps} |")
+    kernels = [e for e in prof.key_averages() if e.device_type == torch.autograd.DeviceType.CUDA]
+    per_kind: dict[str, list[float]] = {}
+    for e in kernels:
+        entry = per_kind.setdefault(kind_of(e.key), [0.0, 0])
+        entry[0] += e.self_device_time_total / steps / 1e3  # µs -> ms per step
+        entry[1] += e.count // steps
+    gpu = sum(ms for ms, _ in per_kind.values())
+    lines = [f"## {name}: {wall * 1e3:.1f} ms per step, {flops / wall / 1e12:.0f} TFLOP/s; GPU kernels "
+             f"{gpu:.1f} ms per step", "",
+             "| kernels | ms per step | share of GPU time | launches per step |", "| --- | --- | --- | --- |"]
+    for kind, (ms, count) in sorted(per_kind.items(), key=lambda kv: -kv[1][0]):
+        lines.append(f"| {kind} | {ms:.2f} | {ms / gpu:.0%} | {count} |")
+    return "\n".join(lines) + "\n"
+
+
+def loss_timings(cfg, size, dtype: str, steps: int) -> str:
+    """Forward + backward of the label-smoothed loss alone, on logits of the step's shape."""
+    rng = np.random.default_rng(0)
+    shape = (size.batch, size.length, cfg.tgt_vocab_size)
+    logits = rng.standard_normal(shape, dtype=np.float32)
+    labels = rng.integers(1, cfg.tgt_vocab_size, shape[:2]).astype(np.int32)
+    tdtype = torch.bfloat16 if dtype == "bfloat16" else torch.float32
+    z = torch.from_numpy(logits).cuda().to(tdtype).requires_grad_()
+    y = torch.from_numpy(labels).cuda()
+
+    def torch_loss(fn):
+        def run():
+            z.grad = None
+            fn(z, y, cfg.pad_id, 0.1)[0].backward()
+        return run
+
+    rows = [("PyTorch eager", wall_time(torch_loss(torch_train.loss_fn), steps)),
+            ("torch.compile", wall_time(torch_loss(torch.compile(torch_train.loss_fn)), steps))]
+    grad = jax.jit(jax.value_and_grad(lambda z, y: jax_train.loss_fn(z, y, cfg.pad_id, 0.1)[0]))
+    zj = jnp.asarray(logits, dtype=jnp.bfloat16 if dtype == "bfloat16" else jnp.float32)
+    yj = jnp.asarray(labels)
+    rows.append(("JAX (jit)", wall_time(lambda: jax.block_until_ready(grad(zj, yj)), steps)))
+    gb = np.prod(shape) * (2 if dtype == "bfloat16" else 4) / 1e9
+    lines = [f"## The loss alone: {shape[0]} x {shape[1]} x {shape[2]:,} {dtype} logits ({gb:.1f} GB), "
+             "forward + backward", "", "| implementation | ms |", "| --- | --- |"]
+    lines += [f"| {name} | {t * 1e3:.2f} |" for name, t in rows]
     return "\n".join(lines) + "\n"
 
 
@@ -53,21 +115,28 @@ def main(argv: list[str] | None = None) -> None:
                                      formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--preset", default="base")
     parser.add_argument("--dtype", default="bfloat16", choices=("bfloat16", "float32"))
-    parser.add_argument("--steps", type=int, default=3)
+    parser.add_argument("--steps", type=int, default=5)
     args = parser.parse_args(argv)
     if not torch.cuda.is_available():
         raise SystemExit("profile_step needs a CUDA device")
     torch.set_float32_matmul_precision("high")
+    env = environment()
     size = SUITES["gpu"].presets[args.preset]
     peer, cfg, params = make_peer(preset(args.preset, max_len=128))
     src, tgt, labels = training_batch(cfg, size)
     batch = [torch.from_numpy(a).cuda() for a in (src, tgt, labels)]
-    print(f"# One training step, {args.preset} {args.dtype}, {size.batch} x {size.length} tokens, "
-          f"{torch.cuda.get_device_name()}, torch {torch.__version__}\n")
-    for name, module in (("torch (eager)", TorchModel(cfg, params, "float32", "cuda").module),
-                         ("peer (nn.Transformer)", peer.cuda())):
-        print(profile_impl(name, module, batch, args.dtype, args.steps), flush=True)
+    flops = training_flops(cfg, size.batch, size.length, size.length)
+    print(f"# One training step, {args.preset} {args.dtype}, {size.batch} x {size.length} tokens\n\n"
+          f"{env['date']}, {env.get('gpu')}, commit {env['commit']}, torch {env.get('torch')}, "
+          f"jax {env.get('jax')}. Wall time: mean of {args.steps} steps after 3 warm-up "
+          f"steps, unprofiled; kernel times from torch.profiler over {args.steps} more steps. "
+          f"{flops / 1e12:.2f} model TFLOP per step (rosetta/flops.py).\n", flush=True)
+    for name, module in (("PyTorch eager (ours)", TorchModel(cfg, params, "float32", "cuda").module),
+                         ("nn.Transformer peer", peer.cuda())):
+        print(profile_impl(name, module, batch, args.dtype, args.steps, flops), flush=True)
+        del module
         torch.cuda.empty_cache()
+    print(loss_timings(cfg, size, args.dtype, args.steps), flush=True)
 
 
 if __name__ == "__main__":
