@@ -166,16 +166,16 @@ def bench_training(
     real_tokens = int((labels != cfg.pad_id).sum())
     rows = []
 
-    def torch_runner(module):
+    def torch_runner(module, compile: bool = False):
         optimizer, scheduler = torch_train.make_optimizer(module, tc)
-        step = torch_train.make_train_step(module, optimizer, scheduler, tc, autocast_dtype(dtype))
+        step = torch_train.make_train_step(module, optimizer, scheduler, tc, autocast_dtype(dtype), compile)
         batch = [torch.from_numpy(a).to(device) for a in (src, tgt, labels)]
         return lambda: step(*batch)[0]
 
     impls = {"torch": lambda: torch_runner(TorchModel(cfg, params, "float32", device).module)}
     if compile_ok:
         impls["torch.compile"] = lambda: torch_runner(
-            torch.compile(TorchModel(cfg, params, "float32", device).module)
+            TorchModel(cfg, params, "float32", device).module, compile=True  # forward and loss
         )
     jax_dtype = jnp.bfloat16 if dtype == "bfloat16" else jnp.float32
 

@@ -61,18 +61,24 @@ def _autocast(device: torch.device, dtype: torch.dtype | None) -> contextlib.Abs
     return torch.autocast(device.type, dtype=dtype) if dtype is not None else contextlib.nullcontext()
 
 
+def forward_loss(module: Transformer, src: torch.Tensor, tgt: torch.Tensor, labels: torch.Tensor,
+                 label_smoothing: float, autocast: torch.dtype | None = None) -> torch.Tensor:
+    """The loss of one batch, forward only: what `make_train_step(compile=True)` compiles."""
+    with _autocast(src.device, autocast):  # the backward pass runs outside autocast, as torch advises
+        return loss_fn(module(src, tgt), labels, module.cfg.pad_id, label_smoothing)[0]
+
+
 def train_step(module: Transformer, optimizer: torch.optim.Optimizer,
                scheduler: torch.optim.lr_scheduler.LRScheduler, src: torch.Tensor, tgt: torch.Tensor,
-               labels: torch.Tensor, train_cfg: TrainConfig,
-               autocast: torch.dtype | None = None) -> tuple[torch.Tensor, float]:
+               labels: torch.Tensor, train_cfg: TrainConfig, autocast: torch.dtype | None = None,
+               forward: Callable[..., torch.Tensor] = forward_loss) -> tuple[torch.Tensor, float]:
     """One update: forward with dropout (torch's generator: PITFALLS 10), loss, backward,
     optional global-norm clipping, Adam, schedule. `autocast` (e.g. torch.bfloat16) runs the
     forward pass under torch.autocast, float32 weights (JAX: the model's compute dtype).
     Returns (loss, lr used); the loss is a detached 0-d tensor (reading it synchronises)."""
     module.train()
     optimizer.zero_grad(set_to_none=True)
-    with _autocast(src.device, autocast):  # the backward pass runs outside autocast, as torch advises
-        loss, _ = loss_fn(module(src, tgt), labels, module.cfg.pad_id, train_cfg.label_smoothing)
+    loss = forward(module, src, tgt, labels, train_cfg.label_smoothing, autocast)
     loss.backward()
     if train_cfg.clip_norm is not None:
         # Scales by clip/(norm + 1e-6) where optax scales by clip/norm: ~1e-6 relative apart.
@@ -85,11 +91,16 @@ def train_step(module: Transformer, optimizer: torch.optim.Optimizer,
 
 def make_train_step(module: Transformer, optimizer: torch.optim.Optimizer,
                     scheduler: torch.optim.lr_scheduler.LRScheduler, train_cfg: TrainConfig,
-                    autocast: torch.dtype | None = None) -> Callable[..., tuple[torch.Tensor, float]]:
+                    autocast: torch.dtype | None = None,
+                    compile: bool = False) -> Callable[..., tuple[torch.Tensor, float]]:
     """`train_step` with the module, optimizer and schedule bound: step(src, tgt, labels).
-    (JAX needs this to skip a per-call graph walk; eager PyTorch has none to skip.)"""
+    (JAX needs this to skip a per-call graph walk; eager PyTorch has none to skip.) `compile`
+    runs the forward pass and the loss as one torch.compile graph, its backward compiled too:
+    the loss over a 37k vocabulary alone is ~3x faster compiled than eager on an H100."""
+    forward = torch.compile(forward_loss) if compile else forward_loss
+
     def step(src: torch.Tensor, tgt: torch.Tensor, labels: torch.Tensor) -> tuple[torch.Tensor, float]:
-        return train_step(module, optimizer, scheduler, src, tgt, labels, train_cfg, autocast)
+        return train_step(module, optimizer, scheduler, src, tgt, labels, train_cfg, autocast, forward)
 
     return step
 
