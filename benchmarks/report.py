@@ -1,7 +1,7 @@
 """What a benchmark run leaves behind, from its JSON: the Markdown tables, the plot, and the
 README's copy of the newest tables.
 
-    python -m benchmarks.report benchmarks/results/gpu_*.json   # (re)draw those files' plots
+    python -m benchmarks.report benchmarks/results/gpu_*.json   # re-render their .md and .png
     python -m benchmarks.report --readme                         # README <- newest cpu and gpu tables
 
 benchmarks/run.py calls `markdown` and `plot` after every run; the README block is refreshed on
@@ -39,6 +39,11 @@ def _fmt(x: float | None, spec: str) -> str:
     return "–" if x is None else format(x, spec)
 
 
+def _percent(x: float | None) -> str:
+    """MFU as a percentage: one decimal, or two significant digits under 1%."""
+    return "–" if x is None else f"{100 * x:.1f}%" if x >= 0.01 else f"{100 * x:.2g}%"
+
+
 def tables(result: dict) -> str:
     """The training, forward and decoding tables of one run."""
     lines = [
@@ -50,11 +55,10 @@ def tables(result: dict) -> str:
     ]
     for r in _sorted(result["rows"], "train"):
         mem = None if r.get("peak_memory_bytes") is None else r["peak_memory_bytes"] / 1e9
-        mfu = None if r.get("mfu") is None else f"{100 * r['mfu']:.1f}%"
         lines.append(
             f"| {r['preset']} | {r['dtype']} | {r['impl']} | {r['median_s'] * 1e3:.1f} "
             f"[{r['min_s'] * 1e3:.1f}–{r['max_s'] * 1e3:.1f}] | {r['tokens_per_s']:,.0f} | "
-            f"{r['padded_tokens_per_s']:,.0f} | {mfu or '–'} | {_fmt(mem, '.2f')} | "
+            f"{r['padded_tokens_per_s']:,.0f} | {_percent(r.get('mfu'))} | {_fmt(mem, '.2f')} | "
             f"{_fmt(r.get('ratio_vs_peer'), '.2f')} |"
         )
     lines += ["", "Forward latency (one batch)", "",
@@ -124,7 +128,7 @@ def plot(result: dict, path: Path) -> Path:
                 ax.bar(x, r["ratio_vs_peer"], width, color=colors[impl],
                        label=impl if r is next(q for q in rows if q["impl"] == impl) else None)
                 if r.get("mfu"):
-                    ax.annotate(f"{100 * r['mfu']:.0f}%", (x, r["ratio_vs_peer"]), ha="center",
+                    ax.annotate(_percent(r["mfu"]), (x, r["ratio_vs_peer"]), ha="center",
                                 va="bottom", fontsize=7)
         ax.axhline(1.0, color="black", linewidth=0.8, linestyle="--")
         ax.set_xticks(range(len(groups)), [" ".join(g).strip() for g in groups], fontsize=8)
@@ -173,11 +177,13 @@ def update_readme(readme: Path = README, results: Path = RESULTS) -> None:
 def main(argv: list[str] | None = None) -> None:
     parser = argparse.ArgumentParser(description=__doc__,
                                      formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("results", nargs="*", type=Path, help="results JSON files to re-plot")
+    parser.add_argument("results", nargs="*", type=Path, help="results JSON files to re-render")
     parser.add_argument("--readme", action="store_true", help="refresh the README's benchmark tables")
     args = parser.parse_args(argv)
     for path in args.results:
-        print("wrote", plot(json.loads(path.read_text()), path.with_suffix(".png")))
+        result = json.loads(path.read_text())
+        atomic_write_bytes(path.with_suffix(".md"), markdown(result).encode())
+        print("wrote", path.with_suffix(".md"), plot(result, path.with_suffix(".png")))
     if args.readme:
         update_readme()
         print("updated", README)

@@ -2,16 +2,17 @@
 backend, each divided by the same measurement of a `torch.nn.Transformer` peer taken in the
 same run (benchmarks/peer.py: same config, same weights, same step).
 
-    python -m benchmarks.run --suite cpu      # tiny and small presets, float32 (< 10 min, 2 cores)
-    python -m benchmarks.run --suite gpu      # tiny, base, big; float32 (TF32) and bfloat16
+    python -m benchmarks.run --suite cpu      # tiny and small presets, float32 (1.5 min, 2 cores)
+    python -m benchmarks.run --suite gpu      # base, big, tiny; bfloat16 and float32 (TF32): 9 min
     python -m benchmarks.run --suite smoke    # tiny, one repeat: CI's check that it runs
 
-Implementations: `numpy` (forward and decoding only), `torch` (eager), `torch.compile`, `jax`
-(jit), `peer`. Warm-up steps (compilation) are excluded; the device is synchronised before every
-clock read; each number is the median of repeats, with the spread. float32 on GPUs runs with
-TF32 allowed in both frameworks (JAX's default; `set_float32_matmul_precision("high")` in
-PyTorch), so the comparison is fair; parity runs turn it off. Results go to
-benchmarks/results/<suite>_<device>_<date>.{json,md}, with the commit, versions and settings.
+Implementations: `numpy` (forward and decoding only), `torch` (eager), `torch.compile` (forward
+and loss as one graph), `jax` (jit), `peer`. Warm-up calls (compilation) are excluded and their
+duration recorded; the device is synchronised before every clock read; each number is the
+median of repeats, with the spread. float32 on GPUs runs with TF32 allowed in both frameworks
+(JAX's default; `set_float32_matmul_precision("high")` in PyTorch), so the comparison is fair;
+parity runs turn it off. On a GPU each (preset, dtype) runs in its own process. Results go to
+benchmarks/results/<suite>_<device>_<date>.{json,md,png}, with the commit, versions and settings.
 """
 
 from __future__ import annotations
@@ -79,9 +80,8 @@ SUITES = {
     # torch.compile takes minutes per graph on 2 cores: measured on tiny only.
     "cpu": Suite({"tiny": Size(32, 32, 16, 16, 16), "small": Size(16, 32, 8, 16, 16)},
                  ("float32",), 5, 3, 2, (("tiny", "float32"),)),
-    # base and big first (they matter); torch.compile where it counts, bfloat16, to stay < 10 min.
-    # base and big: 384 x 64 tokens a side, the paper's ~25,000 source and target tokens per
-    # batch (§5.1); torch.compile on bfloat16 (the precision that matters), to stay < 10 min.
+    # base and big first (they matter), 384 x 64 tokens a side: the paper's ~25,000 source and
+    # target tokens per batch (§5.1); torch.compile on bfloat16 only, to stay < 10 min.
     "gpu": Suite({"base": Size(384, 64, 64, 32, 32), "big": Size(384, 64, 64, 32, 32),
                   "tiny": Size(64, 32, 32, 32, 32)}, ("bfloat16", "float32"), 10, 3, 3,
                  (("base", "bfloat16"), ("big", "bfloat16")),
@@ -89,6 +89,7 @@ SUITES = {
                  # kernels, ~70 s per compiled step on an H100, which does not fit in 10 minutes.
                  xla_flags="--xla_gpu_enable_triton_gemm=false"),
 }
+
 
 def sync() -> None:
     """Wait for queued device work before reading the clock (PITFALLS 13)."""

@@ -5,7 +5,7 @@ from __future__ import annotations
 
 from benchmarks import decode_speed
 from benchmarks.common import environment
-from benchmarks.report import markdown, plot
+from benchmarks.report import README, SUITES_IN_README, markdown, newest, plot, readme_block
 from benchmarks.run import run
 
 
@@ -34,3 +34,13 @@ def test_decode_speed_smoke():
     for r in result["rows"]:
         tokens[r["backend"], r["search"]].add(r["tokens"])
     assert all(len(counts) == 1 for counts in tokens.values())
+
+
+def test_readme_shows_the_newest_results():
+    """The README's benchmark block is exactly what `python -m benchmarks.report --readme`
+    renders from the newest cpu and gpu results files in benchmarks/results."""
+    text = README.read_text()
+    assert readme_block() in text, "run `python -m benchmarks.report --readme`"
+    for suite in SUITES_IN_README:
+        path = newest(suite)
+        assert path is not None and path.with_suffix(".md").exists() and path.with_suffix(".png").exists()
