@@ -113,7 +113,7 @@ def loss_timings(cfg, size, dtype: str, steps: int) -> str:
 def main(argv: list[str] | None = None) -> None:
     parser = argparse.ArgumentParser(description=__doc__,
                                      formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--preset", default="base")
+    parser.add_argument("--preset", default="base", choices=sorted(SUITES["gpu"].presets))
     parser.add_argument("--dtype", default="bfloat16", choices=("bfloat16", "float32"))
     parser.add_argument("--steps", type=int, default=5)
     args = parser.parse_args(argv)

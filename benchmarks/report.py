@@ -82,6 +82,20 @@ def tables(result: dict) -> str:
     return "\n".join(lines) + "\n"
 
 
+def load(path: Path) -> dict:
+    """A results JSON written by benchmarks/run.py, or a clear error naming what is wrong."""
+    try:
+        result = json.loads(Path(path).read_text())
+    except (OSError, UnicodeDecodeError, json.JSONDecodeError) as e:
+        raise SystemExit(f"{path}: cannot read a results file ({e})") from None
+    keys = ("environment", "suite", "device", "rows", "sizes")
+    missing = [k for k in keys if not isinstance(result, dict) or k not in result] or (
+        [] if result["rows"] else ["rows (empty)"])
+    if missing:
+        raise SystemExit(f"{path}: not a benchmarks/run.py results file (missing {', '.join(missing)})")
+    return result
+
+
 def describe(result: dict) -> str:
     """One paragraph: when, which machine and commit, which versions and settings."""
     env, settings = result["environment"], result.get("settings", {})
@@ -90,6 +104,8 @@ def describe(result: dict) -> str:
         f"{v['decode_len']} + {v['margin']}" for k, v in result["sizes"].items()
     )
     extra = "".join(f", {k} {v}" for k, v in settings.items())
+    if "wall_s" in result:
+        extra += f"; the whole run took {result['wall_s']:.0f} s"
     return (
         f"{env['date']}, {result['device']} ({env.get('machine')}), commit {env['commit']}, "
         f"torch {env.get('torch')}, jax {env.get('jax')}, flax {env.get('flax')}{extra}. Median "
@@ -159,7 +175,7 @@ def readme_block(results: Path = RESULTS) -> str:
         path = newest(suite, results)
         if path is None:
             continue
-        result = json.loads(path.read_text())
+        result = load(path)
         rel = path.relative_to(README.parent) if path.is_relative_to(README.parent) else path
         parts += [f"**`--suite {suite}`**, from `{rel}` (plot: `{rel.with_suffix('.png')}`): "
                   + describe(result), tables(result)]
@@ -181,7 +197,7 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--readme", action="store_true", help="refresh the README's benchmark tables")
     args = parser.parse_args(argv)
     for path in args.results:
-        result = json.loads(path.read_text())
+        result = load(path)
         atomic_write_bytes(path.with_suffix(".md"), markdown(result).encode())
         print("wrote", path.with_suffix(".md"), plot(result, path.with_suffix(".png")))
     if args.readme:

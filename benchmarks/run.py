@@ -344,7 +344,6 @@ def run(suite_name: str, partial: Path | None = None) -> tuple[dict, str]:
     took until the process ends, and PyTorch's measurements after it would run out."""
     suite = SUITES[suite_name]
     device = "cuda" if torch.cuda.is_available() else "cpu"
-    device_name = torch.cuda.get_device_name(0) if device == "cuda" else "cpu"
     rows = []
     started = time.perf_counter()
     for preset_name in suite.presets:
@@ -368,10 +367,20 @@ def run(suite_name: str, partial: Path | None = None) -> tuple[dict, str]:
     add_ratios(rows)
     return dict(
         suite=suite_name,
-        device=device_name,
+        device=device_name(),
         rows=rows,
         sizes={k: v.__dict__ for k, v in suite.presets.items()},
-    ), device_name
+    ), device_name()
+
+
+def device_name() -> str:
+    return torch.cuda.get_device_name(0) if torch.cuda.is_available() else "cpu"
+
+
+def results_name(suite_name: str) -> str:
+    """<suite>_<device>_<date>: what a run writes, as .json, .md and .png."""
+    device = re.sub(r"[^A-Za-z0-9]+", "-", device_name()).strip("-").lower()
+    return f"{suite_name}_{device}_{dt.date.today().isoformat()}"
 
 
 def main(argv: list[str] | None = None) -> None:
@@ -381,27 +390,33 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--suite", choices=sorted(SUITES), default="cpu")
     parser.add_argument("--no-write", action="store_true", help="print the table only")
     parser.add_argument("--out-dir", type=Path, default=None, help="default: benchmarks/results")
+    parser.add_argument("--overwrite", action="store_true",
+                        help="replace today's results file of this suite and device")
     args = parser.parse_args(argv)
+    started = time.perf_counter()
     suite = SUITES[args.suite]
+    out_dir = args.out_dir or RESULTS
+    name = results_name(args.suite)
+    if not args.no_write and (out_dir / f"{name}.json").exists() and not args.overwrite:
+        parser.error(f"{out_dir / name}.json already exists: pass --overwrite to replace it, or "
+                     "--out-dir to write elsewhere")
     if suite.xla_flags and "XLA_FLAGS" not in os.environ:  # before JAX starts, here and in workers
         os.environ["XLA_FLAGS"] = suite.xla_flags
     env = environment()
-    out_dir = args.out_dir or RESULTS
     partial = None if args.no_write else out_dir / f"{args.suite}.partial.json"
     if partial is not None:
         partial.parent.mkdir(parents=True, exist_ok=True)
-    measured, device_name = run(args.suite, partial)
+    measured, device = run(args.suite, partial)
     settings = {"steps per repeat": suite.steps, "warm-up calls": suite.warmup}
     if os.environ.get("XLA_FLAGS"):
         settings["XLA_FLAGS"] = os.environ["XLA_FLAGS"]
-    if device_name != "cpu":
+    if device != "cpu":
         settings["float32 matmuls"] = "TF32 in both frameworks"
-    result = {"environment": env, "settings": settings, **measured}
+    # The run's seconds (all but the imports' few): each suite must stay under 10 minutes.
+    result = {"environment": env, "settings": settings, "wall_s": time.perf_counter() - started, **measured}
     text = markdown(result)
     print(text)
     if not args.no_write:
-        device = re.sub(r"[^A-Za-z0-9]+", "-", device_name).strip("-").lower()
-        name = f"{args.suite}_{device}_{dt.date.today().isoformat()}"
         json_path, md_path = write_results(name, result, text, out_dir)
         print("wrote", json_path, md_path, plot(result, json_path.with_suffix(".png")))
         partial.unlink(missing_ok=True)
