@@ -11,7 +11,6 @@ Needs a CUDA device.
 from __future__ import annotations
 
 import argparse
-import time
 
 import jax
 import jax.numpy as jnp
@@ -21,7 +20,7 @@ from torch.profiler import ProfilerActivity, profile
 
 from benchmarks.common import environment
 from benchmarks.peer import make_peer
-from benchmarks.run import SUITES, autocast_dtype, training_batch
+from benchmarks.run import SUITES, autocast_dtype, measure, training_batch
 from jax_impl import train as jax_train
 from rosetta import preset
 from rosetta.flops import training_flops
@@ -47,14 +46,8 @@ def kind_of(kernel: str) -> str:
 
 
 def wall_time(fn, steps: int) -> float:
-    for _ in range(3):
-        fn()
-    torch.cuda.synchronize()
-    start = time.perf_counter()
-    for _ in range(steps):
-        fn()
-    torch.cuda.synchronize()
-    return (time.perf_counter() - start) / steps
+    """Mean seconds per call over `steps` calls after 3 warm-up calls (benchmarks/run.py's timer)."""
+    return measure(fn, repeats=1, warmup=3, inner=steps)["median_s"]
 
 
 def profile_impl(name: str, module: torch.nn.Module, batch, dtype: str, steps: int, flops: int) -> str:

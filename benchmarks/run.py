@@ -18,7 +18,6 @@ benchmarks/results/<suite>_<device>_<date>.{json,md,png}, with the commit, versi
 from __future__ import annotations
 
 import argparse
-import contextlib
 import copy
 import datetime as dt
 import json
@@ -44,6 +43,7 @@ from benchmarks.common import RESULTS, environment, write_results
 from benchmarks.peer import make_peer
 from benchmarks.report import markdown, plot
 from jax_impl import train as jax_train
+from jax_impl.backend import DTYPES as JAX_DTYPES
 from jax_impl.backend import Model as JaxModel
 from jax_impl.convert import build_model
 from rosetta import from_params, preset
@@ -143,10 +143,8 @@ def autocast_dtype(dtype: str) -> torch.dtype | None:
     return torch.bfloat16 if dtype == "bfloat16" else None
 
 
-def autocast(dtype: str, device: str):
-    if dtype == "bfloat16":
-        return torch.autocast(device, dtype=torch.bfloat16)
-    return contextlib.nullcontext()
+def autocast(dtype: str, device: str) -> torch.autocast:
+    return torch.autocast(device, dtype=torch.bfloat16, enabled=dtype == "bfloat16")
 
 
 def peak_memory(impl: str, device: str) -> int | None:
@@ -178,10 +176,8 @@ def bench_training(
         impls["torch.compile"] = lambda: torch_runner(
             TorchModel(cfg, params, "float32", device).module, compile=True  # forward and loss
         )
-    jax_dtype = jnp.bfloat16 if dtype == "bfloat16" else jnp.float32
-
     def jax_runner():
-        model = build_model(cfg, params, jax_dtype)
+        model = build_model(cfg, params, JAX_DTYPES[dtype])
         optimizer, rngs = jax_train.make_optimizer(model, tc), nnx.Rngs(dropout=0)
         step = jax_train.make_train_step(model, optimizer, rngs, tc)
         batch = [jnp.asarray(a) for a in (src, tgt, labels)]
@@ -191,8 +187,8 @@ def bench_training(
     impls["jax"] = jax_runner  # last: JAX's allocator keeps what it took (see measure_group)
     for name, make in impls.items():
         if device == "cuda":
-            # Hand back what the previous implementation's caching allocator still holds: JAX
-            # allocates outside it and ran out of memory on `big` without this.
+            # Hand back what the previous implementation's caching allocator still holds, so that
+            # each peak, and JAX (which allocates outside it), start from a free device.
             torch.cuda.empty_cache()
         step = make()
         if device == "cuda":
