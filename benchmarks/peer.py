@@ -1,6 +1,6 @@
 """The peer every benchmark number is divided by: the same model built on `torch.nn.Transformer`
 (the implementation most PyTorch users reach for), with the same weights — ported to the
-canonical format with torch_impl/port.py, so our backends load exactly these — the same loss,
+canonical format with rosetta/interop/nn_transformer.py, so our backends load exactly these — the same loss,
 optimizer and schedule (torch_impl/train.py), and its usual decoding loop (greedy, the whole
 prefix again at every step: nn.Transformer has no key/value cache)."""
 
@@ -11,10 +11,10 @@ import math
 import torch
 from torch import nn
 
-from numpy_ref.model import positional_encoding
 from rosetta.config import ModelConfig
+from rosetta.interop.nn_transformer import port_nn_transformer
 from rosetta.params import Params
-from torch_impl.port import port_nn_transformer
+from rosetta.positional import positional_encoding
 
 
 class PeerTransformer(nn.Module):

@@ -13,8 +13,8 @@ import numpy as np
 from flax import nnx
 
 from jax_impl.model import LayerCache, Transformer, source_mask
-from numpy_ref.decode import NEG, Generation, output_limits, strip
 from rosetta.config import ModelConfig
+from rosetta.generation import NEG, Generation, output_limits, strip
 
 
 def length_penalty(length: jax.Array | int, alpha: float) -> jax.Array:

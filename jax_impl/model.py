@@ -17,9 +17,9 @@ import jax
 import jax.numpy as jnp
 from flax import nnx
 
-from numpy_ref.model import positional_encoding
 from rosetta.config import ModelConfig
 from rosetta.params import embedding_names
+from rosetta.positional import positional_encoding
 
 Stages = dict[str, jax.Array]
 

@@ -1,6 +1,6 @@
 """Training in JAX/Flax NNX (SPEC §4): the label-smoothed loss, Adam with the paper's schedule,
 one training step, canonical gradients for the parity tests, and `Trainer`, the adapter the
-framework-free loop (rosetta/harness.py) drives.
+framework-free loop (rosetta/harness/loop.py) drives.
 
 Mirrors torch_impl/train.py function for function; diff them to see only framework differences.
 """
@@ -20,14 +20,12 @@ from flax import nnx
 from jax_impl.backend import DTYPES, Model, parity_mode
 from jax_impl.convert import build_model, flax_name, to_params
 from jax_impl.model import Transformer
-from rosetta.batching import Batch
 from rosetta.checkpoint import check_params
 from rosetta.config import ModelConfig
+from rosetta.device import cpu_name, max_rss_bytes
 from rosetta.errors import RosettaError
-from rosetta.metrics import cpu_name, max_rss_bytes
 from rosetta.params import Params, param_shapes
-from rosetta.trainer_state import check_state
-from rosetta.training import TrainConfig
+from rosetta.training import Batch, TrainConfig, check_state
 
 
 def loss_fn(logits: jax.Array, labels: jax.Array, pad_id: int,
@@ -150,7 +148,7 @@ def _device(name: str | None) -> jax.Device:
 
 class Trainer:
     """One model, its optimizer and its dropout generator behind the interface that
-    rosetta/harness.py drives; torch_impl/train.py's `Trainer` has the same methods.
+    rosetta/harness/loop.py drives; torch_impl/train.py's `Trainer` has the same methods.
 
     Built from canonical weights (`rosetta.init_params` or a checkpoint: never re-initialised
     here, PITFALLS 9). `dtype` "bfloat16" computes in bfloat16 (the model's dtype) with float32

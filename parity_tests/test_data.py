@@ -1,6 +1,6 @@
 """The data pipeline of the training harness: Multi30k loading and download, the synthetic
-tasks, the joint BPE tokenizer and token-budget batching (rosetta.data, rosetta.tokenizer,
-rosetta.batching). NumPy only; no deep-learning framework is imported."""
+tasks, the joint BPE tokenizer and token-budget batching (rosetta.harness.data, rosetta.harness.tokenizer,
+rosetta.harness.batching). NumPy only; no deep-learning framework is imported."""
 
 from __future__ import annotations
 
@@ -18,8 +18,9 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from rosetta import ModelConfig, preset
-from rosetta.batching import Batch, BatchIterator, default_buckets, eval_batches, restore_order
-from rosetta.data import (
+from rosetta.errors import RosettaError
+from rosetta.harness.batching import Batch, BatchIterator, default_buckets, eval_batches, restore_order
+from rosetta.harness.data import (
     DATA_DIR_ENV,
     SPLIT_SIZES,
     URL_BASE,
@@ -29,7 +30,6 @@ from rosetta.data import (
     load_multi30k,
     synthetic_pairs,
 )
-from rosetta.errors import RosettaError
 
 # The shared copy beside the checkout (what CI reads), or $ROSETTA_DATA_DIR for a clone elsewhere.
 ENV_DIR = os.environ.get(DATA_DIR_ENV)
@@ -207,7 +207,7 @@ def small_corpus() -> list[str]:
 
 @pytest.fixture(scope="module")
 def tok(small_corpus):
-    from rosetta.tokenizer import Tokenizer
+    from rosetta.harness.tokenizer import Tokenizer
 
     return Tokenizer.train(small_corpus, vocab_size=2000)
 
@@ -245,7 +245,7 @@ def test_tokenizer_round_trip(tok):
 
 
 def test_tokenizer_save_load_and_determinism(tok, small_corpus, tmp_path):
-    from rosetta.tokenizer import Tokenizer, TokenizerError
+    from rosetta.harness.tokenizer import Tokenizer, TokenizerError
 
     path = tok.save(tmp_path / "sub" / "bpe.json")
     assert [p.name for p in path.parent.iterdir()] == ["bpe.json"]  # no temp file left
@@ -338,7 +338,7 @@ def test_default_buckets():
 def test_batches_shapes_labels_coverage_and_drops(caplog):
     pairs = random_pairs(1500, seed=0)
     max_tokens, max_len = 1000, 64
-    with caplog.at_level("WARNING", logger="rosetta.batching"):
+    with caplog.at_level("WARNING", logger="rosetta.harness.batching"):
         it = BatchIterator(pairs, max_tokens=max_tokens, max_len=max_len, seed=7)
     too_long = [i for i, (s, t) in enumerate(pairs) if max(len(s) + 1, len(t) + 1) > max_len]
     assert too_long and it.dropped == too_long and it.num_dropped == len(too_long)

@@ -153,7 +153,7 @@ def copy_model():
     """A tiny model trained here for 400 steps on the copy task (PyTorch, seeded)."""
     import torch
 
-    from rosetta.data import synthetic_pairs
+    from rosetta.harness.data import synthetic_pairs
     from rosetta.training import TrainConfig
     from torch_impl import train as torch_train
     from torch_impl.backend import Model as TorchModel

@@ -1,4 +1,4 @@
-"""The shared training harness (rosetta/harness.py, the `Trainer` adapters, `rosetta train` and
+"""The shared training harness (rosetta/harness/loop.py, the `Trainer` adapters, `rosetta train` and
 `rosetta translate`): PyTorch and JAX trained by the same loop agree step for step; a resumed
 run is bit-identical to a straight one; a SIGKILLed run resumes; a short Multi30k run learns and
 translates in all three backends; the log holds every metric; bad input gets one clear line.
@@ -23,14 +23,14 @@ import pytest
 
 from numpy_ref.model import forward as reference_forward  # noqa: E402
 from rosetta import RosettaError, init_params, load_checkpoint, preset  # noqa: E402
-from rosetta.batching import BatchIterator  # noqa: E402
-from rosetta.checkpoint_dir import latest_checkpoint, list_checkpoints  # noqa: E402
 from rosetta.cli import main  # noqa: E402
-from rosetta.data import default_data_dir, synthetic_pairs  # noqa: E402
-from rosetta.harness import RunConfig, train, trainer_class  # noqa: E402
-from rosetta.metrics import batch_lengths, real_training_flops  # noqa: E402
-from rosetta.report import read_log  # noqa: E402
-from rosetta.trainer_state import load_trainer_state  # noqa: E402
+from rosetta.harness.batching import BatchIterator  # noqa: E402
+from rosetta.harness.data import default_data_dir, synthetic_pairs  # noqa: E402
+from rosetta.harness.loop import RunConfig, train, trainer_class  # noqa: E402
+from rosetta.harness.metrics import batch_lengths, real_training_flops  # noqa: E402
+from rosetta.harness.report import read_log  # noqa: E402
+from rosetta.harness.run_dir import latest_checkpoint, list_checkpoints  # noqa: E402
+from rosetta.harness.trainer_state import load_trainer_state  # noqa: E402
 from rosetta.training import TrainConfig  # noqa: E402
 
 pytestmark = pytest.mark.trainable
@@ -156,7 +156,7 @@ def test_trainer_adapters_share_one_interface(backend):
 
 def hand_count_forward(d: int, f: int, V: int, heads: int, enc: int, dec: int, S: int, T: int) -> int:
     """Forward FLOPs (2 per multiply-add) of one sentence, every matmul of Figure 1 listed as
-    (rows, inner, cols): an independent count of what rosetta/metrics.py documents."""
+    (rows, inner, cols): an independent count of what rosetta/harness/metrics.py documents."""
     dh = d // heads
     matmuls = []
     for _ in range(enc):

@@ -1,4 +1,4 @@
-"""Porting in from torch.nn.Transformer (torch_impl/port.py): a peer model written here from
+"""Porting in from torch.nn.Transformer (rosetta/interop/nn_transformer.py): a peer model written here from
 nn.Transformer, the paper's sinusoidal table and nn.Embedding/nn.Linear must give the same
 logits as its ported checkpoint in the NumPy reference (float64) and the torch backend."""
 
@@ -15,8 +15,8 @@ from torch import nn
 
 import rosetta
 from rosetta.errors import CheckpointError, ConfigError
+from rosetta.interop.nn_transformer import port_nn_transformer, save_ported
 from rosetta.parity import random_batch, relative_error, target_positions
-from torch_impl.port import port_nn_transformer, save_ported
 
 # nn.Transformer's warnings about its nested-tensor fast path are harmless here.
 pytestmark = [pytest.mark.filterwarnings("ignore:enable_nested_tensor is True:UserWarning"),

@@ -18,10 +18,10 @@ from typing import ClassVar
 
 import numpy as np
 
-from numpy_ref.decode import Generation
 from rosetta.checkpoint import check_params, load_checkpoint, save_checkpoint
 from rosetta.config import ModelConfig
 from rosetta.errors import InputError, RosettaError
+from rosetta.generation import Generation
 from rosetta.inputs import check_src, check_tgt
 from rosetta.params import Params
 

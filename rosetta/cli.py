@@ -117,7 +117,7 @@ def cmd_config(args: argparse.Namespace) -> int:
 
 
 def _run_config(args: argparse.Namespace):
-    from rosetta.harness import RunConfig
+    from rosetta.harness.loop import RunConfig
 
     buckets = None
     if args.buckets:
@@ -151,7 +151,7 @@ class _StderrHandler(logging.Handler):
 def cmd_train(args: argparse.Namespace) -> int:
     from pathlib import Path
 
-    from rosetta.harness import check_run, train
+    from rosetta.harness.loop import check_run, train
 
     run = _run_config(args)
     check_run(run)
@@ -162,7 +162,7 @@ def cmd_train(args: argparse.Namespace) -> int:
         logger.addHandler(handler)
     logger.setLevel(logging.INFO)
     if args.download and run.task == "multi30k":
-        from rosetta.data import default_data_dir, download_multi30k
+        from rosetta.harness.data import default_data_dir, download_multi30k
 
         download_multi30k(run.data_dir or default_data_dir(), splits=("train", run.eval_split),
                           langs=run.pair.split("-"))
@@ -175,8 +175,8 @@ def cmd_train(args: argparse.Namespace) -> int:
 
 def cmd_translate(args: argparse.Namespace) -> int:
     from rosetta.backends import load
-    from rosetta.tokenizer import Tokenizer
-    from rosetta.translate import resolve_run, translate_lines
+    from rosetta.harness.tokenizer import Tokenizer
+    from rosetta.harness.translate import resolve_run, translate_lines
 
     if bool(args.run) == bool(args.checkpoint):
         raise RosettaError("give --run DIR, or --checkpoint FILE (with --tokenizer FILE for a text model)")

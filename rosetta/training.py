@@ -1,5 +1,6 @@
 """The training recipe (SPEC §4), framework-free: the hyperparameters both trainable backends
-read, and the learning-rate schedule of the paper (§5.3, eq. 3).
+read, the learning-rate schedule of the paper (§5.3, eq. 3), the batch a training step takes,
+and the check every trainer applies to the optimizer state it is asked to resume from.
 
 torch_impl/train.py and jax_impl/train.py implement the loss, the optimizer and one training
 step from these, identically; parity_tests/test_training_math.py checks that they agree.
@@ -11,11 +12,14 @@ import dataclasses
 import json
 import math
 import numbers
+from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import Any
 
+import numpy as np
+
 from rosetta.config import parse_json, strict_from_dict
-from rosetta.errors import ConfigError
+from rosetta.errors import CheckpointError, ConfigError
 
 
 @dataclass(frozen=True)
@@ -89,3 +93,43 @@ def learning_rate(step: int, d_model: int, warmup_steps: int = 4000, factor: flo
         raise ConfigError(f"step must be an integer >= 1 (counted from 1), got {step!r}")
     step = int(step)
     return factor * d_model**-0.5 * min(step**-0.5, step * warmup_steps**-1.5)
+
+
+@dataclass(frozen=True)
+class Batch:
+    """One batch. Arrays are int64 of shape `[rows, L]` for the batch's bucket length `L`.
+
+    `src`: source ids then pad. `tgt_in`: `[bos, y1..yn, pad...]`. `labels`:
+    `[y1..yn, eos, pad...]`. `indices[r]`: the position of row r's pair in the list given to
+    the batcher, or -1 for a row that is all padding. `num_src_tokens` / `num_tgt_tokens`:
+    non-pad entries of `src` / `labels` (the latter is the loss denominator of SPEC §4).
+    """
+
+    src: np.ndarray
+    tgt_in: np.ndarray
+    labels: np.ndarray
+    indices: np.ndarray
+    num_src_tokens: int
+    num_tgt_tokens: int
+
+    @property
+    def num_examples(self) -> int:
+        """Rows holding a real pair (the others are all padding)."""
+        return int((self.indices >= 0).sum())
+
+    @property
+    def shape(self) -> tuple[int, int]:
+        return (int(self.src.shape[0]), int(self.src.shape[1]))
+
+
+def check_state(state: Mapping[str, np.ndarray], shapes: Mapping[str, tuple[int, ...]],
+                framework: str) -> None:
+    """Refuse trainer state whose keys or shapes differ from what this trainer holds."""
+    missing, extra = sorted(set(shapes) - set(state)), sorted(set(state) - set(shapes))
+    if missing or extra:
+        raise CheckpointError(f"{framework} trainer state does not match this trainer: missing "
+                              f"{missing[:3]}, unexpected {extra[:3]} (another framework or config?)")
+    for key, shape in shapes.items():
+        if tuple(np.shape(state[key])) != tuple(shape):
+            raise CheckpointError(f"{framework} trainer state {key} has shape {np.shape(state[key])}, "
+                                  f"expected {tuple(shape)}")

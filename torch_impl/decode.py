@@ -6,8 +6,8 @@ from __future__ import annotations
 
 import torch
 
-from numpy_ref.decode import NEG, Generation, output_limits, strip
 from rosetta.config import ModelConfig
+from rosetta.generation import NEG, Generation, output_limits, strip
 from torch_impl.model import Transformer, source_mask
 
 

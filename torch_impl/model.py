@@ -16,9 +16,9 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from numpy_ref.model import positional_encoding
 from rosetta.config import ModelConfig
 from rosetta.params import embedding_names
+from rosetta.positional import positional_encoding
 
 Stages = dict[str, torch.Tensor]
 

@@ -1,6 +1,6 @@
 """Training in PyTorch (SPEC §4): the label-smoothed loss, Adam with the paper's schedule, one
 training step, canonical gradients for the parity tests, and `Trainer`, the adapter the
-framework-free loop (rosetta/harness.py) drives.
+framework-free loop (rosetta/harness/loop.py) drives.
 
 Mirrors jax_impl/train.py function for function; diff them to see only framework differences.
 """
@@ -14,13 +14,11 @@ from typing import Any, ClassVar
 import numpy as np
 import torch
 
-from rosetta.batching import Batch
 from rosetta.config import ModelConfig
+from rosetta.device import cpu_name, max_rss_bytes
 from rosetta.errors import RosettaError
-from rosetta.metrics import cpu_name, max_rss_bytes
 from rosetta.params import Params
-from rosetta.trainer_state import check_state
-from rosetta.training import TrainConfig, learning_rate
+from rosetta.training import Batch, TrainConfig, check_state, learning_rate
 from torch_impl.backend import DTYPES, Model, default_device, float32_matmul_precision, parity_mode
 from torch_impl.convert import from_state_dict
 from torch_impl.model import Transformer
@@ -135,7 +133,7 @@ def _device(name: str | None) -> torch.device:
 
 class Trainer:
     """One model, its optimizer and its dropout generator behind the interface that
-    rosetta/harness.py drives; jax_impl/train.py's `Trainer` has the same methods.
+    rosetta/harness/loop.py drives; jax_impl/train.py's `Trainer` has the same methods.
 
     Built from canonical weights (`rosetta.init_params` or a checkpoint: never re-initialised
     here, PITFALLS 9). `dtype` "bfloat16" runs the forward pass under torch.autocast with

@@ -50,7 +50,7 @@ def default_data_dir() -> Path:
     env = os.environ.get(DATA_DIR_ENV)
     if env:
         return Path(env).expanduser()
-    repo_root = Path(__file__).resolve().parent.parent
+    repo_root = Path(__file__).resolve().parents[2]
     return repo_root.parent / "shared" / "data" / "multi30k"
 
 
@@ -68,7 +68,7 @@ def resolve_data_dir(data_dir: str | os.PathLike[str] | None = None) -> Path:
     if not path.is_dir():
         raise DataError(
             f"Multi30k data directory {str(path)!r} ({how}) does not exist; pass data_dir=, set "
-            f"${DATA_DIR_ENV}, or fetch the files with rosetta.data.download_multi30k({str(path)!r})"
+            f"${DATA_DIR_ENV}, or fetch the files with rosetta.harness.data.download_multi30k({str(path)!r})"
         )
     return path
 

@@ -135,6 +135,6 @@ def write_summary(out: Path, results: Mapping[str, Record], run: Record) -> None
              "| | " + " | ".join(names) + " |", "|---" * (len(names) + 1) + "|"]
     lines += [f"| {label} | " + " | ".join(fn(results[n]) for n in names) + " |" for label, fn in rows]
     lines += ["", "Speeds are medians over steps that were not the first of their batch shape "
-              "(compilation excluded). MFU counts matmul FLOPs of real tokens (rosetta/metrics.py); "
+              "(compilation excluded). MFU counts matmul FLOPs of real tokens (rosetta/harness/metrics.py); "
               "– where the device's peak rate is unknown (pass --peak-tflops)."]
     atomic_write_bytes(out / "summary.md", ("\n".join(lines) + "\n").encode("utf-8"))

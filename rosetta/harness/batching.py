@@ -29,12 +29,12 @@ from __future__ import annotations
 
 import logging
 from collections.abc import Iterator, Sequence
-from dataclasses import dataclass
 from typing import Any
 
 import numpy as np
 
-from rosetta.data import DataError
+from rosetta.harness.data import DataError
+from rosetta.training import Batch
 
 log = logging.getLogger(__name__)
 
@@ -52,33 +52,6 @@ def default_buckets(max_len: int) -> tuple[int, ...]:
         candidates += [power * 3 // 2, power * 2]
         power *= 2
     return tuple(b for b in candidates if b < max_len) + (int(max_len),)
-
-
-@dataclass(frozen=True)
-class Batch:
-    """One batch. Arrays are int64 of shape `[rows, L]` for the batch's bucket length `L`.
-
-    `src`: source ids then pad. `tgt_in`: `[bos, y1..yn, pad...]`. `labels`:
-    `[y1..yn, eos, pad...]`. `indices[r]`: the position of row r's pair in the list given to
-    the batcher, or -1 for a row that is all padding. `num_src_tokens` / `num_tgt_tokens`:
-    non-pad entries of `src` / `labels` (the latter is the loss denominator of SPEC §4).
-    """
-
-    src: np.ndarray
-    tgt_in: np.ndarray
-    labels: np.ndarray
-    indices: np.ndarray
-    num_src_tokens: int
-    num_tgt_tokens: int
-
-    @property
-    def num_examples(self) -> int:
-        """Rows holding a real pair (the others are all padding)."""
-        return int((self.indices >= 0).sum())
-
-    @property
-    def shape(self) -> tuple[int, int]:
-        return (int(self.src.shape[0]), int(self.src.shape[1]))
 
 
 def _check_int(name: str, value: object, minimum: int) -> int:

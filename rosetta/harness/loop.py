@@ -3,13 +3,13 @@ initial weights (rosetta.init_params), with the same schedule, through each fram
 `Trainer` adapter (torch_impl/train.py, jax_impl/train.py). Framework-free itself: a framework
 is imported only when its trainer is built.
 
-    from rosetta.harness import RunConfig, train
+    from rosetta.harness.loop import RunConfig, train
     results = train(RunConfig(backends=("torch", "jax"), task="copy", steps=300, out="runs/copy"))
 
 Per backend `b`, `out/b/` holds `run.json` (settings), `log.jsonl` (one JSON record per logged
-step and per evaluation), `checkpoints/` (rosetta/checkpoint_dir.py), `result.json`,
+step and per evaluation), `checkpoints/` (rosetta/harness/run_dir.py), `result.json`,
 `plot.png`, and `tokenizer.json` for text tasks; `out/` holds the combined `plot.png`,
-`summary.json` and `summary.md`. Batching is by token budget (paper §5.1, rosetta/batching.py),
+`summary.json` and `summary.md`. Batching is by token budget (paper §5.1, rosetta/harness/batching.py),
 the optimizer and schedule are §5.3's, label smoothing and dropout §5.4's.
 """
 
@@ -28,20 +28,20 @@ from typing import Any
 
 import numpy as np
 
-from rosetta.batching import Batch, BatchIterator, eval_batches, restore_order
 from rosetta.checkpoint import atomic_write_bytes, load_checkpoint, save_checkpoint
-from rosetta.checkpoint_dir import clean_temporaries, latest_checkpoint, save_checkpoint_dir
 from rosetta.config import ModelConfig, preset
 from rosetta.errors import RosettaError
 from rosetta.flops import training_flops
-from rosetta.metrics import batch_lengths, mfu, peak_flops, real_training_flops
+from rosetta.harness.batching import Batch, BatchIterator, eval_batches, restore_order
+from rosetta.harness.metrics import batch_lengths, mfu, peak_flops, real_training_flops
+from rosetta.harness.report import read_log, summarize, write_log, write_plot, write_summary
+from rosetta.harness.run_dir import clean_temporaries, latest_checkpoint, save_checkpoint_dir
+from rosetta.harness.tasks import TaskData, check_task, load_task, parse_pair
+from rosetta.harness.trainer_state import load_trainer_state, save_trainer_state
 from rosetta.params import init_params
-from rosetta.report import read_log, summarize, write_log, write_plot, write_summary
-from rosetta.tasks import TaskData, check_task, load_task, parse_pair
-from rosetta.trainer_state import load_trainer_state, save_trainer_state
 from rosetta.training import TrainConfig
 
-log = logging.getLogger("rosetta.harness")
+log = logging.getLogger(__name__)
 
 TRAINERS: dict[str, str] = {"torch": "torch_impl.train", "jax": "jax_impl.train"}
 RUN_FORMAT = "rosetta-run/1"

@@ -4,7 +4,7 @@ sentences, decode with any backend (`model.generate`: greedy or beam search), de
 A run directory (`rosetta train --out OUT`) resolves to its newest checkpoint:
 `OUT/<backend>/checkpoints/<latest>/model.safetensors` and the `tokenizer.json` beside it.
 Runs of the synthetic tasks have no tokenizer: their input lines are space-separated ids.
-As in training (rosetta/batching.py), every source gets eos appended.
+As in training (rosetta/harness/batching.py), every source gets eos appended.
 """
 
 from __future__ import annotations
@@ -16,9 +16,9 @@ from pathlib import Path
 import numpy as np
 
 from rosetta.backends import BackendModel
-from rosetta.checkpoint_dir import latest_checkpoint
 from rosetta.errors import RosettaError
-from rosetta.tokenizer import Tokenizer
+from rosetta.harness.run_dir import latest_checkpoint
+from rosetta.harness.tokenizer import Tokenizer
 
 
 def resolve_run(path: str | os.PathLike[str]) -> tuple[Path, Path | None]:

@@ -1,7 +1,7 @@
 """What the training harness trains on: a task's token-id pairs, its evaluation split with the
 references BLEU is computed against, and (for text) the joint BPE tokenizer.
 
-* `copy`, `reverse`: the synthetic tasks of rosetta/data.py; ids are used directly, no
+* `copy`, `reverse`: the synthetic tasks of rosetta/harness/data.py; ids are used directly, no
   tokenizer. The evaluation pairs are drawn with another seed. References are the target ids
   written as space-separated strings, so BLEU is computed on id strings.
 * `multi30k`: a Multi30k language pair (default de-en). The joint BPE vocabulary (paper §5.1:
@@ -17,8 +17,8 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 from pathlib import Path
 
-from rosetta.data import LANGUAGES, SPLITS, SYNTHETIC_TASKS, DataError, load_multi30k, synthetic_pairs
-from rosetta.tokenizer import Tokenizer
+from rosetta.harness.data import LANGUAGES, SPLITS, SYNTHETIC_TASKS, DataError, load_multi30k, synthetic_pairs
+from rosetta.harness.tokenizer import Tokenizer
 
 TASKS: tuple[str, ...] = (*SYNTHETIC_TASKS, "multi30k")
 IdPair = tuple[list[int], list[int]]

@@ -19,7 +19,7 @@ from pathlib import Path
 from typing import Any
 
 from rosetta.checkpoint import atomic_write_bytes
-from rosetta.data import DataError
+from rosetta.harness.data import DataError
 
 PAD, BOS, EOS, UNK = "<pad>", "<s>", "</s>", "<unk>"
 SPECIAL_TOKENS: tuple[str, ...] = (PAD, BOS, EOS, UNK)  # ids 0, 1, 2, 3 in this order

@@ -20,19 +20,6 @@ from rosetta.errors import CheckpointError
 FORMAT = "rosetta-trainer-state/1"
 
 
-def check_state(state: Mapping[str, np.ndarray], shapes: Mapping[str, tuple[int, ...]],
-                framework: str) -> None:
-    """Refuse trainer state whose keys or shapes differ from what this trainer holds."""
-    missing, extra = sorted(set(shapes) - set(state)), sorted(set(state) - set(shapes))
-    if missing or extra:
-        raise CheckpointError(f"{framework} trainer state does not match this trainer: missing "
-                              f"{missing[:3]}, unexpected {extra[:3]} (another framework or config?)")
-    for key, shape in shapes.items():
-        if tuple(np.shape(state[key])) != tuple(shape):
-            raise CheckpointError(f"{framework} trainer state {key} has shape {np.shape(state[key])}, "
-                                  f"expected {tuple(shape)}")
-
-
 def save_trainer_state(path: str | os.PathLike, state: Mapping[str, np.ndarray], framework: str) -> Path:
     """Write `state` atomically (temporary file, fsync, rename), tagged with its framework."""
     tensors = {key: np.array(value, order="C") for key, value in state.items()}  # keeps 0-d arrays 0-d

@@ -1,0 +1,44 @@
+"""What every backend's search shares (the algorithm itself is documented in numpy_ref/decode.py,
+the oracle): the result type, the "impossible" score, the length penalty, the output limits
+and the stripping of eos and padding.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import numpy as np
+
+from rosetta.config import ModelConfig
+
+NEG = -1e9  # "impossible" score: finite, so NEG - NEG is 0, not NaN
+
+
+@dataclass(frozen=True)
+class Generation:
+    """Per sentence: emitted tokens (without the start token and without eos) and score
+    (sum of log-probabilities for greedy; that over lp(length) for beam search)."""
+
+    tokens: list[list[int]]
+    scores: np.ndarray
+
+
+def length_penalty(length: np.ndarray | int, alpha: float) -> np.ndarray:
+    """lp(Y) = ((5 + |Y|) / 6)^alpha, Wu et al. 2016, eq. 14."""
+    return ((5.0 + np.asarray(length, dtype=np.float64)) / 6.0) ** alpha
+
+
+def output_limits(cfg: ModelConfig, src: np.ndarray, max_len_margin: int) -> tuple[np.ndarray, int]:
+    """Per-sentence limits (real source length + margin, at most max_len) and the static
+    buffer length L = min(S + margin, max_len) that every backend allocates."""
+    limits = np.minimum((src != cfg.pad_id).sum(axis=1) + max_len_margin, cfg.max_len)
+    return np.maximum(limits, 1), max(1, min(src.shape[1] + max_len_margin, cfg.max_len))
+
+
+def strip(cfg: ModelConfig, tokens: np.ndarray) -> list[list[int]]:
+    """Each row up to (not including) its first eos; pad fills the rest."""
+    out = []
+    for row in np.asarray(tokens).tolist():
+        row = row[: row.index(cfg.eos_id)] if cfg.eos_id in row else row
+        out.append([tok for tok in row if tok != cfg.pad_id])
+    return out

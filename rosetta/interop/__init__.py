@@ -1,0 +1,6 @@
+"""Converters between the canonical checkpoint (SPEC §3) and other implementations' weights.
+
+Each converter is one module with its mapping table at the top: nn_transformer.py
+(`torch.nn.Transformer` modules -> canonical). Converters read and write the contract
+(`rosetta.config`, `rosetta.params`, `rosetta.checkpoint`) and never import the harness.
+"""
