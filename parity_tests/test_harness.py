@@ -50,6 +50,16 @@ EVAL_KEYS = {"kind", "backend", "step", "val_loss", "bleu", "exact_match", "bleu
              "eval_time_s", "elapsed_s"}
 
 
+# The two frameworks round float32 differently (~1e-7 relative in one step's loss). Adam (ε = 1e-9)
+# normalises each gradient, so rounding noise in near-zero gradients becomes full-size updates and
+# the two runs part exponentially once warm-up ends, at a rate that depends on the CPU's rounding:
+# on an AMD EPYC (2026-11-23) the losses agreed to <= 4e-7 through step 9 and differed by 2.3e-4 at
+# step 28. A wrong loss, label smoothing or normalisation shows at step 1 (caught by the tight
+# bound); a wrong schedule by the lr checks; the looser bound says the runs stay the same run.
+LOSS_TOLERANCE_WARMUP = 1e-5  # steps 1-10 (warmup = 10)
+LOSS_TOLERANCE_LATER = 2e-3
+
+
 def paper_lr(step: int, d_model: int, warmup: int, factor: float) -> float:
     """Eq. 3 by branch: linear warmup, then inverse square root decay."""
     if step <= warmup:
@@ -83,13 +93,14 @@ def test_torch_and_jax_loss_curves_agree_at_every_step(parity_run):
     torch_log, jax_log = train_records(parity_run / "torch"), train_records(parity_run / "jax")
     assert [r["step"] for r in torch_log] == [r["step"] for r in jax_log] == list(range(1, 31))
     for a, b in zip(torch_log, jax_log, strict=True):
-        assert abs(a["loss"] - b["loss"]) <= 1e-4 * abs(b["loss"]), a["step"]
+        tolerance = LOSS_TOLERANCE_WARMUP if a["step"] <= 10 else LOSS_TOLERANCE_LATER
+        assert abs(a["loss"] - b["loss"]) <= tolerance * abs(b["loss"]), a["step"]
         assert (a["tgt_tokens"], a["src_tokens"]) == (b["tgt_tokens"], b["src_tokens"])  # same batches
         assert a["lr"] == pytest.approx(paper_lr(a["step"], 32, 10, 0.5), rel=1e-12)
         assert b["lr"] == pytest.approx(paper_lr(b["step"], 32, 10, 0.5), rel=1e-6)  # float32 schedule
     assert torch_log[-1]["loss"] < torch_log[0]["loss"] - 0.3  # it learned something
     for a, b in zip(eval_records(parity_run / "torch"), eval_records(parity_run / "jax"), strict=True):
-        assert a["val_loss"] == pytest.approx(b["val_loss"], rel=1e-4)
+        assert a["val_loss"] == pytest.approx(b["val_loss"], rel=LOSS_TOLERANCE_LATER)
 
 
 def test_parity_run_writes_plots_summary_and_checkpoints(parity_run):
