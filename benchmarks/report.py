@@ -1,11 +1,12 @@
 """What a benchmark run leaves behind, from its JSON: the Markdown tables, the plot, and the
-README's copy of the newest tables.
+copy of the newest tables in docs/benchmarks.md.
 
     python -m benchmarks.report benchmarks/results/gpu_*.json   # re-render their .md and .png
-    python -m benchmarks.report --readme                         # README <- newest cpu and gpu tables
+    python -m benchmarks.report --docs        # docs/benchmarks.md <- newest cpu and gpu tables
 
-benchmarks/run.py calls `markdown` and `plot` after every run; the README block is refreshed on
-request only (a test checks that it matches the newest results files).
+benchmarks/run.py calls `markdown` and `plot` after every run; the block in docs/benchmarks.md
+(between its markers; `--readme` is the flag's older name, from when the block was in the
+README) is refreshed on request only (a test checks that it matches the newest results files).
 """
 
 from __future__ import annotations
@@ -13,13 +14,15 @@ from __future__ import annotations
 import argparse
 import io
 import json
+import os
 import re
 from pathlib import Path
 
 from benchmarks.common import RESULTS
 from rosetta.checkpoint import atomic_write_bytes
 
-README = Path(__file__).parent.parent / "README.md"
+ROOT = Path(__file__).parent.parent
+BENCHMARK_DOC = ROOT / "docs" / "benchmarks.md"  # the page that shows the newest tables
 BEGIN, END = "<!-- benchmarks:begin -->", "<!-- benchmarks:end -->"
 IMPL_ORDER = ("numpy", "torch", "torch.compile", "jax", "peer")
 SUITES_IN_README = ("gpu", "cpu")  # newest results file of each, in this order
@@ -168,21 +171,28 @@ def newest(suite: str, results: Path = RESULTS) -> Path | None:
     return max(files, key=lambda p: (p.stem[-10:], p.name), default=None)
 
 
+def _link(path: Path, page: Path = BENCHMARK_DOC) -> str:
+    """A Markdown link to `path` that resolves from the page's folder, shown as the path from
+    the repository root; a path outside the repository is shown as it is, unlinked."""
+    if not path.is_relative_to(ROOT):
+        return f"`{path}`"
+    return f"[`{path.relative_to(ROOT).as_posix()}`]({Path(os.path.relpath(path, page.parent)).as_posix()})"
+
+
 def readme_block(results: Path = RESULTS) -> str:
-    """What the README shows between its markers: the newest tables of each suite."""
+    """What docs/benchmarks.md shows between its markers: the newest tables of each suite."""
     parts = [BEGIN]
     for suite in SUITES_IN_README:
         path = newest(suite, results)
         if path is None:
             continue
         result = load(path)
-        rel = path.relative_to(README.parent) if path.is_relative_to(README.parent) else path
-        parts += [f"**`--suite {suite}`**, from `{rel}` (plot: `{rel.with_suffix('.png')}`): "
+        parts += [f"**`--suite {suite}`**, from {_link(path)} (plot: {_link(path.with_suffix('.png'))}): "
                   + describe(result), tables(result)]
     return "\n".join(parts + [END])
 
 
-def update_readme(readme: Path = README, results: Path = RESULTS) -> None:
+def update_readme(readme: Path = BENCHMARK_DOC, results: Path = RESULTS) -> None:
     text = readme.read_text()
     if BEGIN not in text or END not in text:
         raise SystemExit(f"{readme} has no {BEGIN} ... {END} block")
@@ -194,15 +204,17 @@ def main(argv: list[str] | None = None) -> None:
     parser = argparse.ArgumentParser(description=__doc__,
                                      formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("results", nargs="*", type=Path, help="results JSON files to re-render")
-    parser.add_argument("--readme", action="store_true", help="refresh the README's benchmark tables")
+    parser.add_argument("--docs", "--readme", dest="docs", action="store_true",
+                        help=f"refresh the benchmark tables in {BENCHMARK_DOC.relative_to(ROOT)} "
+                             "(--readme: the same, the flag's older name)")
     args = parser.parse_args(argv)
     for path in args.results:
         result = load(path)
         atomic_write_bytes(path.with_suffix(".md"), markdown(result).encode())
         print("wrote", path.with_suffix(".md"), plot(result, path.with_suffix(".png")))
-    if args.readme:
+    if args.docs:
         update_readme()
-        print("updated", README)
+        print("updated", BENCHMARK_DOC)
 
 
 if __name__ == "__main__":
