@@ -5,6 +5,9 @@ from __future__ import annotations
 import subprocess
 import sys
 
+import numpy as np
+import pytest
+
 from rosetta import load_checkpoint, preset
 from rosetta.cli import main
 
@@ -40,3 +43,56 @@ def test_console_script_runs():
     out = subprocess.run([sys.executable, "-m", "rosetta.cli", "config", "--preset", "base"],
                          capture_output=True, text=True, check=True)
     assert '"d_model": 512' in out.stdout and "63,082,496 parameters" in out.stderr
+
+
+# -- `rosetta parity` exit codes: what CI scripts call -------------------------------------------
+
+def _report_row(out: str, backend: str, dtype: str) -> list[str]:
+    line = next(line for line in out.splitlines() if line.startswith(f"| {backend} | {dtype} |"))
+    return [cell.strip() for cell in line.strip("|").split("|")]
+
+
+def _perturb_numpy_float32(monkeypatch, change):
+    """numpy's float32 logits passed through `change`; float64 (the reference) left alone."""
+    from numpy_ref.backend import Model
+
+    original = Model._logits
+
+    def logits(self, src, tgt):
+        out = original(self, src, tgt)
+        return change(out) if self.dtype == "float32" else out
+
+    monkeypatch.setattr(Model, "_logits", logits)
+
+
+def test_parity_exits_1_and_marks_the_row_when_a_backend_is_over_its_tolerance(monkeypatch, capsys):
+    # Logits 1.48 times the true ones: a relative error of 0.48 whatever the logits are.
+    _perturb_numpy_float32(monkeypatch, lambda out: 1.48 * out)
+    assert main(["parity", "--preset", "tiny", "--backends", "numpy"]) == 1
+    captured = capsys.readouterr()
+    row = _report_row(captured.out, "numpy", "float32")
+    assert float(row[2]) == pytest.approx(0.48, rel=1e-4)
+    assert row[4] == "yes" and row[-1] == "FAIL"  # finite, but over its tolerance
+    assert "numpy float32: relative error 4.800e-01 is over its tolerance" in captured.err
+
+
+def test_parity_exits_1_on_non_finite_logits(monkeypatch, capsys):
+    def poison(out):
+        out = out.copy()
+        out[0, 0, 5] = np.nan
+        return out
+
+    _perturb_numpy_float32(monkeypatch, poison)
+    assert main(["parity", "--preset", "tiny", "--backends", "numpy"]) == 1
+    captured = capsys.readouterr()
+    row = _report_row(captured.out, "numpy", "float32")
+    assert row[4] == "NO" and row[-1] == "FAIL"
+    assert "numpy float32: logits hold NaN or infinity" in captured.err
+
+
+def test_parity_exits_0_when_every_installed_backend_is_within_tolerance(capsys):
+    assert main(["parity", "--preset", "tiny"]) == 0
+    out = capsys.readouterr().out
+    rows = [line for line in out.splitlines() if line.startswith("| ") and "---" not in line][1:]
+    assert {row.split("|")[1].strip() for row in rows} == {"numpy", "torch", "jax"}
+    assert all(row.rstrip(" |").endswith("yes") for row in rows), out

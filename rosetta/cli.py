@@ -8,6 +8,12 @@
     rosetta train --backend torch jax --task copy --steps 300 --out runs/copy
     rosetta train --backend torch --task multi30k --pair de-en --vocab-size 8000 --epochs 10 --out runs/de-en
     echo "Ein Hund läuft." | rosetta translate --run runs/de-en/torch --backend numpy --beam 4
+
+Exit codes (every command):
+    0  success; for `parity`: every backend and dtype within its tolerance (rosetta.parity.TOLERANCES)
+    1  `parity` only: some backend or dtype over its tolerance, or non-finite logits (the report
+       marks the row FAIL; stderr names it)
+    2  bad input or usage (a flag, a file, stdin, a diverged training run): one line on stderr
 """
 
 from __future__ import annotations
@@ -57,7 +63,7 @@ def _add_model_args(p: argparse.ArgumentParser) -> None:
 
 def cmd_parity(args: argparse.Namespace) -> int:
     from rosetta.backends import available_backends
-    from rosetta.parity import format_report, parity_report
+    from rosetta.parity import failures, format_report, parity_report
 
     cfg, params = _model_source(args)
     backends = args.backends or available_backends()
@@ -66,7 +72,10 @@ def cmd_parity(args: argparse.Namespace) -> int:
           f"src {args.src_len} / tgt {args.tgt_len} with padding, seed {args.seed}")
     rows = parity_report(cfg, params, backends, args.batch, args.src_len, args.tgt_len, args.seed)
     print(format_report(rows))
-    return 0 if all(r.finite for r in rows) else 1
+    failed = failures(rows) if rows else ["nothing was compared (no backend offered a dtype here)"]
+    for line in failed:
+        print(f"rosetta: parity FAIL: {line}", file=sys.stderr)
+    return 1 if failed else 0
 
 
 def cmd_init(args: argparse.Namespace) -> int:
@@ -258,7 +267,9 @@ def build_parser() -> argparse.ArgumentParser:
                                      formatter_class=argparse.RawDescriptionHelpFormatter)
     cmds = parser.add_subparsers(dest="command", required=True)
 
-    p = cmds.add_parser("parity", help="compare every installed backend with the float64 reference")
+    p = cmds.add_parser("parity", help="compare every installed backend with the float64 reference",
+                        epilog="exit code 0: every backend and dtype within its tolerance; 1: some row over "
+                               "its tolerance or not finite (marked FAIL); 2: bad input or usage")
     _add_model_args(p)
     p.add_argument("--checkpoint", help="load this checkpoint instead of a preset")
     p.add_argument("--backends", nargs="+", help="default: every installed backend")
