@@ -63,17 +63,22 @@ def _exhaustive_best(params, cfg, src_row, limit, alpha):
 
 @pytest.mark.parametrize("alpha", [0.0, 0.6, 2.0])
 def test_wide_beam_search_finds_the_exhaustive_optimum(alpha):
-    cfg = preset("tiny", src_vocab_size=6, tgt_vocab_size=6, d_model=16, num_heads=2,
-                 num_encoder_layers=1, num_decoder_layers=1, d_ff=32)
-    params = _perturbed(cfg, seed=3)
+    cfg = preset("tiny", src_vocab_size=6, tgt_vocab_size=4, share_embeddings="none", d_model=16,
+                 num_heads=2, num_encoder_layers=1, num_decoder_layers=1, d_ff=32)
+    params = _perturbed(cfg, seed=11)  # a seed whose optimum greedy search misses (checked below)
     src = np.array([[3, 4, 5], [4, 4, 0]])
     margin = 0  # limits: the real source lengths, 3 and 2 tokens
-    got = from_params(cfg, params, "numpy").generate(src, beam_size=125, alpha=alpha,
+    # The widest beam allowed (the target vocabulary, 4) is exhaustive here: pad is never emitted
+    # and eos ends a hypothesis, so at most 2 x 2 = 4 prefixes are alive before the last of 3
+    # steps, and the 2 x beam candidates kept per step hold every one of their extensions.
+    got = from_params(cfg, params, "numpy").generate(src, beam_size=cfg.tgt_vocab_size, alpha=alpha,
                                                       max_len_margin=margin)
-    for b, limit in enumerate([3, 2]):
-        tokens, score = _exhaustive_best(params, cfg, src[b], limit, alpha)
+    best = [_exhaustive_best(params, cfg, src[b], limit, alpha) for b, limit in enumerate([3, 2])]
+    for b, (tokens, score) in enumerate(best):
         assert got.tokens[b] == tokens
         assert got.scores[b] == pytest.approx(score, rel=1e-12)
+    greedy = from_params(cfg, params, "numpy").generate(src, 1, max_len_margin=margin)
+    assert greedy.tokens != [tokens for tokens, _ in best]  # the search had something to find
 
 
 # -- the same search in every backend -----------------------------------------------------------
@@ -144,6 +149,38 @@ def test_bad_search_arguments_are_refused(backend, kwargs, message):
     cfg = preset("tiny")
     with pytest.raises(InputError, match=message):
         from_params(cfg, init_params(cfg), backend).generate(np.array([[5, 6]]), **kwargs)
+
+
+@pytest.mark.parametrize("kwargs,message", [
+    (dict(beam_size=True), "beam_size must be an integer >= 1, got True"),
+    (dict(beam_size=np.bool_(True)), "beam_size must be an integer >= 1"),
+    (dict(beam_size=65), "beam_size 65 is larger than the target vocabulary (64 tokens)"),
+    (dict(beam_size=np.int64(10_000)), "beam_size 10000 is larger than the target vocabulary"),
+    (dict(alpha=True), "alpha must be a number >= 0 and finite, got True"),
+    (dict(alpha=float("nan")), "alpha must be a number >= 0 and finite, got nan"),
+    (dict(alpha=np.float32("inf")), "alpha must be a number >= 0 and finite"),
+    (dict(alpha="0.6"), "alpha must be a number >= 0 and finite, got '0.6'"),
+    (dict(max_len_margin=True), "max_len_margin must be an integer >= 0, got True"),
+    (dict(max_len_margin=np.float64(3.0)), "max_len_margin must be an integer >= 0"),
+])
+@pytest.mark.parametrize("backend", BACKENDS)
+def test_search_arguments_follow_one_rule_in_every_backend(backend, kwargs, message):
+    cfg = preset("tiny")  # target vocabulary: 64 tokens
+    with pytest.raises(InputError) as err:
+        from_params(cfg, init_params(cfg), backend).generate(np.array([[5, 6]]), **kwargs)
+    assert message in str(err.value)
+
+
+def test_numpy_scalars_are_numbers_and_the_vocabulary_is_the_widest_beam():
+    cfg = preset("tiny", max_len=16)
+    model = from_params(cfg, _perturbed(cfg, seed=2), "numpy")
+    src = np.array([[5, 6, 7], [8, 9, 0]])
+    want = model.generate(src, 2, 0.6, 3)
+    got = model.generate(src, np.int64(2), np.float32(0.6), np.int32(3))
+    assert got.tokens == want.tokens
+    np.testing.assert_allclose(got.scores, want.scores, rtol=1e-6)  # alpha 0.6 rounded to float32
+    assert model.generate(src, 3, np.int64(1), 3).tokens == model.generate(src, 3, 1.0, 3).tokens
+    assert len(model.generate(src, 64, 0.6, 1).tokens) == 2  # beam = target vocabulary: allowed
 
 
 # -- a trained model: confident decisions, so token identity is a real check -------------------

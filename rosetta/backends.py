@@ -22,7 +22,7 @@ from rosetta.checkpoint import check_params, load_checkpoint, save_checkpoint
 from rosetta.config import ModelConfig
 from rosetta.errors import InputError, RosettaError
 from rosetta.generation import Generation
-from rosetta.inputs import check_src, check_tgt
+from rosetta.inputs import check_int, check_real, check_src, check_tgt
 from rosetta.params import Params
 
 BACKENDS: dict[str, str] = {
@@ -92,15 +92,19 @@ class BackendModel(ABC):
         """Translate source ids [B, S]: greedy search for beam_size 1, else beam search with
         the length penalty of Wu et al. 2016 (the paper: beam 4, alpha 0.6, margin 50). Each
         sentence emits at most (its real length + max_len_margin) tokens, capped at max_len.
-        Identical algorithm in every backend (numpy_ref/decode.py)."""
+        Identical algorithm in every backend (numpy_ref/decode.py). Numeric arguments follow
+        rosetta/inputs.py's rule (NumPy scalars welcome, bools refused); the beam is at most the
+        target vocabulary size."""
         src = check_src(self.config, src)
-        if isinstance(beam_size, bool) or not isinstance(beam_size, int) or beam_size < 1:
-            raise InputError(f"beam_size must be an integer >= 1, got {beam_size!r}")
-        if not isinstance(alpha, (int, float)) or not 0 <= alpha < float("inf"):
-            raise InputError(f"alpha must be a number >= 0, got {alpha!r}")
-        if isinstance(max_len_margin, bool) or not isinstance(max_len_margin, int) or max_len_margin < 0:
-            raise InputError(f"max_len_margin must be an integer >= 0, got {max_len_margin!r}")
-        return self._generate(src, beam_size, float(alpha), max_len_margin)
+        beam_size = check_int(beam_size, "beam_size", minimum=1)
+        vocab = self.config.tgt_vocab_size
+        if beam_size > vocab:
+            # Each step scores beam_size x vocab candidates: an unbounded beam is an unbounded wait.
+            raise InputError(f"beam_size {beam_size} is larger than the target vocabulary ({vocab} tokens); "
+                             f"give at most {vocab}")
+        alpha = check_real(alpha, "alpha", minimum=0.0)
+        max_len_margin = check_int(max_len_margin, "max_len_margin", minimum=0)
+        return self._generate(src, beam_size, alpha, max_len_margin)
 
     def step_logits(self, src: object, tgt: object) -> np.ndarray:
         """logits [B, T, V] computed the way generation does, one position at a time (with the

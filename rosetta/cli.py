@@ -14,6 +14,11 @@ Exit codes (every command):
     1  `parity` only: some backend or dtype over its tolerance, or non-finite logits (the report
        marks the row FAIL; stderr names it)
     2  bad input or usage (a flag, a file, stdin, a diverged training run): one line on stderr
+
+Arguments: every count is ASCII digits (no "1_0", no "٥"): sizes and lengths >= 1, seeds, margins
+and cadences >= 0; every real number is a plain finite decimal ("0.6", "1e-3"; no nan or inf).
+stdin (generate, translate) is read as strict UTF-8, a sentence a line; lines of token ids hold
+ASCII-digit ids inside the source vocabulary. A line that breaks a rule is refused by number.
 """
 
 from __future__ import annotations
@@ -21,12 +26,63 @@ from __future__ import annotations
 import argparse
 import json
 import logging
+import math
+import re
 import sys
+from collections.abc import Callable
 
 from rosetta.checkpoint import load_checkpoint, save_checkpoint
 from rosetta.config import PRESETS, ModelConfig, preset
 from rosetta.errors import RosettaError
+from rosetta.inputs import parse_id_line, split_lines
 from rosetta.params import init_params, param_count
+
+
+class UsageError(RosettaError):
+    """A command line argparse refuses (unknown flag, bad value): exit code 2 like every error."""
+
+
+class _Parser(argparse.ArgumentParser):
+    """argparse, but its errors are one line through main()'s handler instead of usage + exit."""
+
+    def error(self, message: str) -> None:  # type: ignore[override]
+        raise UsageError(message)
+
+
+# -- Argument types: the value's syntax and range, refused by argparse with the flag's name ------
+
+_INTEGER = re.compile(r"-?[0-9]+")  # ASCII digits: int() alone would take "1_0" and "٥"
+_REAL = re.compile(r"-?([0-9]+\.?[0-9]*|\.[0-9]+)([eE][-+]?[0-9]+)?")  # no nan, inf, "1_0"
+
+
+def _integer(minimum: int | None = None) -> Callable[[str], int]:
+    def parse(text: str) -> int:
+        if not _INTEGER.fullmatch(text) or (minimum is not None and int(text) < minimum):
+            bound = "" if minimum is None else f" >= {minimum}"
+            raise argparse.ArgumentTypeError(f"must be an integer{bound}, got {text!r}")
+        return int(text)
+
+    return parse
+
+
+def _real(minimum: float | None = None, positive: bool = False) -> Callable[[str], float]:
+    def parse(text: str) -> float:
+        value = float(text) if _REAL.fullmatch(text) else math.nan
+        if (not math.isfinite(value) or (minimum is not None and value < minimum)
+                or (positive and value <= 0)):
+            bound = " > 0" if positive else "" if minimum is None else f" >= {minimum:g}"
+            raise argparse.ArgumentTypeError(f"must be a finite number{bound}, got {text!r}")
+        return value
+
+    return parse
+
+
+positive_int = _integer(minimum=1)
+non_negative_int = _integer(minimum=0)
+integer = _integer()  # `train` checks the range itself (rosetta/harness/loop.py: check_run)
+non_negative_real = _real(minimum=0.0)
+positive_real = _real(positive=True)
+real = _real()
 
 
 def _overrides(pairs: list[str]) -> dict:
@@ -58,7 +114,7 @@ def _add_model_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--preset", default="tiny", choices=sorted(PRESETS))
     p.add_argument("--set", action="append", default=[], metavar="FIELD=VALUE",
                    help="override a config field of the preset (repeatable)")
-    p.add_argument("--seed", type=int, default=0, help="initializer seed")
+    p.add_argument("--seed", type=non_negative_int, default=0, help="initializer seed")
 
 
 def cmd_parity(args: argparse.Namespace) -> int:
@@ -85,15 +141,11 @@ def cmd_init(args: argparse.Namespace) -> int:
     return 0
 
 
-def _read_id_lines(stream) -> list[list[int]]:
-    rows = []
-    for number, line in enumerate(stream, 1):
-        try:
-            rows.append([int(tok) for tok in line.split()])
-        except ValueError:
-            raise RosettaError(
-                f"input line {number}: expected space-separated token ids, got {line.strip()!r}") from None
-    return rows
+def _stdin_lines() -> list[str]:
+    """stdin's lines, its bytes decoded as strict UTF-8 (rosetta.inputs.split_lines); a text
+    stream without bytes underneath (a test's io.StringIO) is already decoded."""
+    buffer = getattr(sys.stdin, "buffer", None)
+    return split_lines(buffer.read() if buffer is not None else sys.stdin.read())
 
 
 def cmd_generate(args: argparse.Namespace) -> int:
@@ -102,12 +154,19 @@ def cmd_generate(args: argparse.Namespace) -> int:
     from rosetta.backends import load
 
     model = load(args.checkpoint, args.backend, args.dtype)
-    pad = model.config.pad_id
-    rows = _read_id_lines(sys.stdin)
+    cfg = model.config
+    pad = cfg.pad_id
+    rows = []
+    for number, line in enumerate(_stdin_lines(), 1):
+        row = parse_id_line(line, number, cfg.src_vocab_size)
+        if not row:
+            raise RosettaError(f"input line {number} is empty")
+        if len(row) > cfg.max_len:
+            raise RosettaError(f"input line {number} has {len(row)} tokens, more than the model's max_len "
+                               f"{cfg.max_len}")
+        rows.append(row)
     for start in range(0, len(rows), args.batch_size):
         chunk = rows[start: start + args.batch_size]
-        if any(not row for row in chunk):
-            raise RosettaError(f"input line {start + 1 + [bool(r) for r in chunk].index(False)} is empty")
         src = np.full((len(chunk), max(map(len, chunk))), pad, dtype=np.int64)
         for i, row in enumerate(chunk):
             src[i, : len(row)] = row
@@ -200,7 +259,7 @@ def cmd_translate(args: argparse.Namespace) -> int:
     if tokenizer is not None and tokenizer.vocab_size != model.config.src_vocab_size:
         raise RosettaError(f"the tokenizer has {tokenizer.vocab_size} ids but the model's source vocabulary "
                            f"has {model.config.src_vocab_size}: not the tokenizer the model was trained with")
-    lines = sys.stdin.read().splitlines()
+    lines = _stdin_lines()
     for line in translate_lines(model, tokenizer, lines, args.beam, args.alpha, args.margin, args.batch_size):
         print(line)
     return 0
@@ -210,10 +269,13 @@ def _add_search_args(p: argparse.ArgumentParser, beam: int) -> None:
     """Backend and search flags shared by `generate` and `translate`."""
     p.add_argument("--backend", default="numpy", help="numpy, torch or jax")
     p.add_argument("--dtype", default=None, help="compute dtype (default: the backend's first)")
-    p.add_argument("--beam", type=int, default=beam, help="beam size (the paper's 4); 1 = greedy search")
-    p.add_argument("--alpha", type=float, default=0.6, help="length penalty exponent (Wu et al. 2016)")
-    p.add_argument("--margin", type=int, default=50, help="max output length = source length + margin")
-    p.add_argument("--batch-size", type=int, default=32)
+    p.add_argument("--beam", type=positive_int, default=beam,
+                   help="beam size (the paper's 4), at most the target vocabulary; 1 = greedy search")
+    p.add_argument("--alpha", type=non_negative_real, default=0.6,
+                   help="length penalty exponent (Wu et al. 2016)")
+    p.add_argument("--margin", type=non_negative_int, default=50,
+                   help="max output length = source length + margin")
+    p.add_argument("--batch-size", type=positive_int, default=32, help="sentences decoded at once")
 
 
 def _add_train_args(p: argparse.ArgumentParser) -> None:
@@ -222,7 +284,8 @@ def _add_train_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--preset", default="tiny", help=f"model preset: {', '.join(sorted(PRESETS))}")
     p.add_argument("--set", action="append", default=[], metavar="FIELD=VALUE",
                    help="override a model config field (repeatable), e.g. --set dropout=0")
-    p.add_argument("--seed", type=int, default=0, help="seeds initial weights, batch order, dropout, data")
+    p.add_argument("--seed", type=integer, default=0,
+                   help="seeds initial weights, batch order, dropout, data")
     p.add_argument("--out", default="runs/train", help="output directory (default runs/train)")
     p.add_argument("--resume", action="store_true", help="continue the run in OUT from its latest checkpoint")
     p.add_argument("--overwrite", action="store_true", help="delete an earlier run in OUT and start afresh")
@@ -231,40 +294,42 @@ def _add_train_args(p: argparse.ArgumentParser) -> None:
     data.add_argument("--pair", default="de-en", help="Multi30k language pair, source-target")
     data.add_argument("--data-dir", help="Multi30k directory (default $ROSETTA_DATA_DIR or ../shared/data)")
     data.add_argument("--download", action="store_true", help="fetch missing Multi30k files (network)")
-    data.add_argument("--vocab-size", type=int, default=8000, help="joint BPE vocabulary size (Multi30k)")
-    data.add_argument("--train-size", type=int, help="first N training pairs (synthetic: N generated)")
-    data.add_argument("--eval-size", type=int, help="first N evaluation pairs (synthetic default 500)")
+    data.add_argument("--vocab-size", type=integer, default=8000, help="joint BPE vocabulary size (Multi30k)")
+    data.add_argument("--train-size", type=integer, help="first N training pairs (synthetic: N generated)")
+    data.add_argument("--eval-size", type=integer, help="first N evaluation pairs (synthetic default 500)")
     data.add_argument("--eval-split", default="val", help="Multi30k split for validation loss and BLEU")
-    data.add_argument("--synthetic-max-len", type=int, default=16, help="longest synthetic sequence")
-    data.add_argument("--max-tokens", type=int, default=4096, help="tokens per batch (paper §5.1: 25000)")
+    data.add_argument("--synthetic-max-len", type=integer, default=16, help="longest synthetic sequence")
+    data.add_argument("--max-tokens", type=integer, default=4096, help="tokens per batch (paper §5.1: 25000)")
     data.add_argument("--buckets", help="bucket lengths, e.g. 16,32,64 (default 8,16,...,max_len)")
     length = p.add_argument_group("schedule").add_mutually_exclusive_group()
-    length.add_argument("--steps", type=int, help="optimizer steps in all (default 1000)")
-    length.add_argument("--epochs", type=int, help="or: passes over the training data")
+    length.add_argument("--steps", type=integer, help="optimizer steps in all (default 1000)")
+    length.add_argument("--epochs", type=integer, help="or: passes over the training data")
     opt = p.add_argument_group("optimizer (paper §5.3, §5.4)")
-    opt.add_argument("--warmup", type=int, default=4000, help="warmup steps of eq. 3")
-    opt.add_argument("--lr-factor", type=float, default=1.0, help="factor on eq. 3's learning rate")
-    opt.add_argument("--label-smoothing", type=float, default=0.1)
-    opt.add_argument("--clip-norm", type=float, help="global gradient-norm clipping (default none)")
+    opt.add_argument("--warmup", type=integer, default=4000, help="warmup steps of eq. 3")
+    opt.add_argument("--lr-factor", type=real, default=1.0, help="factor on eq. 3's learning rate")
+    opt.add_argument("--label-smoothing", type=real, default=0.1)
+    opt.add_argument("--clip-norm", type=real, help="global gradient-norm clipping (default none)")
     opt.add_argument("--dtype", default="float32", help="compute dtype: float32 or bfloat16")
     opt.add_argument("--device", help="framework device, e.g. cpu or cuda (default: the framework's)")
     ev = p.add_argument_group("evaluation, checkpoints, logging")
-    ev.add_argument("--eval-every", type=int, default=500, help="steps between evaluations (0: at the end)")
-    ev.add_argument("--beam", type=int, default=1, help="beam size for BLEU; 1 = greedy")
-    ev.add_argument("--alpha", type=float, default=0.6, help="length penalty exponent (Wu et al. 2016)")
-    ev.add_argument("--margin", type=int, default=50, help="max output length = source length + margin")
-    ev.add_argument("--bleu-samples", type=int, help="BLEU on the first N evaluation pairs (default all)")
-    ev.add_argument("--checkpoint-every", type=int, default=500, help="steps between checkpoints (0: end)")
-    ev.add_argument("--keep", type=int, default=3, help="checkpoints kept (the newest)")
-    ev.add_argument("--log-every", type=int, default=1, help="steps between log.jsonl records")
-    ev.add_argument("--peak-tflops", type=float, help="device peak TFLOP/s for MFU (default: known GPUs)")
+    ev.add_argument("--eval-every", type=integer, default=500,
+                    help="steps between evaluations (0: at the end)")
+    ev.add_argument("--beam", type=integer, default=1, help="beam size for BLEU; 1 = greedy")
+    ev.add_argument("--alpha", type=real, default=0.6, help="length penalty exponent (Wu et al. 2016)")
+    ev.add_argument("--margin", type=integer, default=50, help="max output length = source length + margin")
+    ev.add_argument("--bleu-samples", type=integer, help="BLEU on the first N evaluation pairs (default all)")
+    ev.add_argument("--checkpoint-every", type=integer, default=500,
+                    help="steps between checkpoints (0: end)")
+    ev.add_argument("--keep", type=integer, default=3, help="checkpoints kept (the newest)")
+    ev.add_argument("--log-every", type=integer, default=1, help="steps between log.jsonl records")
+    ev.add_argument("--peak-tflops", type=real, help="device peak TFLOP/s for MFU (default: known GPUs)")
     ev.add_argument("--progress", action=argparse.BooleanOptionalAction, default=None,
                     help="progress bar (default: when stderr is a terminal)")
 
 
 def build_parser() -> argparse.ArgumentParser:
-    parser = argparse.ArgumentParser(prog="rosetta", description=__doc__,
-                                     formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser = _Parser(prog="rosetta", description=__doc__,
+                     formatter_class=argparse.RawDescriptionHelpFormatter)
     cmds = parser.add_subparsers(dest="command", required=True)
 
     p = cmds.add_parser("parity", help="compare every installed backend with the float64 reference",
@@ -273,9 +338,9 @@ def build_parser() -> argparse.ArgumentParser:
     _add_model_args(p)
     p.add_argument("--checkpoint", help="load this checkpoint instead of a preset")
     p.add_argument("--backends", nargs="+", help="default: every installed backend")
-    p.add_argument("--batch", type=int, default=4)
-    p.add_argument("--src-len", type=int, default=11)
-    p.add_argument("--tgt-len", type=int, default=9)
+    p.add_argument("--batch", type=positive_int, default=4, help="sentences in the random batch")
+    p.add_argument("--src-len", type=positive_int, default=11, help="source length (row 0; others padded)")
+    p.add_argument("--tgt-len", type=positive_int, default=9, help="target length (row 0; others padded)")
     p.set_defaults(func=cmd_parity)
 
     p = cmds.add_parser("init", help="write a freshly initialised checkpoint")
@@ -308,8 +373,8 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 def main(argv: list[str] | None = None) -> int:
-    args = build_parser().parse_args(argv)
     try:
+        args = build_parser().parse_args(argv)
         return args.func(args)
     except RosettaError as e:
         print(f"rosetta: error: {e}", file=sys.stderr)

@@ -1,6 +1,17 @@
-"""Checks on token ids, shared by every backend so that all refuse the same input alike."""
+"""Checks on token ids and search arguments, shared by every backend so that all refuse the same
+input alike, and the parser of token-id text lines that `rosetta generate` and `rosetta translate`
+read from stdin.
+
+The rule for numeric arguments (beam size, length margin, alpha): Python and NumPy integers are
+integers, NumPy floats are numbers, a bool is neither (`beam_size=True` is a mistake, not 1), and
+a number must be finite.
+"""
 
 from __future__ import annotations
+
+import math
+import numbers
+import re
 
 import numpy as np
 
@@ -45,3 +56,63 @@ def check_tgt(cfg: ModelConfig, tgt: object, batch: int | None = None) -> np.nda
     if batch is not None and tgt.shape[0] != batch:
         raise InputError(f"src has batch size {batch} but tgt has {tgt.shape[0]}")
     return tgt
+
+
+def check_int(value: object, name: str, minimum: int) -> int:
+    """`value` as a Python int if it is an integer (NumPy's included, bool not) >= minimum."""
+    # bool subclasses int; np.bool_ is not an Integral, but refuse it by name all the same.
+    if isinstance(value, (bool, np.bool_)) or not isinstance(value, numbers.Integral) or value < minimum:
+        raise InputError(f"{name} must be an integer >= {minimum}, got {value!r}")
+    return int(value)
+
+
+def check_real(value: object, name: str, minimum: float) -> float:
+    """`value` as a Python float if it is a finite real number (NumPy's included, bool not) >= minimum."""
+    if (isinstance(value, (bool, np.bool_)) or not isinstance(value, numbers.Real)
+            or not math.isfinite(value) or value < minimum):
+        raise InputError(f"{name} must be a number >= {minimum:g} and finite, got {value!r}")
+    return float(value)
+
+
+_TOKEN_ID = re.compile(r"[0-9]+")  # ASCII digits only: int() would also take "1_0" and "٥"
+_SEPARATORS = re.compile(r"[ \t\f\v]+")
+
+
+def parse_id_line(line: str, number: int, vocab_size: int) -> list[int]:
+    """The token ids of input line `number` (space-separated, ASCII digits), each checked to lie in
+    [0, vocab_size): an InputError naming the line and the token otherwise."""
+    ids = []
+    for token in _SEPARATORS.split(line.strip(" \t\f\v")):
+        if not token:
+            continue  # an empty line
+        shown = token if len(token) <= 24 else token[:24] + "..."
+        if not _TOKEN_ID.fullmatch(token):
+            raise InputError(f"input line {number}: {shown!r} is not a token id (ASCII digits 0-9 only)")
+        # Compare as text first: a thousand-digit id is out of range, not an int() to compute.
+        if len(token.lstrip("0")) > len(str(vocab_size)) or int(token) >= vocab_size:
+            raise InputError(f"input line {number}: token id {shown} is outside the source vocabulary "
+                             f"[0, {vocab_size})")
+        ids.append(int(token))
+    return ids
+
+
+def split_lines(data: bytes | str) -> list[str]:
+    """Lines of stdin's contents, split at "\n" only (a trailing "\r" dropped, as universal
+    newlines do), bytes decoded as strict UTF-8: bytes that are not UTF-8 are an InputError
+    naming the line. A byte-order mark at the start is dropped."""
+    newline = b"\n" if isinstance(data, bytes) else "\n"
+    lines = data.split(newline)
+    if lines and not lines[-1]:
+        lines.pop()  # the text ended with a newline: no empty line after it
+    out = []
+    for number, line in enumerate(lines, 1):
+        if isinstance(line, bytes):
+            try:
+                line = line.decode("utf-8")
+            except UnicodeDecodeError as e:
+                raise InputError(f"input line {number} is not valid UTF-8 (byte 0x{line[e.start]:02x} at "
+                                 f"byte {e.start + 1} of the line)") from None
+        out.append(line.removesuffix("\r"))
+    if out:
+        out[0] = out[0].removeprefix("\ufeff")
+    return out

@@ -38,6 +38,7 @@ from rosetta.harness.report import read_log, summarize, write_log, write_plot, w
 from rosetta.harness.run_dir import clean_temporaries, latest_checkpoint, save_checkpoint_dir
 from rosetta.harness.tasks import TaskData, check_task, load_task, parse_pair
 from rosetta.harness.trainer_state import load_trainer_state, save_trainer_state
+from rosetta.inputs import check_real
 from rosetta.params import init_params
 from rosetta.training import TrainConfig
 
@@ -135,8 +136,9 @@ def check_run(run: RunConfig) -> None:
         raise RosettaError("give --steps or --epochs, not both")
     for name in ("steps", "epochs", "train_size", "eval_size", "bleu_samples"):
         _positive(name, getattr(run, name), optional=True)
-    for name in ("max_tokens", "keep", "log_every", "synthetic_max_len", "beam"):
+    for name in ("max_tokens", "keep", "log_every", "synthetic_max_len", "beam", "vocab_size"):
         _positive(name, getattr(run, name))
+    check_real(run.alpha, "--alpha", minimum=0.0)  # the rule model.generate applies at evaluation
     for name in ("eval_every", "checkpoint_every", "max_len_margin"):
         _positive(name, getattr(run, name), minimum=0)
     if run.dtype not in ("float32", "bfloat16"):

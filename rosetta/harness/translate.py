@@ -16,9 +16,11 @@ from pathlib import Path
 import numpy as np
 
 from rosetta.backends import BackendModel
-from rosetta.errors import RosettaError
+from rosetta.config import ModelConfig
+from rosetta.errors import InputError, RosettaError
 from rosetta.harness.run_dir import latest_checkpoint
 from rosetta.harness.tokenizer import Tokenizer
+from rosetta.inputs import check_int, parse_id_line
 
 
 def resolve_run(path: str | os.PathLike[str]) -> tuple[Path, Path | None]:
@@ -47,28 +49,30 @@ def resolve_run(path: str | os.PathLike[str]) -> tuple[Path, Path | None]:
     return ckpt_dir / "model.safetensors", tokenizer
 
 
-def encode_line(line: str, number: int, tokenizer: Tokenizer | None, eos_id: int) -> list[int]:
-    """Source ids of one input line, eos appended: BPE for text, or the ids themselves."""
+def encode_line(line: str, number: int, tokenizer: Tokenizer | None, cfg: ModelConfig) -> list[int]:
+    """Source ids of one input line, eos appended: BPE for text, or the ids themselves (ASCII
+    digits inside the source vocabulary: rosetta.inputs.parse_id_line)."""
     if tokenizer is not None:
-        return tokenizer.encode(line) + [eos_id]
+        return tokenizer.encode(line) + [cfg.eos_id]
     try:
-        return [int(token) for token in line.split()] + [eos_id]
-    except ValueError:
-        raise RosettaError(f"input line {number}: this run has no tokenizer (a synthetic task), so lines "
-                           f"are space-separated token ids; got {line!r}") from None
+        return parse_id_line(line, number, cfg.src_vocab_size) + [cfg.eos_id]
+    except InputError as e:
+        raise InputError(f"{e} (without a tokenizer, as for the synthetic tasks, lines are space-separated "
+                         f"token ids)") from None
 
 
 def translate_lines(model: BackendModel, tokenizer: Tokenizer | None, lines: Sequence[str], beam: int = 4,
                     alpha: float = 0.6, max_len_margin: int = 50, batch_size: int = 32) -> list[str]:
     """One output per input line (an empty line gives an empty output), in input order."""
     cfg = model.config
+    batch_size = check_int(batch_size, "batch_size", minimum=1)
     outputs = [""] * len(lines)
     todo = []
     for number, line in enumerate(lines, 1):
         text = line.strip()
         if not text:
             continue
-        ids = encode_line(text, number, tokenizer, cfg.eos_id)
+        ids = encode_line(text, number, tokenizer, cfg)
         if len(ids) > cfg.max_len:
             raise RosettaError(f"input line {number} is {len(ids)} tokens long with eos, more than the "
                                f"model's max_len {cfg.max_len}")
