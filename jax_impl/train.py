@@ -68,14 +68,17 @@ def make_optimizer(model: Transformer, train_cfg: TrainConfig) -> nnx.Optimizer:
 
 @nnx.jit(static_argnames="train_cfg")
 def _train_step(model: Transformer, optimizer: nnx.Optimizer, rngs: nnx.Rngs, src: jax.Array,
-                tgt: jax.Array, labels: jax.Array, train_cfg: TrainConfig) -> tuple[jax.Array, jax.Array]:
+                tgt: jax.Array, labels: jax.Array,
+                train_cfg: TrainConfig) -> tuple[jax.Array, jax.Array, jax.Array]:
+    """`train_step`, also returning the global gradient norm before clipping (a 0-d array): the
+    harness stops a run at the first non-finite one (rosetta/harness/loop.py)."""
     def loss_of(model: Transformer, rngs: nnx.Rngs) -> jax.Array:
         return loss_fn(model(src, tgt, rngs=rngs), labels, model.cfg.pad_id, train_cfg.label_smoothing)[0]
 
     lr = schedule(model.cfg.d_model, train_cfg)(optimizer.step[...])  # what adam reads this update
     loss, grads = nnx.value_and_grad(loss_of)(model, rngs)  # d/d(nnx.Param of model) only
     optimizer.update(model, grads)
-    return loss, lr
+    return loss, lr, optax.tree.norm(grads)
 
 
 def train_step(model: Transformer, optimizer: nnx.Optimizer, rngs: nnx.Rngs, src: jax.Array,
@@ -84,22 +87,24 @@ def train_step(model: Transformer, optimizer: nnx.Optimizer, rngs: nnx.Rngs, src
     nnx.Rngs(dropout=train_cfg.seed): PITFALLS 10), loss, gradients, optional global-norm
     clipping, Adam, schedule. One compiled call. Returns (loss, lr used) as 0-d arrays."""
     model.train()
-    return _train_step(model, optimizer, rngs, jnp.asarray(src), jnp.asarray(tgt), jnp.asarray(labels),
-                       train_cfg=train_cfg)
+    loss, lr, _ = _train_step(model, optimizer, rngs, jnp.asarray(src), jnp.asarray(tgt), jnp.asarray(labels),
+                              train_cfg=train_cfg)
+    return loss, lr
 
 
 def make_train_step(model: Transformer, optimizer: nnx.Optimizer, rngs: nnx.Rngs,
-                    train_cfg: TrainConfig) -> Callable[..., tuple[jax.Array, jax.Array]]:
-    """`train_step` with the model, optimizer and generator bound: step(src, tgt, labels).
-    nnx.jit walks the whole object graph in Python on every call (about 50 ms per call for a
-    6+6-layer model on this project's CPU, as long as a whole `base` step on an H100);
-    nnx.cached_partial walks it once and reuses the traversal, as Flax's guide advises. The bound model stays
-    in train mode (its cached copy was taken in train mode); the weights, Adam's state and the
-    generator are the same Variables, so every update lands in `model`, `optimizer`, `rngs`."""
+                    train_cfg: TrainConfig) -> Callable[..., tuple[jax.Array, jax.Array, jax.Array]]:
+    """`train_step` with the model, optimizer and generator bound: step(src, tgt, labels) ->
+    (loss, lr, global gradient norm before clipping). nnx.jit walks the whole object graph in
+    Python on every call (about 50 ms per call for a 6+6-layer model on this project's CPU, as
+    long as a whole `base` step on an H100); nnx.cached_partial walks it once and reuses the
+    traversal, as Flax's guide advises. The bound model stays in train mode (its cached copy
+    was taken in train mode); the weights, Adam's state and the generator are the same
+    Variables, so every update lands in `model`, `optimizer`, `rngs`."""
     model.train()
     cached = nnx.cached_partial(_train_step, model, optimizer, rngs)
 
-    def step(src: jax.Array, tgt: jax.Array, labels: jax.Array) -> tuple[jax.Array, jax.Array]:
+    def step(src: jax.Array, tgt: jax.Array, labels: jax.Array) -> tuple[jax.Array, jax.Array, jax.Array]:
         return cached(jnp.asarray(src), jnp.asarray(tgt), jnp.asarray(labels), train_cfg=train_cfg)
 
     return step
@@ -188,12 +193,13 @@ class Trainer:
         return int(self.optimizer.step[...])
 
     def step(self, batch: Batch) -> dict[str, Any]:
-        """One update on `batch` (§5.3); returns {step, loss, lr, num_src_tokens, num_tgt_tokens}.
-        Reading the loss synchronises the device, so a wall clock around this call is honest."""
+        """One update on `batch` (§5.3); returns {step, loss, lr, grad_norm, num_src_tokens,
+        num_tgt_tokens}, grad_norm the global gradient norm before clipping. Reading the loss
+        synchronises the device, so a wall clock around this call is honest."""
         with self._context():
-            loss, lr = self._train_step(batch.src, batch.tgt_in, batch.labels)
-            loss_value = float(loss)
-        return {"step": self.step_count, "loss": loss_value, "lr": float(lr),
+            loss, lr, grad_norm = self._train_step(batch.src, batch.tgt_in, batch.labels)
+            loss_value, norm_value = float(loss), float(grad_norm)
+        return {"step": self.step_count, "loss": loss_value, "lr": float(lr), "grad_norm": norm_value,
                 "num_src_tokens": int(batch.num_src_tokens), "num_tgt_tokens": int(batch.num_tgt_tokens)}
 
     def eval_loss(self, batches: Iterable[Batch]) -> float:

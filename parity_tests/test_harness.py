@@ -44,7 +44,7 @@ TRAIN_KEYS = {
     "kind", "backend", "step", "epoch", "loss", "lr", "src_tokens", "tgt_tokens", "src_tokens_padded",
     "tgt_tokens_padded", "step_time_s", "src_tokens_per_s", "tgt_tokens_per_s", "src_tokens_per_s_padded",
     "tgt_tokens_per_s_padded", "flops", "tflops_per_s", "mfu", "flops_padded", "mfu_padded",
-    "peak_memory_bytes", "batch_shape", "first_of_shape", "device", "elapsed_s",
+    "peak_memory_bytes", "batch_shape", "first_of_shape", "device", "elapsed_s", "grad_norm",
 }
 EVAL_KEYS = {"kind", "backend", "step", "val_loss", "bleu", "exact_match", "bleu_sentences", "sample",
              "eval_time_s", "elapsed_s"}
@@ -150,7 +150,7 @@ def test_trainer_adapters_share_one_interface(backend):
     copy["shared_embed.embedding"][:] = 0  # params() returns copies: the trainer is unaffected
     assert np.array_equal(trainer.params()["shared_embed.embedding"], params["shared_embed.embedding"])
     metrics = trainer.step(batches[0])
-    assert set(metrics) == {"step", "loss", "lr", "num_src_tokens", "num_tgt_tokens"}
+    assert set(metrics) == {"step", "loss", "lr", "grad_norm", "num_src_tokens", "num_tgt_tokens"}
     assert metrics["step"] == trainer.step_count == 1
     assert metrics["num_tgt_tokens"] == batches[0].num_tgt_tokens
     assert metrics["loss"] == pytest.approx(totals[0][0] / totals[0][1], rel=1e-5)

@@ -124,7 +124,9 @@ class Batch:
 
 def check_state(state: Mapping[str, np.ndarray], shapes: Mapping[str, tuple[int, ...]],
                 framework: str) -> None:
-    """Refuse trainer state whose keys or shapes differ from what this trainer holds."""
+    """Refuse trainer state whose keys or shapes differ from what this trainer holds, or whose
+    floating-point values (Adam's moments, the learning rate) are not all finite: resuming from
+    them would poison every weight at the first update."""
     missing, extra = sorted(set(shapes) - set(state)), sorted(set(state) - set(shapes))
     if missing or extra:
         raise CheckpointError(f"{framework} trainer state does not match this trainer: missing "
@@ -133,3 +135,9 @@ def check_state(state: Mapping[str, np.ndarray], shapes: Mapping[str, tuple[int,
         if tuple(np.shape(state[key])) != tuple(shape):
             raise CheckpointError(f"{framework} trainer state {key} has shape {np.shape(state[key])}, "
                                   f"expected {tuple(shape)}")
+    for key in shapes:
+        value = np.asarray(state[key])
+        if value.dtype.kind == "f" and not np.isfinite(value).all():
+            bad = int(np.size(value) - np.isfinite(value).sum())
+            raise CheckpointError(f"{framework} trainer state {key} holds {bad} NaN or infinite value(s) "
+                                  f"of {np.size(value)}: refusing to resume from it")

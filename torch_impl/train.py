@@ -66,6 +66,27 @@ def forward_loss(module: Transformer, src: torch.Tensor, tgt: torch.Tensor, labe
         return loss_fn(module(src, tgt), labels, module.cfg.pad_id, label_smoothing)[0]
 
 
+def _train_step(module: Transformer, optimizer: torch.optim.Optimizer,
+                scheduler: torch.optim.lr_scheduler.LRScheduler, src: torch.Tensor, tgt: torch.Tensor,
+                labels: torch.Tensor, train_cfg: TrainConfig, autocast: torch.dtype | None,
+                forward: Callable[..., torch.Tensor]) -> tuple[torch.Tensor, float, torch.Tensor]:
+    """`train_step`, also returning the global gradient norm before clipping (a 0-d tensor): the
+    harness stops a run at the first non-finite one (rosetta/harness/loop.py)."""
+    module.train()
+    optimizer.zero_grad(set_to_none=True)
+    loss = forward(module, src, tgt, labels, train_cfg.label_smoothing, autocast)
+    loss.backward()
+    if train_cfg.clip_norm is not None:
+        # Scales by clip/(norm + 1e-6) where optax scales by clip/norm: ~1e-6 relative apart.
+        grad_norm = torch.nn.utils.clip_grad_norm_(module.parameters(), train_cfg.clip_norm)
+    else:
+        grad_norm = torch.nn.utils.get_total_norm([p.grad for p in module.parameters() if p.grad is not None])
+    lr = optimizer.param_groups[0]["lr"]
+    optimizer.step()
+    scheduler.step()
+    return loss.detach(), lr, grad_norm.detach()
+
+
 def train_step(module: Transformer, optimizer: torch.optim.Optimizer,
                scheduler: torch.optim.lr_scheduler.LRScheduler, src: torch.Tensor, tgt: torch.Tensor,
                labels: torch.Tensor, train_cfg: TrainConfig, autocast: torch.dtype | None = None,
@@ -74,31 +95,24 @@ def train_step(module: Transformer, optimizer: torch.optim.Optimizer,
     optional global-norm clipping, Adam, schedule. `autocast` (e.g. torch.bfloat16) runs the
     forward pass under torch.autocast, float32 weights (JAX: the model's compute dtype).
     Returns (loss, lr used); the loss is a detached 0-d tensor (reading it synchronises)."""
-    module.train()
-    optimizer.zero_grad(set_to_none=True)
-    loss = forward(module, src, tgt, labels, train_cfg.label_smoothing, autocast)
-    loss.backward()
-    if train_cfg.clip_norm is not None:
-        # Scales by clip/(norm + 1e-6) where optax scales by clip/norm: ~1e-6 relative apart.
-        torch.nn.utils.clip_grad_norm_(module.parameters(), train_cfg.clip_norm)
-    lr = optimizer.param_groups[0]["lr"]
-    optimizer.step()
-    scheduler.step()
-    return loss.detach(), lr
+    loss, lr, _ = _train_step(module, optimizer, scheduler, src, tgt, labels, train_cfg, autocast, forward)
+    return loss, lr
 
 
 def make_train_step(module: Transformer, optimizer: torch.optim.Optimizer,
                     scheduler: torch.optim.lr_scheduler.LRScheduler, train_cfg: TrainConfig,
                     autocast: torch.dtype | None = None,
-                    compile: bool = False) -> Callable[..., tuple[torch.Tensor, float]]:
-    """`train_step` with the module, optimizer and schedule bound: step(src, tgt, labels).
-    (JAX needs this to skip a per-call graph walk; eager PyTorch has none to skip.) `compile`
-    runs the forward pass and the loss as one torch.compile graph, its backward compiled too:
-    the loss over a 37k vocabulary alone is ~3x faster compiled than eager on an H100."""
+                    compile: bool = False) -> Callable[..., tuple[torch.Tensor, float, torch.Tensor]]:
+    """`train_step` with the module, optimizer and schedule bound: step(src, tgt, labels) ->
+    (loss, lr, global gradient norm before clipping). (JAX needs this to skip a per-call graph
+    walk; eager PyTorch has none to skip.) `compile` runs the forward pass and the loss as one
+    torch.compile graph, its backward compiled too: the loss over a 37k vocabulary alone is ~3x
+    faster compiled than eager on an H100."""
     forward = torch.compile(forward_loss) if compile else forward_loss
 
-    def step(src: torch.Tensor, tgt: torch.Tensor, labels: torch.Tensor) -> tuple[torch.Tensor, float]:
-        return train_step(module, optimizer, scheduler, src, tgt, labels, train_cfg, autocast, forward)
+    def step(src: torch.Tensor, tgt: torch.Tensor,
+             labels: torch.Tensor) -> tuple[torch.Tensor, float, torch.Tensor]:
+        return _train_step(module, optimizer, scheduler, src, tgt, labels, train_cfg, autocast, forward)
 
     return step
 
@@ -202,13 +216,14 @@ class Trainer:
         return int(self.scheduler.last_epoch)
 
     def step(self, batch: Batch) -> dict[str, Any]:
-        """One update on `batch` (§5.3); returns {step, loss, lr, num_src_tokens, num_tgt_tokens}.
-        Reading the loss synchronises the device, so a wall clock around this call is honest."""
+        """One update on `batch` (§5.3); returns {step, loss, lr, grad_norm, num_src_tokens,
+        num_tgt_tokens}, grad_norm the global gradient norm before clipping. Reading the loss
+        synchronises the device, so a wall clock around this call is honest."""
         with self._context():
-            loss, lr = self._train_step(self._tensor(batch.src), self._tensor(batch.tgt_in),
-                                        self._tensor(batch.labels))
-            loss_value = loss.item()
-        return {"step": self.step_count, "loss": loss_value, "lr": float(lr),
+            loss, lr, grad_norm = self._train_step(self._tensor(batch.src), self._tensor(batch.tgt_in),
+                                                   self._tensor(batch.labels))
+            loss_value, norm_value = loss.item(), grad_norm.item()
+        return {"step": self.step_count, "loss": loss_value, "lr": float(lr), "grad_norm": norm_value,
                 "num_src_tokens": int(batch.num_src_tokens), "num_tgt_tokens": int(batch.num_tgt_tokens)}
 
     def eval_loss(self, batches: Iterable[Batch]) -> float:

@@ -19,6 +19,7 @@ import dataclasses
 import importlib
 import json
 import logging
+import math
 import shutil
 import sys
 import time
@@ -53,6 +54,10 @@ IDENTITY_FIELDS: tuple[str, ...] = (
     "preset", "overrides", "task", "pair", "vocab_size", "train_size", "synthetic_max_len", "max_tokens",
     "buckets", "dtype", "warmup", "lr_factor", "label_smoothing", "clip_norm", "seed",
 )
+
+
+class DivergedError(RosettaError):
+    """A training step gave a non-finite loss or gradient norm; the run stopped before saving it."""
 
 
 @dataclass(frozen=True)
@@ -351,9 +356,11 @@ class _Run:
                      self.total_steps)
             return _read_json(self.dir / "result.json")
         progress = _progress_bar(run, self.backend, self.total_steps, trainer.step_count)
-        with self.log_path.open("a", encoding="utf-8") as log_file:
-            self._loop(trainer, log_file, progress)
-        progress.close()
+        try:
+            with self.log_path.open("a", encoding="utf-8") as log_file:
+                self._loop(trainer, log_file, progress)
+        finally:
+            progress.close()
         records = read_log(self.log_path)
         result = {"backend": self.backend, "dtype": run.dtype, **summarize(records)}
         atomic_write_bytes(self.dir / "result.json", json.dumps(result, indent=2).encode("utf-8"))
@@ -378,6 +385,7 @@ class _Run:
             start = time.perf_counter()
             metrics = trainer.step(batch)
             seconds = time.perf_counter() - start
+            self._check_finite(metrics)
             step, last = metrics["step"], metrics["step"] == self.total_steps
             first = batch.shape not in seen_shapes
             seen_shapes.add(batch.shape)
@@ -394,6 +402,20 @@ class _Run:
             if (run.checkpoint_every and step % run.checkpoint_every == 0) or last:
                 self.save(trainer, self.elapsed0 + time.perf_counter() - clock)
 
+    def _check_finite(self, metrics: dict[str, Any]) -> None:
+        """Stop at the first non-finite loss or gradient norm. That step's update has already
+        poisoned the weights in memory, so nothing of it may reach a checkpoint or the log, and
+        every later step would only repeat it."""
+        loss, norm = metrics["loss"], metrics["grad_norm"]
+        if math.isfinite(loss) and math.isfinite(norm):
+            return
+        good = latest_checkpoint(self.ckpt_root)
+        kept = (f"the last good checkpoint, {good.name}, stays latest" if good is not None
+                else "no checkpoint was written before it")
+        raise DivergedError(f"{self.backend}: training diverged at step {metrics['step']} (loss {loss}, "
+                            f"gradient norm {norm}): stopped without saving that step; {kept} (a lower "
+                            f"--lr-factor, a longer --warmup or --clip-norm may help)")
+
     def _train_record(self, trainer: Any, batch: Batch, metrics: dict[str, Any], seconds: float,
                       peak: float | None, first: bool) -> dict[str, Any]:
         src_lengths, tgt_lengths = batch_lengths(batch.src, batch.labels, self.cfg.pad_id)
@@ -403,7 +425,7 @@ class _Run:
         seconds = max(seconds, 1e-9)
         return {
             "kind": "train", "backend": self.backend, "step": metrics["step"],
-            "loss": metrics["loss"], "lr": metrics["lr"],
+            "loss": metrics["loss"], "lr": metrics["lr"], "grad_norm": metrics["grad_norm"],
             "src_tokens": metrics["num_src_tokens"], "tgt_tokens": metrics["num_tgt_tokens"],
             "src_tokens_padded": int(batch.src.size), "tgt_tokens_padded": int(batch.labels.size),
             "step_time_s": seconds,

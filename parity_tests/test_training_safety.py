@@ -1,0 +1,150 @@
+"""Training that goes wrong (issue 11, item 7): a non-finite loss or gradient norm stops the run
+at that step with the last good checkpoint kept; poisoned optimizer state is refused on resume.
+
+Expected values come from outside the code under test: Adam's first-step size worked out by hand,
+the other framework's gradients."""
+
+from __future__ import annotations
+
+import math
+from pathlib import Path
+
+import numpy as np
+import pytest
+
+from rosetta import CheckpointError, init_params, load_checkpoint, preset
+from rosetta.cli import main
+from rosetta.harness.batching import BatchIterator
+from rosetta.harness.data import synthetic_pairs
+from rosetta.harness.loop import trainer_class
+from rosetta.harness.report import read_log
+from rosetta.harness.run_dir import latest_checkpoint, list_checkpoints
+from rosetta.harness.trainer_state import load_trainer_state, save_trainer_state
+from rosetta.training import TrainConfig
+
+pytestmark = pytest.mark.trainable
+
+NO_DROPOUT = {"dropout": 0.0, "attention_dropout": 0.0}
+QUICK = ["--task", "copy", "--max-tokens", "512", "--buckets", "24", "--train-size", "500",
+         "--eval-size", "8", "--bleu-samples", "4", "--eval-every", "0", "--warmup", "10", "--no-progress",
+         "--device", "cpu"]
+
+
+def train_records(run_dir: Path) -> list[dict]:
+    return [r for r in read_log(run_dir / "log.jsonl") if r["kind"] == "train"]
+
+
+def one_line_error(capsys) -> str:
+    err = capsys.readouterr().err
+    lines = [line for line in err.splitlines() if line.startswith("rosetta: error: ")]
+    assert len(lines) == 1, err
+    return lines[0]
+
+
+def tiny_batches(count: int) -> tuple:
+    cfg = preset("tiny", **NO_DROPOUT)
+    pairs = synthetic_pairs("copy", 200, 64, 1, 16, seed=0)
+    batches = list(BatchIterator.from_config(pairs, cfg, max_tokens=512, buckets=[24]).epoch_batches())
+    return cfg, batches[:count]
+
+
+# -- Item 7: divergence stops the run; poisoned state is refused ----------------------------------
+
+@pytest.mark.parametrize("backend", ["torch", "jax"])
+def test_a_diverging_run_stops_at_its_first_non_finite_step(backend, tmp_path, capsys):
+    # Adam's first update moves every weight by about lr = 1e30 * 32^-0.5 * 10^-1.5 ~ 6e27; the
+    # next forward pass multiplies such weights (6e27^2 > float32's 3.4e38): step 2 is not finite.
+    out = tmp_path / "diverged"
+    argv = ["train", "--backend", backend, "--steps", "10", "--lr-factor", "1e30", "--checkpoint-every", "1",
+            "--out", str(out), *QUICK]
+    assert main(argv) == 2
+    err = one_line_error(capsys)
+    assert err.startswith(f"rosetta: error: {backend}: training diverged at step 2 (loss nan"), err
+    assert "the last good checkpoint, step-00000001, stays latest" in err
+    run_dir = out / backend
+    assert [r["step"] for r in train_records(run_dir)] == [1]  # the bad step is not logged
+    checkpoints = run_dir / "checkpoints"
+    assert [step for step, _ in list_checkpoints(checkpoints)] == [1]
+    assert latest_checkpoint(checkpoints).name == "step-00000001"
+    params = load_checkpoint(checkpoints / "step-00000001" / "model.safetensors").params
+    assert all(np.isfinite(v).all() for v in params.values())
+    assert not (run_dir / "result.json").exists()
+    assert not any(p.name.startswith(".tmp-") for p in checkpoints.iterdir())
+
+
+def test_an_infinite_gradient_norm_alone_stops_the_run(tmp_path, capsys, monkeypatch):
+    Trainer = trainer_class("torch")
+    original = Trainer.step
+
+    def step(self, batch):
+        metrics = original(self, batch)
+        return metrics | {"grad_norm": math.inf} if metrics["step"] == 3 else metrics
+
+    monkeypatch.setattr(Trainer, "step", step)
+    out = tmp_path / "inf-norm"
+    assert main(["train", "--backend", "torch", "--steps", "6", "--checkpoint-every", "1", "--out", str(out),
+                 *QUICK]) == 2
+    err = one_line_error(capsys)
+    assert "torch: training diverged at step 3 (loss " in err and "gradient norm inf)" in err
+    checkpoints = out / "torch" / "checkpoints"
+    assert [step for step, _ in list_checkpoints(checkpoints)] == [1, 2]
+    assert latest_checkpoint(checkpoints).name == "step-00000002"
+
+
+@pytest.mark.parametrize("backend,other", [("torch", "jax"), ("jax", "torch")])
+def test_the_logged_gradient_norm_is_the_other_frameworks(backend, other):
+    """The global norm of the loss gradient, from the other framework's `gradients`."""
+    import importlib
+
+    cfg, (batch,) = tiny_batches(1)
+    params = init_params(cfg, seed=0)
+    trainer = trainer_class(backend)(cfg, params, TrainConfig(warmup_steps=10), device="cpu")
+    norm = trainer.step(batch)["grad_norm"]
+    reference = trainer_class(other)(cfg, params, TrainConfig(warmup_steps=10), device="cpu")
+    module = importlib.import_module(f"{other}_impl.train")
+    if other == "torch":
+        import torch
+
+        reference.module.eval()
+        _, grads = module.gradients(reference.module, *(torch.from_numpy(a) for a in
+                                                        (batch.src, batch.tgt_in, batch.labels)), 0.1)
+    else:
+        reference.model.eval()
+        _, grads = module.gradients(reference.model, batch.src, batch.tgt_in, batch.labels, 0.1)
+    expected = math.sqrt(sum(float((g.astype(np.float64) ** 2).sum()) for g in grads.values()))
+    assert norm == pytest.approx(expected, rel=1e-4)
+
+
+@pytest.mark.parametrize("backend", ["torch", "jax"])
+@pytest.mark.parametrize("poison", [np.nan, np.inf])
+def test_poisoned_optimizer_state_is_refused_naming_the_tensor(backend, poison):
+    cfg, (batch,) = tiny_batches(1)
+    Trainer = trainer_class(backend)
+    trainer = Trainer(cfg, init_params(cfg, seed=0), TrainConfig(warmup_steps=10), device="cpu")
+    trainer.step(batch)
+    state = trainer.state_dict()
+    # A second moment (Adam's v) of the embedding table, whatever the framework calls it.
+    embed = init_params(cfg)["shared_embed.embedding"].shape
+    key = next(k for k in sorted(state) if np.shape(state[k]) == embed and ("sq" in k or ".nu" in k))
+    state[key] = state[key].copy()
+    state[key][3, 4] = poison
+    fresh = Trainer(cfg, init_params(cfg, seed=0), TrainConfig(warmup_steps=10), device="cpu")
+    with pytest.raises(CheckpointError) as err:
+        fresh.load_state_dict(state)
+    assert str(err.value) == (f"{backend} trainer state {key} holds 1 NaN or infinite value(s) of "
+                              f"{embed[0] * embed[1]}: refusing to resume from it")
+
+
+def test_resume_refuses_a_checkpoint_with_nan_moments(tmp_path, capsys):
+    out = tmp_path / "poisoned"
+    argv = ["train", "--backend", "torch", "--checkpoint-every", "2", "--out", str(out), *QUICK]
+    assert main([*argv, "--steps", "2"]) == 0
+    capsys.readouterr()
+    path = out / "torch" / "checkpoints" / "step-00000002" / "trainer_state.safetensors"
+    state = load_trainer_state(path, "torch")
+    key = "optimizer.shared_embed.weight.exp_avg"  # torch's name for the shared table's Adam m
+    state[key][0, 0] = np.nan
+    save_trainer_state(path, state, "torch")  # a well-formed file holding a NaN
+    assert main([*argv, "--steps", "4", "--resume"]) == 2
+    assert f"torch trainer state {key} holds 1 NaN" in one_line_error(capsys)
+    assert [r["step"] for r in train_records(out / "torch")] == [1, 2]  # nothing was trained on it
