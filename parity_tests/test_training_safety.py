@@ -1,12 +1,16 @@
-"""Training that goes wrong (issue 11, item 7): a non-finite loss or gradient norm stops the run
-at that step with the last good checkpoint kept; poisoned optimizer state is refused on resume.
+"""Training that goes wrong, and what a run reports (issue 11, items 7 and 9): a non-finite loss
+or gradient norm stops the run at that step with the last good checkpoint kept; poisoned optimizer
+state is refused on resume; the summary's totals cover every step, logged or not.
 
 Expected values come from outside the code under test: Adam's first-step size worked out by hand,
-the other framework's gradients."""
+the other framework's gradients, a counter and a timer wrapped around the trainer's step."""
 
 from __future__ import annotations
 
+import json
 import math
+import shutil
+import time
 from pathlib import Path
 
 import numpy as np
@@ -16,7 +20,7 @@ from rosetta import CheckpointError, init_params, load_checkpoint, preset
 from rosetta.cli import main
 from rosetta.harness.batching import BatchIterator
 from rosetta.harness.data import synthetic_pairs
-from rosetta.harness.loop import trainer_class
+from rosetta.harness.loop import RunConfig, train, trainer_class
 from rosetta.harness.report import read_log
 from rosetta.harness.run_dir import latest_checkpoint, list_checkpoints
 from rosetta.harness.trainer_state import load_trainer_state, save_trainer_state
@@ -148,3 +152,66 @@ def test_resume_refuses_a_checkpoint_with_nan_moments(tmp_path, capsys):
     assert main([*argv, "--steps", "4", "--resume"]) == 2
     assert f"torch trainer state {key} holds 1 NaN" in one_line_error(capsys)
     assert [r["step"] for r in train_records(out / "torch")] == [1, 2]  # nothing was trained on it
+
+
+# -- Item 9: the summary's totals cover every step --------------------------------------------------
+
+class StepMeter:
+    """Wraps a Trainer's `step` to count, time and add up every call, logged or not."""
+
+    def __init__(self, monkeypatch, backend: str):
+        self.calls, self.seconds, self.src_tokens, self.tgt_tokens = 0, 0.0, 0, 0
+        Trainer = trainer_class(backend)
+        original = Trainer.step
+
+        def step(trainer, batch):
+            start = time.perf_counter()
+            metrics = original(trainer, batch)
+            self.seconds += time.perf_counter() - start
+            self.calls += 1
+            self.src_tokens += int((batch.src != 0).sum())
+            self.tgt_tokens += int((batch.labels != 0).sum())
+            return metrics
+
+        monkeypatch.setattr(Trainer, "step", step)
+
+
+@pytest.mark.parametrize("backend", ["torch", "jax"])
+def test_summary_totals_cover_every_step_not_only_logged_ones(backend, tmp_path, monkeypatch):
+    meter = StepMeter(monkeypatch, backend)
+    out = tmp_path / "totals"
+    result = train(RunConfig(backends=(backend,), out=str(out), steps=11, log_every=5, eval_every=0,
+                             checkpoint_every=0, overrides=NO_DROPOUT, task="copy", max_tokens=512,
+                             buckets=(24,), train_size=500, eval_size=8, bleu_samples=4, warmup=10,
+                             progress=False, device="cpu"))[backend]
+    assert meter.calls == 11 and [r["step"] for r in train_records(out / backend)] == [5, 10, 11]
+    assert result["steps"] == 11
+    assert result["src_tokens_total"] == meter.src_tokens and result["tgt_tokens_total"] == meter.tgt_tokens
+    # The harness's clock sits just outside the meter's: the same sum, give or take microseconds.
+    assert result["step_time_total_s"] == pytest.approx(meter.seconds, rel=0.02, abs=2e-3)
+    assert result["step_time_total_s"] <= result["wall_time_s"]
+    logged = sum(r["step_time_s"] for r in train_records(out / backend))
+    assert logged < 0.75 * meter.seconds  # 3 of 11 steps, step 1 (the slowest) not among them
+    # Medians are over logged steps that were not the first of their shape (one bucket: step 1).
+    assert result["timed_steps"] == 3
+    summary = json.loads((out / "summary.json").read_text())["backends"][backend]
+    assert summary["step_time_total_s"] == result["step_time_total_s"]
+    table = (out / "summary.md").read_text()
+    assert f"| target tokens trained, all steps | {meter.tgt_tokens:,} |" in table
+
+
+def test_totals_survive_a_resume(tmp_path, monkeypatch):
+    meter = StepMeter(monkeypatch, "torch")
+    common = dict(backends=("torch",), log_every=3, eval_every=0, checkpoint_every=4, overrides=NO_DROPOUT,
+                  task="copy", max_tokens=512, buckets=(24,), train_size=500, eval_size=8, bleu_samples=4,
+                  warmup=10, progress=False, device="cpu")
+    straight = train(RunConfig(out=str(tmp_path / "straight"), steps=10, **common))["torch"]
+    tokens_straight = meter.tgt_tokens
+    train(RunConfig(out=str(tmp_path / "split"), steps=6, **common))  # checkpoints at steps 4 and 6
+    # As if killed after step 6 before its checkpoint: the resume starts again from step 4.
+    shutil.rmtree(tmp_path / "split" / "torch" / "checkpoints" / "step-00000006")
+    split = train(RunConfig(out=str(tmp_path / "split"), steps=10, resume=True, **common))["torch"]
+    # The split run trained steps 1-6, then 5-10 again from checkpoint 4: its totals are the ten
+    # steps of the result, the straight run's, not the 12 calls made.
+    assert meter.calls == 10 + 6 + 6
+    assert split["tgt_tokens_total"] == straight["tgt_tokens_total"] == tokens_straight

@@ -292,6 +292,10 @@ class _Run:
         self.gen_batches, _ = eval_batches(task.eval_pairs[:self.num_gen], max_tokens=run.max_tokens,
                                            **batching)
         self.params0, self.elapsed0 = params0, 0.0
+        # Sums over every step since step 1, logged or not (the log holds every log_every-th step
+        # only); saved with each checkpoint so that a resume continues them. None: unknown (a
+        # checkpoint written before these were kept).
+        self.totals: dict[str, float] | None = {"step_time_s": 0.0, "src_tokens": 0, "tgt_tokens": 0}
 
     # -- start or resume -------------------------------------------------------------------
     def start(self) -> Any:
@@ -327,6 +331,7 @@ class _Run:
             raise RosettaError(f"{ckpt_dir}: trainer state at step {trainer.step_count}, state.json {step}")
         write_log(self.log_path, [r for r in read_log(self.log_path) if r.get("step", 0) <= step])
         self.elapsed0 = float(state.get("elapsed_s", 0.0))
+        self.totals = state.get("totals")
         log.info("%s: resumed from %s (step %d)", self.backend, ckpt_dir, step)
         return trainer
 
@@ -335,6 +340,7 @@ class _Run:
         step = trainer.step_count
         state = {"format": "rosetta-train-checkpoint/1", "step": step, "backend": self.backend,
                  "dtype": self.run.dtype, "data": self.iterator.state_dict(), "elapsed_s": elapsed,
+                 "totals": self.totals,
                  "train_config": self.train_cfg.to_dict(), "run": self.run.to_dict()}
 
         def write(tmp: Path) -> None:
@@ -362,7 +368,7 @@ class _Run:
         finally:
             progress.close()
         records = read_log(self.log_path)
-        result = {"backend": self.backend, "dtype": run.dtype, **summarize(records)}
+        result = {"backend": self.backend, "dtype": run.dtype, **summarize(records, self.totals)}
         atomic_write_bytes(self.dir / "result.json", json.dumps(result, indent=2).encode("utf-8"))
         write_plot(self.dir / "plot.png", {self.backend: records}, title=f"{run.task}: {self.backend}")
         return result
@@ -386,6 +392,10 @@ class _Run:
             metrics = trainer.step(batch)
             seconds = time.perf_counter() - start
             self._check_finite(metrics)
+            if self.totals is not None:
+                self.totals["step_time_s"] += seconds
+                self.totals["src_tokens"] += metrics["num_src_tokens"]
+                self.totals["tgt_tokens"] += metrics["num_tgt_tokens"]
             step, last = metrics["step"], metrics["step"] == self.total_steps
             first = batch.shape not in seen_shapes
             seen_shapes.add(batch.shape)

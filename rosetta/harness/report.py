@@ -42,13 +42,26 @@ def _median(values: Sequence[float | None]) -> float | None:
     return statistics.median(kept) if kept else None
 
 
-def summarize(records: Sequence[Record]) -> Record:
-    """One framework's run in numbers. Speeds are medians over the steps that were not the
-    first of their batch shape (those include compilation and autotuning: PITFALLS 13)."""
+def summarize(records: Sequence[Record], totals: Mapping[str, float] | None = None) -> Record:
+    """One framework's run in numbers, each saying what it covers:
+
+    - `steps`, `final_loss`: the last step and its training loss (the last step is always logged);
+      `val_loss`, `first_val_loss`, `bleu`, `exact_match`: the last (first) evaluation;
+    - `median_*`: medians over the LOGGED steps (every log_every-th and the last) that were not
+      the first of their batch shape (those include compilation and autotuning: PITFALLS 13);
+      `timed_steps` says how many steps that is;
+    - `step_time_total_s`, `src_tokens_total`, `tgt_tokens_total`: sums over EVERY step since
+      step 1, logged or not, across resumes (`totals`, the harness's counters): step time is the
+      forward and backward pass and the update, without evaluation, checkpoints or logging; tokens
+      are real (non-pad) ones. None where unknown (a resume from a checkpoint without counters);
+    - `wall_time_s`: the training loop's wall-clock time up to its last record, evaluations and
+      checkpoints included, across resumes (the time between sessions not counted);
+    - `peak_memory_bytes`: the largest peak logged (peaks only grow: the last step's)."""
     train = [r for r in records if r.get("kind") == "train"]
     evals = [r for r in records if r.get("kind") == "eval"]
     timed = [r for r in train if not r.get("first_of_shape")] or train
     last_eval = evals[-1] if evals else {}
+    totals = totals or {}
     return {
         "steps": train[-1]["step"] if train else 0,
         "final_loss": train[-1]["loss"] if train else None,
@@ -62,8 +75,11 @@ def summarize(records: Sequence[Record]) -> Record:
         "median_step_time_s": _median([r["step_time_s"] for r in timed]),
         "median_tflops_per_s": _median([r["tflops_per_s"] for r in timed]),
         "median_mfu": _median([r["mfu"] for r in timed]),
+        "timed_steps": len(timed),
         "peak_memory_bytes": max((r["peak_memory_bytes"] for r in train), default=None),
-        "train_time_s": sum(r["step_time_s"] for r in train),
+        "step_time_total_s": totals.get("step_time_s"),
+        "src_tokens_total": totals.get("src_tokens"),
+        "tgt_tokens_total": totals.get("tgt_tokens"),
         "wall_time_s": max((r.get("elapsed_s", 0.0) for r in records), default=0.0),
         "device": train[-1].get("device") if train else None,
     }
@@ -115,7 +131,7 @@ def write_summary(out: Path, results: Mapping[str, Record], run: Record) -> None
     rows = [
         ("device", lambda r: str(r.get("device"))),
         ("steps", lambda r: str(r["steps"])),
-        ("final train loss", lambda r: _fmt(r["final_loss"], ".4f")),
+        ("final train loss (last step)", lambda r: _fmt(r["final_loss"], ".4f")),
         ("validation loss (first → last)",
          lambda r: f"{_fmt(r['first_val_loss'], '.4f')} → {_fmt(r['val_loss'], '.4f')}"),
         ("BLEU", lambda r: _fmt(r["bleu"], ".2f")),
@@ -126,15 +142,22 @@ def write_summary(out: Path, results: Mapping[str, Record], run: Record) -> None
          lambda r: _fmt(None if r["median_step_time_s"] is None else 1e3 * r["median_step_time_s"], ".1f")),
         ("median model TFLOP/s", lambda r: _fmt(r["median_tflops_per_s"], ".4f")),
         ("median MFU", lambda r: _fmt(r["median_mfu"], ".2%")),
+        ("steps in the medians (logged, not first of shape)", lambda r: _fmt(r.get("timed_steps"), "d")),
+        ("step time, all steps (s)", lambda r: _fmt(r.get("step_time_total_s"), ",.2f")),
+        ("target tokens trained, all steps", lambda r: _fmt(r.get("tgt_tokens_total"), ",d")),
+        ("source tokens trained, all steps", lambda r: _fmt(r.get("src_tokens_total"), ",d")),
         ("peak memory (MiB)",
          lambda r: _fmt(None if r["peak_memory_bytes"] is None else r["peak_memory_bytes"] / 2**20, ",.0f")),
-        ("wall time (s)", lambda r: _fmt(r["wall_time_s"], ".1f")),
+        ("wall time of the training loop (s)", lambda r: _fmt(r["wall_time_s"], ".1f")),
     ]
     lines = [f"# Training summary: task {run.get('task')}, preset {run.get('preset')}, "
              f"dtype {run.get('dtype')}", "",
              "| | " + " | ".join(names) + " |", "|---" * (len(names) + 1) + "|"]
     lines += [f"| {label} | " + " | ".join(fn(results[n]) for n in names) + " |" for label, fn in rows]
-    lines += ["", "Speeds are medians over steps that were not the first of their batch shape "
-              "(compilation excluded). MFU counts matmul FLOPs of real tokens (rosetta/harness/metrics.py); "
-              "– where the device's peak rate is unknown (pass --peak-tflops)."]
+    lines += ["", "Medians are over the logged steps (every --log-every-th and the last) that were not the "
+              "first of their batch shape (compilation excluded). Totals are over every step, logged or not; "
+              "step time is the forward and backward pass and the update, wall time adds evaluations and "
+              "checkpoints. Tokens are real (non-pad) ones. MFU counts matmul FLOPs of real tokens "
+              "(rosetta/harness/metrics.py); – where the device's peak rate is unknown (pass --peak-tflops) "
+              "or a count is unknown."]
     atomic_write_bytes(out / "summary.md", ("\n".join(lines) + "\n").encode("utf-8"))
