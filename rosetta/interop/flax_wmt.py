@@ -1,0 +1,717 @@
+"""Flax's `examples/wmt` Transformer (google/flax, examples/wmt/models.py) <-> the canonical checkpoint.
+
+The file is a params tree written by `flax.serialization.msgpack_serialize` (or `to_bytes`), with or
+without a top-level `{"params": ...}` wrapper (a legacy msgpack TrainState checkpoint, whose `step` and
+`opt_state` are ignored, reads too). NumPy and msgpack do the work: neither jax nor flax is imported,
+and the msgpack codec here is byte-compatible with flax.serialization's both ways (see `encode_tree`).
+
+Conventions of examples/wmt/models.py (and train.py, decode.py, configs/default.py), all checked there:
+
+- pre-norm blocks, `x + Sublayer(LN(x))`, and a final LayerNorm on both stacks (`encoder_norm`,
+  `encoderdecoder_norm`): our `norm_first = final_norm = true` (PITFALLS 3);
+- `nn.LayerNorm()` defaults: epsilon 1e-6 (PITFALLS 2), population variance (computed as
+  E[x^2] - E[x]^2, `use_fast_variance`: the same number up to float rounding);
+- `nn.MultiHeadDotProductAttention(use_bias=False, qkv_features=qkv_dim)`: head-shaped kernels
+  `query/key/value` [d, heads, d_head] and `out` [heads, d_head, d], no biases (PITFALLS 7); the
+  example's `qkv_dim` must equal `emb_dim` here (our q/k/v projections are d -> d);
+- `MlpBlock`: `Dense_0` (kernel + bias), relu, `Dense_1` (kernel + bias);
+- fixed sinusoidal positions (`sinusoidal_init`: sines then cosines, frequencies
+  `exp(-i ln(10000) / (d/2 - 1))` = tensor2tensor's), not stored: our `sinusoidal_concat_t2t`
+  (PITFALLS 1); a learned table (`posemb_init`, a `pos_embedding` param) is refused;
+- token embeddings are NOT scaled by sqrt(d); `logits_via_embedding` gives
+  `logits = y E^T / sqrt(d)`; otherwise a `logitdense` with kernel and bias (PITFALLS 8);
+- masks are `ids > 0` and `shift_right` feeds token 0 as the decoder start: our `pad_id = bos_id = 0`
+  (PITFALLS 12); decode.py stops at `EOS_ID = 2` (SentencePiece's default), our default `eos_id`.
+  The example builds its decoder self-attention mask from the targets (labels), ours from the
+  decoder input (start token, then the shifted labels): the two agree at every position whose label
+  is real (`targets > 0`, the positions its loss weighs); padded positions are in neither contract;
+- (`share_embeddings`, `logits_via_embedding`) give our `share_embeddings`: (true, true) `all`,
+  (true, false) `src_tgt`, (false, true) `decoder`, (false, false) `none`; one `num_layers` for
+  both stacks; `max_len` = train.py's max(max_target_length, max_eval_target_length)
+  = 256 with configs/default.py.
+
+Paths under `params`; EB = `encoder/encoderblock_i`, DB = `decoder/encoderdecoderblock_i`,
+MHA_k = `MultiHeadDotProductAttention_k`, `*` = `{scale,bias}` or `{kernel,bias}`.
+
+| flax tree path                               | canonical name                      | transform        |
+| -------------------------------------------- | ----------------------------------- | ---------------- |
+| `shared_embedding/embedding` [V, d]          | `shared_embed.embedding`            | copy (^1)        |
+| `encoder/Embed_0/embedding` (not shared)     | `src_embed.embedding`               | copy (^1)        |
+| `decoder/Embed_0/embedding` (not shared)     | `tgt_embed.embedding`               | copy (^1)        |
+| EB`/LayerNorm_0/*`                           | `encoder.layers.i.self_attn_norm.*` | copy             |
+| EB`/MHA_0/{query,key,value}/kernel` [d,H,dh] | `encoder.layers.i.self_attn.{q,k,v}.kernel` [d,d] | reshape |
+| EB`/MHA_0/out/kernel` [H,dh,d]               | `encoder.layers.i.self_attn.o.kernel` [d,d] | reshape  |
+| EB`/LayerNorm_1/*`                           | `encoder.layers.i.ffn_norm.*`       | copy             |
+| EB`/MlpBlock_0/Dense_0/*`                    | `encoder.layers.i.ffn.linear1.*`    | copy (^2)        |
+| EB`/MlpBlock_0/Dense_1/*`                    | `encoder.layers.i.ffn.linear2.*`    | copy (^2)        |
+| `encoder/encoder_norm/*`                     | `encoder.final_norm.*`              | copy             |
+| DB`/LayerNorm_0/*`, DB`/MHA_0/...`           | `decoder.layers.i.self_attn_norm`, `self_attn`  | as EB |
+| DB`/LayerNorm_1/*`, DB`/MHA_1/...`           | `decoder.layers.i.cross_attn_norm`, `cross_attn` | as EB |
+| DB`/LayerNorm_2/*`, DB`/MlpBlock_0/...`      | `decoder.layers.i.ffn_norm`, `ffn`              | as EB |
+| `decoder/encoderdecoder_norm/*`              | `decoder.final_norm.*`              | copy (^3)        |
+| `decoder/logitdense/kernel` [d, Vt]          | `generator.kernel` (untied)         | copy             |
+| `decoder/logitdense/bias` [Vt]               | `generator.bias` (untied)           | copy (^2)        |
+
+^1 Reading with `scale_embeddings=True`: our tables are the example's divided by sqrt(d) (our model
+   multiplies them back); with `scale_embeddings=False` (the default, the example's own convention)
+   they are copied. Writing multiplies by sqrt(d) iff `scale_embeddings`.
+^2 A bias one side has and the other lacks is exactly zero: an absent bias of ours (`ffn_bias` or,
+   untied, `output_bias` false) is written as zeros (adding +0.0 changes no finite value), and read
+   back as absent with the override `ffn_bias=False` / `output_bias=False` only if every element is
+   zero. Our attention biases (`attention_bias`) and a tied output bias, which the example cannot
+   hold, are written only if they are exactly zero (dropping them changes nothing), otherwise refused.
+^3 The logits of `logits_via_embedding` are `y E^T / sqrt(d)` with unscaled inputs; our tied output
+   is `y E^T` and our inputs are `E[x] (x sqrt(d) if scale_embeddings)`. Two exact equivalents:
+   `scale_embeddings=False` (the default when reading): the table is copied, and the 1/sqrt(d) moves
+   into the decoder's final LayerNorm, whose output feeds only the logits:
+   `LN(h; g, b) E^T / sqrt(d) = LN(h; g/sqrt(d), b/sqrt(d)) E^T`. `scale_embeddings=True`: the table
+   becomes E/sqrt(d) (inputs `E/sqrt(d) * sqrt(d) = E`, logits `y (E/sqrt(d))^T`), the norm is copied.
+   Either way the rescaled numbers (2d of them, or the tables) are rounded once to the file's dtype,
+   computed in float64: exact when sqrt(d) is a power of two (d = 4, 16, 64, 256, 1024, 4096), half
+   an ulp per element otherwise, so a write-then-read round trip of them is exact for those d and
+   within one ulp for others; every other tensor is moved bit for bit.
+
+Writing refuses what the example cannot hold, before anything is written, naming the field:
+post-norm (`norm_first`), no final norm (`final_norm`), `layer_norm_eps` != 1e-6, a positional
+table other than `sinusoidal_concat_t2t`, an activation other than relu, unequal stack depths,
+`pad_id` != 0, `bos_id` != 0 (the example's start token is 0), d_model = 2 (the example's table
+divides by d/2 - 1), nonzero attention biases or a nonzero tied output bias. Dropout rates, `max_len`
+and `eos_id` are not stored in the tree (train.py and decode.py set them).
+
+    cfg, params = read_flax_wmt("params.msgpack")            # the example's conventions
+    write_flax_wmt("params.msgpack", cfg, params)            # {"params": tree}: model.apply(tree, ...)
+"""
+
+from __future__ import annotations
+
+import math
+import os
+import re
+from collections.abc import Mapping
+from pathlib import Path
+from typing import Any, NamedTuple
+
+import ml_dtypes
+import msgpack
+import numpy as np
+
+from rosetta.checkpoint import atomic_write_bytes, check_params
+from rosetta.config import ModelConfig
+from rosetta.errors import CheckpointError, ConfigError
+from rosetta.params import Params, embedding_names, param_shapes
+
+LAYER_NORM_EPS = 1e-6  # flax.linen.LayerNorm's default epsilon
+POSITIONAL = "sinusoidal_concat_t2t"  # models.sinusoidal_init: [sin | cos], tensor2tensor frequencies
+DEFAULT_MAX_LEN = 256  # train.py: max(max_target_length, max_eval_target_length) with configs/default.py
+EOS_ID = 2  # decode.EOS_ID, SentencePiece's default
+# (share_embeddings, logits_via_embedding) of TransformerConfig <-> our share_embeddings
+SHARING = {(True, True): "all", (True, False): "src_tgt", (False, True): "decoder", (False, False): "none"}
+
+# flax.serialization's msgpack extension codes (_MsgpackExtType) and its chunking of huge leaves.
+EXT_NDARRAY, EXT_COMPLEX, EXT_NPSCALAR = 1, 2, 3
+MAX_CHUNK_SIZE = 2**30  # flax.serialization.MAX_CHUNK_SIZE: arrays above it are stored in chunks
+CHUNKED = "__msgpack_chunked_array__"
+# The dtype names an ndarray extension may carry (flax writes `arr.dtype.name`); parameters must be
+# one of FLOAT_DTYPES. Any other name is refused before NumPy sees it.
+DTYPES: dict[str, np.dtype] = {
+    name: np.dtype(t) for name, t in [
+        ("bool", np.bool_), ("int8", np.int8), ("int16", np.int16), ("int32", np.int32),
+        ("int64", np.int64), ("uint8", np.uint8), ("uint16", np.uint16), ("uint32", np.uint32),
+        ("uint64", np.uint64), ("float16", np.float16), ("bfloat16", ml_dtypes.bfloat16),
+        ("float32", np.float32), ("float64", np.float64), ("complex64", np.complex64),
+        ("complex128", np.complex128),
+    ]
+}
+FLOAT_DTYPES = ("float16", "bfloat16", "float32", "float64")
+MAX_NDIM = 32
+# A params tree nests about 6 maps deep (params/decoder/encoderdecoderblock_0/MHA_0/query/kernel), a
+# TrainState's optimizer state a few more; anything deeper is not a model and would only exhaust
+# Python's recursion limit.
+MAX_DEPTH = 64
+
+# Read overrides: fields the tree does not say (free), and fields the example's code fixes (only
+# their fixed value is accepted). Everything else is read from the tree's shapes.
+FREE_FIELDS = ("max_len", "dropout", "activation_dropout", "attention_dropout", "eos_id",
+               "scale_embeddings", "attention_bias", "ffn_bias", "output_bias")
+FIXED_FIELDS: dict[str, tuple[Any, str]] = {
+    "norm_first": (True, "the example's blocks are pre-norm"),
+    "final_norm": (True, "the example has encoder_norm and encoderdecoder_norm"),
+    "layer_norm_eps": (LAYER_NORM_EPS, "the example uses nn.LayerNorm's default epsilon 1e-6"),
+    "positional_encoding": (POSITIONAL, "the example adds models.sinusoidal_init's table"),
+    "activation": ("relu", "the example's MlpBlock applies nn.relu"),
+    "pad_id": (0, "the example's masks are `ids > 0`"),
+    "bos_id": (0, "the example's shift_right and beam search start the decoder with token 0"),
+}
+
+
+# -- the msgpack codec (flax.serialization's format) --------------------------------------------
+
+def _ndarray_ext(arr: np.ndarray) -> msgpack.ExtType:
+    # flax.serialization._ndarray_to_bytes: msgpack of (shape, dtype name, C-order bytes).
+    payload = msgpack.packb((arr.shape, arr.dtype.name, arr.tobytes("C")), use_bin_type=True)
+    return msgpack.ExtType(EXT_NDARRAY, payload)
+
+
+def _encode_leaf(value: Any) -> Any:
+    if isinstance(value, Mapping):
+        # msgpack_serialize rebuilds the tree with jax.tree_util, which orders dict keys sorted.
+        return {str(k): _encode_leaf(value[k]) for k in sorted(value, key=str)}
+    if isinstance(value, np.ndarray):
+        if value.size * value.dtype.itemsize > MAX_CHUNK_SIZE:  # flax.serialization._chunk
+            per_chunk = max(1, int(MAX_CHUNK_SIZE / value.dtype.itemsize))
+            flat = value.reshape(-1)
+            chunks = [flat[i:i + per_chunk] for i in range(0, flat.size, per_chunk)]
+            return {CHUNKED: True, "shape": {str(i): int(n) for i, n in enumerate(value.shape)},
+                    "chunks": {str(i): _ndarray_ext(c) for i, c in enumerate(chunks)}}
+        return _ndarray_ext(value)
+    if isinstance(value, np.generic):
+        return msgpack.ExtType(EXT_NPSCALAR, _ndarray_ext(np.asarray(value)).data)
+    return value
+
+
+def encode_tree(tree: Mapping[str, Any]) -> bytes:
+    """The bytes `flax.serialization.msgpack_serialize(tree)` writes for a tree of dicts and NumPy
+    arrays: keys sorted at every level, arrays as extension 1, leaves over 1 GiB chunked."""
+    return msgpack.packb(_encode_leaf(tree), use_bin_type=True, strict_types=True)
+
+
+class _Opaque(NamedTuple):
+    """A leaf that is not an array (a complex scalar, an unknown extension): kept to be named."""
+
+    what: str
+
+
+def _decode_ndarray(data: bytes, source: str) -> np.ndarray:
+    try:
+        header = msgpack.unpackb(data, raw=True)
+    except (ValueError, TypeError, msgpack.UnpackException) as e:
+        raise CheckpointError(f"{source}: corrupt array record ({e})") from None
+    if not (isinstance(header, (list, tuple)) and len(header) == 3):
+        raise CheckpointError(f"{source}: corrupt array record (not [shape, dtype, bytes])")
+    shape, name, buffer = header
+    if not isinstance(shape, (list, tuple)) or len(shape) > MAX_NDIM or not all(
+            isinstance(n, int) and not isinstance(n, bool) and n >= 0 for n in shape):
+        raise CheckpointError(f"{source}: corrupt array record (bad shape {shape!r:.80})")
+    if not isinstance(name, bytes) or name.decode("latin-1") not in DTYPES:
+        raise CheckpointError(f"{source}: array of unsupported dtype {name!r:.40}")
+    if not isinstance(buffer, bytes):
+        raise CheckpointError(f"{source}: corrupt array record (data is not bytes)")
+    dtype = DTYPES[name.decode("latin-1")]
+    # Check the declared size against the bytes present before NumPy makes anything of it: a
+    # hostile shape such as [2**40, 2**40] with a short buffer is refused here, never allocated.
+    count = math.prod(shape)
+    if count * dtype.itemsize != len(buffer):
+        raise CheckpointError(f"{source}: array record declares shape {tuple(shape)} of {dtype.name} "
+                              f"({count * dtype.itemsize:,} bytes) but holds {len(buffer):,} bytes")
+    return np.frombuffer(buffer, dtype=dtype).reshape(shape)
+
+
+def _unique_map(pairs: list[tuple[Any, Any]]) -> dict[Any, Any]:
+    out: dict[Any, Any] = {}
+    for key, value in pairs:
+        if key in out:  # msgpack would keep the last silently; another reader may keep the first
+            raise CheckpointError(f"duplicate key {key!r:.60} in a map")
+        out[key] = value
+    return out
+
+
+def _unchunk(node: dict[Any, Any], source: str) -> np.ndarray:
+    shape, chunks = node.get("shape"), node.get("chunks")
+    if set(node) != {CHUNKED, "shape", "chunks"} or not isinstance(shape, dict) or type(chunks) is not dict:
+        raise CheckpointError(f"{source}: corrupt chunked array record")
+    try:
+        dims = [shape[str(i)] for i in range(len(shape))]
+        parts = [chunks[str(i)] for i in range(len(chunks))]
+    except KeyError:
+        raise CheckpointError(f"{source}: corrupt chunked array record (keys not 0..n-1)") from None
+    if (len(dims) > MAX_NDIM or not all(type(n) is int and n >= 0 for n in dims)
+            or not parts or not all(isinstance(p, np.ndarray) and p.ndim == 1 for p in parts)
+            or len({p.dtype for p in parts}) != 1 or sum(p.size for p in parts) != math.prod(dims)):
+        raise CheckpointError(f"{source}: corrupt chunked array record (chunks do not make {dims!r:.80})")
+    return np.concatenate(parts).reshape(dims)
+
+
+def _check_depth(tree: Any, source: str) -> None:
+    """Refuse nesting deeper than MAX_DEPTH (iteratively, before anything recurses over it)."""
+    stack = [(tree, 1)]
+    while stack:
+        node, depth = stack.pop()
+        if depth > MAX_DEPTH:
+            raise CheckpointError(f"{source}: nested deeper than {MAX_DEPTH} levels: not a params tree")
+        if isinstance(node, (dict, list)):
+            children = node.values() if isinstance(node, dict) else node
+            stack.extend((child, depth + 1) for child in children if isinstance(child, (dict, list)))
+
+
+def _restore(node: Any, source: str) -> Any:
+    if isinstance(node, dict):
+        if CHUNKED in node:
+            return _unchunk(node, source)
+        return {k: _restore(v, source) for k, v in node.items()}
+    return node
+
+
+def decode_tree(data: bytes, source: str = "flax msgpack") -> Any:
+    """What `flax.serialization.msgpack_restore(data)` returns (NumPy arrays as leaves; chunked
+    arrays joined), or a CheckpointError naming `source` for bytes that are not such a tree."""
+
+    def ext_hook(code: int, payload: bytes) -> Any:
+        if code == EXT_NDARRAY:
+            return _decode_ndarray(payload, source)
+        if code == EXT_NPSCALAR:
+            return _decode_ndarray(payload, source)[()]
+        return _Opaque("a complex number" if code == EXT_COMPLEX else f"msgpack extension {code}")
+
+    if not data:
+        raise CheckpointError(f"{source}: empty file, not a flax msgpack tree")
+    try:
+        tree = msgpack.unpackb(data, ext_hook=ext_hook, raw=False, strict_map_key=False,
+                               object_pairs_hook=_unique_map)
+    except CheckpointError as e:
+        raise CheckpointError(str(e) if str(e).startswith(source) else f"{source}: {e}") from None
+    except (ValueError, TypeError, OverflowError, RecursionError, msgpack.UnpackException) as e:
+        raise CheckpointError(f"{source}: not a valid msgpack tree (corrupt or truncated?): "
+                              f"{type(e).__name__}: {e}") from None
+    _check_depth(tree, source)
+    return _restore(tree, source)
+
+
+# -- the mapping table ---------------------------------------------------------------------------
+
+class Row(NamedTuple):
+    path: str  # flax tree path under `params`, "/"-separated
+    name: str  # canonical name (may be absent from param_shapes(cfg): an absent bias, read as zeros)
+    flax_shape: tuple[int, ...]
+    shape: tuple[int, ...]  # canonical shape; the transform is the C-order reshape between the two
+
+
+def _attention_rows(cfg: ModelConfig, path: str, name: str) -> list[Row]:
+    d, h, dh = cfg.d_model, cfg.num_heads, cfg.d_head
+    rows = [Row(f"{path}/{proj}/kernel", f"{name}.{ours}.kernel", (d, h, dh), (d, d))
+            for proj, ours in (("query", "q"), ("key", "k"), ("value", "v"))]
+    return rows + [Row(f"{path}/out/kernel", f"{name}.o.kernel", (h, dh, d), (d, d))]
+
+
+def _norm_rows(cfg: ModelConfig, path: str, name: str) -> list[Row]:
+    return [Row(f"{path}/{p}", f"{name}.{p}", (cfg.d_model,), (cfg.d_model,)) for p in ("scale", "bias")]
+
+
+def _mlp_rows(cfg: ModelConfig, path: str, name: str) -> list[Row]:
+    d, f = cfg.d_model, cfg.d_ff
+    return [Row(f"{path}/Dense_0/kernel", f"{name}.linear1.kernel", (d, f), (d, f)),
+            Row(f"{path}/Dense_0/bias", f"{name}.linear1.bias", (f,), (f,)),
+            Row(f"{path}/Dense_1/kernel", f"{name}.linear2.kernel", (f, d), (f, d)),
+            Row(f"{path}/Dense_1/bias", f"{name}.linear2.bias", (d,), (d,))]
+
+
+def table(cfg: ModelConfig) -> list[Row]:
+    """Every tensor of the example's tree for `cfg`, in tree order, with its canonical name."""
+    d, names = cfg.d_model, embedding_names(cfg)
+    rows: list[Row] = []
+    if cfg.share_embeddings in ("src_tgt", "all"):
+        rows.append(Row("shared_embedding/embedding", names.src, (cfg.src_vocab_size, d),
+                        (cfg.src_vocab_size, d)))
+    else:
+        for side, name, vocab in (("encoder", names.src, cfg.src_vocab_size),
+                                  ("decoder", names.tgt, cfg.tgt_vocab_size)):
+            rows.append(Row(f"{side}/Embed_0/embedding", name, (vocab, d), (vocab, d)))
+    for i in range(cfg.num_encoder_layers):
+        p, n = f"encoder/encoderblock_{i}", f"encoder.layers.{i}"
+        rows += _norm_rows(cfg, f"{p}/LayerNorm_0", f"{n}.self_attn_norm")
+        rows += _attention_rows(cfg, f"{p}/MultiHeadDotProductAttention_0", f"{n}.self_attn")
+        rows += _norm_rows(cfg, f"{p}/LayerNorm_1", f"{n}.ffn_norm")
+        rows += _mlp_rows(cfg, f"{p}/MlpBlock_0", f"{n}.ffn")
+    rows += _norm_rows(cfg, "encoder/encoder_norm", "encoder.final_norm")
+    for i in range(cfg.num_decoder_layers):
+        p, n = f"decoder/encoderdecoderblock_{i}", f"decoder.layers.{i}"
+        rows += _norm_rows(cfg, f"{p}/LayerNorm_0", f"{n}.self_attn_norm")
+        rows += _attention_rows(cfg, f"{p}/MultiHeadDotProductAttention_0", f"{n}.self_attn")
+        rows += _norm_rows(cfg, f"{p}/LayerNorm_1", f"{n}.cross_attn_norm")
+        rows += _attention_rows(cfg, f"{p}/MultiHeadDotProductAttention_1", f"{n}.cross_attn")
+        rows += _norm_rows(cfg, f"{p}/LayerNorm_2", f"{n}.ffn_norm")
+        rows += _mlp_rows(cfg, f"{p}/MlpBlock_0", f"{n}.ffn")
+    rows += _norm_rows(cfg, "decoder/encoderdecoder_norm", "decoder.final_norm")
+    if names.output is not None:  # no logits_via_embedding: logitdense, always with a bias
+        v = cfg.tgt_vocab_size
+        rows += [Row("decoder/logitdense/kernel", "generator.kernel", (d, v), (d, v)),
+                 Row("decoder/logitdense/bias", "generator.bias", (v,), (v,))]
+    return rows
+
+
+def _all_finite(value: np.ndarray) -> bool:
+    with np.errstate(all="ignore"):  # a signalling NaN would warn on a cast; isfinite does not cast
+        return bool(np.all(np.isfinite(value)))
+
+
+def _any_nonzero(value: np.ndarray) -> bool:
+    with np.errstate(all="ignore"):
+        return bool(np.any(value != 0))
+
+
+def _sqrt_d_factor(cfg: ModelConfig, name: str) -> bool:
+    """Whether canonical tensor `name` is the example's divided by sqrt(d) (footnotes 1 and 3)."""
+    if name.endswith(".embedding"):
+        return cfg.scale_embeddings
+    tied = embedding_names(cfg).output is None
+    return name.startswith("decoder.final_norm.") and tied and not cfg.scale_embeddings
+
+
+def _rescale(value: np.ndarray, d: int, up: bool, dtype: np.dtype | None = None) -> np.ndarray:
+    """value * sqrt(d) (up) or value / sqrt(d), in float64, rounded once to `dtype` (value's)."""
+    wide = value.astype(np.float64)
+    return (wide * math.sqrt(d) if up else wide / math.sqrt(d)).astype(dtype or value.dtype)
+
+
+def _ours_only(cfg: ModelConfig) -> list[str]:
+    """Canonical tensors the example has no place for: they are written only when exactly zero."""
+    names = [n for n in param_shapes(cfg) if re.fullmatch(r".*_attn\.[qkvo]\.bias", n)]
+    if embedding_names(cfg).output is None and cfg.output_bias:
+        names.append("generator.bias")
+    return names
+
+
+# -- writing ---------------------------------------------------------------------------------
+
+def check_representable(cfg: ModelConfig) -> None:
+    """ConfigError naming every field the example's Transformer cannot express."""
+    problems = []
+    for name, (value, why) in FIXED_FIELDS.items():
+        have = cfg.has_final_norm if name == "final_norm" else getattr(cfg, name)
+        if have != value:
+            problems.append(f"{name}={have!r} (must be {value!r}: {why})")
+    if cfg.num_encoder_layers != cfg.num_decoder_layers:
+        problems.append(f"num_encoder_layers={cfg.num_encoder_layers} != num_decoder_layers="
+                        f"{cfg.num_decoder_layers} (the example has one num_layers)")
+    if cfg.d_model < 4:
+        problems.append(f"d_model={cfg.d_model} (the example's sinusoidal_init divides by d/2 - 1 = 0)")
+    if problems:
+        raise ConfigError("cannot write as Flax WMT: " + "; ".join(problems))
+
+
+def params_to_flax_wmt(cfg: ModelConfig, params: Mapping[str, np.ndarray], dtype: str | None = None
+                       ) -> dict[str, Any]:
+    """The example's params tree (nested dicts of NumPy arrays, no "params" wrapper) for `cfg`.
+    Refuses (ConfigError / CheckpointError) before building anything it cannot represent exactly."""
+    check_representable(cfg)
+    check_params(cfg, params)
+    arrays = {name: np.asarray(params[name]) for name in param_shapes(cfg)}
+    if dtype is None:
+        found = {a.dtype for a in arrays.values()}
+        if len(found) != 1:
+            raise CheckpointError(f"params mix dtypes ({', '.join(sorted(t.name for t in found))}); "
+                                  f"pass dtype= to choose the file's")
+        dtype = found.pop().name
+    if dtype not in FLOAT_DTYPES:
+        raise CheckpointError(f"dtype must be one of {', '.join(FLOAT_DTYPES)}, got {dtype!r}")
+    for name, value in arrays.items():
+        if value.dtype.name not in FLOAT_DTYPES:
+            raise CheckpointError(f"tensor {name} has dtype {value.dtype}, not a floating type")
+        if not _all_finite(value):
+            raise CheckpointError(f"refusing to write: tensor {name} holds NaN or infinity")
+    nonzero = [name for name in _ours_only(cfg) if _any_nonzero(arrays[name])]
+    if nonzero:
+        field = "output_bias" if nonzero == ["generator.bias"] else "attention_bias"
+        raise ConfigError(
+            f"cannot write as Flax WMT: {field}=True with nonzero values in {', '.join(nonzero[:4])}"
+            f"{' ...' if len(nonzero) > 4 else ''}: the example's attention has no biases (use_bias=False) "
+            f"and its logits_via_embedding no output bias; only exactly-zero biases can be dropped")
+    target = DTYPES[dtype]
+    tree: dict[str, Any] = {}
+    for row in table(cfg):
+        if row.name in arrays:
+            value = arrays[row.name]
+            scaled = _sqrt_d_factor(cfg, row.name)  # footnotes 1 and 3: one rounding, to the file's dtype
+            with np.errstate(over="ignore"):  # an overflow is refused just below, by name
+                value = _rescale(value, cfg.d_model, True, target) if scaled else value.astype(target)
+            if not _all_finite(value):
+                raise CheckpointError(f"refusing to write: {row.name}{' x sqrt(d_model)' if scaled else ''} "
+                                      f"overflows {dtype}")
+            value = np.ascontiguousarray(value.reshape(row.flax_shape))
+        else:  # ffn_bias / output_bias false: the example's bias, exactly zero (footnote 2)
+            value = np.zeros(row.flax_shape, target)
+        node = tree
+        *parents, leaf = row.path.split("/")
+        for key in parents:
+            node = node.setdefault(key, {})
+        node[leaf] = value
+    return tree
+
+
+def write_flax_wmt(path: str | os.PathLike, cfg: ModelConfig, params: Mapping[str, np.ndarray],
+                   dtype: str | None = None) -> Path:
+    """Write `{"params": tree}` as flax.serialization.msgpack_serialize does, atomically; the
+    result is the `variables` of `models.Transformer(config).apply`. `dtype` None keeps the params'
+    dtype. Nothing is written if the model cannot be represented exactly."""
+    tree = params_to_flax_wmt(cfg, params, dtype)
+    data = encode_tree({"params": tree})
+    path = Path(path)
+    atomic_write_bytes(path, data)
+    return path
+
+
+# -- reading ---------------------------------------------------------------------------------
+
+def _flatten(tree: Any, prefix: str, out: dict[str, Any], source: str) -> None:
+    for key, value in tree.items():
+        if not isinstance(key, str):
+            raise CheckpointError(f"{source}: key {key!r:.40} under '{prefix or '/'}' is not a string")
+        path = f"{prefix}/{key}" if prefix else key
+        if isinstance(value, dict):
+            _flatten(value, path, out, source)
+        else:
+            out[path] = value
+
+
+def _depth(flat: Mapping[str, Any], pattern: str) -> int:
+    n = 0
+    while any(p.startswith(pattern.format(n) + "/") for p in flat):
+        n += 1
+    return n
+
+
+def _shape_of(flat: Mapping[str, Any], path: str, ndim: int, source: str) -> tuple[int, ...]:
+    if path not in flat:
+        raise CheckpointError(f"{source}: missing tensor {path} (not the example's Transformer tree?)")
+    value = flat[path]
+    if not isinstance(value, np.ndarray) or value.ndim != ndim:
+        what = f"shape {value.shape}" if isinstance(value, np.ndarray) else type(value).__name__
+        raise CheckpointError(f"{source}: tensor {path} is {what}, expected a {ndim}-D array")
+    return value.shape
+
+
+def _hint(path: str) -> str:
+    if path.endswith("pos_embedding"):
+        return (" (a learned positional table, TransformerConfig.posemb_init: our positional_encoding has "
+                "only fixed sinusoidal tables)")
+    if re.search(r"MultiHeadDotProductAttention_\d+/(query|key|value|out)/bias$", path):
+        return " (attention biases: the example's attention has none, use_bias=False)"
+    return ""
+
+
+def config_from_tree(flat: Mapping[str, Any], source: str = "tree", **overrides: Any) -> ModelConfig:
+    """Our config for a flattened params tree: sizes from its shapes, the rest from the example's
+    conventions and `overrides` (FREE_FIELDS freely; FIXED_FIELDS only at their fixed value)."""
+    shared = "shared_embedding/embedding" in flat
+    tied = "decoder/logitdense/kernel" not in flat  # logits_via_embedding
+    if shared:
+        src_vocab, d = _shape_of(flat, "shared_embedding/embedding", 2, source)
+        tgt_vocab = src_vocab
+    else:
+        src_vocab, d = _shape_of(flat, "encoder/Embed_0/embedding", 2, source)
+        tgt_vocab = _shape_of(flat, "decoder/Embed_0/embedding", 2, source)[0]
+    enc, dec = _depth(flat, "encoder/encoderblock_{}"), _depth(flat, "decoder/encoderdecoderblock_{}")
+    if enc == 0 or dec == 0:
+        raise CheckpointError(f"{source}: no encoder/encoderblock_0 or decoder/encoderdecoderblock_0: "
+                              f"not the example's Transformer tree")
+    _, heads, d_head = _shape_of(flat, "encoder/encoderblock_0/MultiHeadDotProductAttention_0/query/kernel",
+                                 3, source)
+    if heads * d_head != d:
+        raise ConfigError(f"{source}: qkv_dim = num_heads x head_dim = {heads} x {d_head} = {heads * d_head} "
+                          f"differs from emb_dim {d}; our attention projects d_model -> d_model, so qkv_dim "
+                          f"must equal emb_dim")
+    d_ff = _shape_of(flat, "encoder/encoderblock_0/MlpBlock_0/Dense_0/kernel", 2, source)[1]
+    from_tree = dict(src_vocab_size=src_vocab, tgt_vocab_size=tgt_vocab, d_model=d, num_heads=heads,
+                     num_encoder_layers=enc, num_decoder_layers=dec, d_ff=d_ff,
+                     share_embeddings=SHARING[(shared, tied)])
+    fields: dict[str, Any] = {
+        **from_tree, **{k: v for k, (v, _) in FIXED_FIELDS.items()},
+        "max_len": DEFAULT_MAX_LEN, "dropout": 0.1, "attention_dropout": 0.1, "eos_id": EOS_ID,
+        "scale_embeddings": False, "attention_bias": False, "ffn_bias": True, "output_bias": not tied,
+    }
+    for key, value in overrides.items():
+        if key in FREE_FIELDS:
+            fields[key] = value
+        elif key in FIXED_FIELDS and value != FIXED_FIELDS[key][0]:
+            raise ConfigError(f"{key}={value!r} cannot be read from a Flax WMT tree: must be "
+                              f"{FIXED_FIELDS[key][0]!r} ({FIXED_FIELDS[key][1]})")
+        elif key in from_tree and value != from_tree[key]:
+            raise ConfigError(f"{key}={value!r} contradicts the tree, which says {from_tree[key]!r}")
+        elif key not in FIXED_FIELDS and key not in from_tree:
+            raise ConfigError(f"unknown or unsupported override {key!r}; give any of "
+                              f"{', '.join(FREE_FIELDS)}")
+    if fields["d_model"] < 4:
+        raise ConfigError(f"{source}: emb_dim {d}: the example's sinusoidal_init divides by d/2 - 1 = 0")
+    return ModelConfig.from_dict(fields)
+
+
+def params_from_tree(cfg: ModelConfig, flat: Mapping[str, Any], source: str = "tree") -> Params:
+    """Canonical params (the tree's dtype, canonical order) from a flattened params tree."""
+    rows = table(cfg)
+    expected = {row.path: row for row in rows}
+    missing = [row.path for row in rows if row.path not in flat]
+    if missing:
+        more = f" and {len(missing) - 6} more" if len(missing) > 6 else ""
+        raise CheckpointError(f"{source}: missing tensor(s) {', '.join(missing[:6])}{more}")
+    extra = [path for path in flat if path not in expected]
+    if extra:
+        more = f" and {len(extra) - 6} more" if len(extra) > 6 else ""
+        raise CheckpointError(f"{source}: tensor(s) with no place in the example's Transformer: "
+                              f"{', '.join(extra[:6])}{more}{_hint(extra[0])}")
+    dtypes: dict[str, str] = {}
+    for row in rows:
+        value = flat[row.path]
+        if not isinstance(value, np.ndarray):
+            what = value.what if isinstance(value, _Opaque) else type(value).__name__
+            raise CheckpointError(f"{source}: {row.path} is {what}, not an array")
+        if value.dtype.name not in FLOAT_DTYPES:
+            raise CheckpointError(f"{source}: tensor {row.path} has dtype {value.dtype.name}; parameters "
+                                  f"must be one of {', '.join(FLOAT_DTYPES)}")
+        if value.shape != row.flax_shape:
+            raise CheckpointError(f"{source}: tensor {row.path} has shape {value.shape}, expected "
+                                  f"{row.flax_shape} (for {row.name})")
+        dtypes.setdefault(value.dtype.name, row.path)
+    if len(dtypes) > 1:
+        mixed = ", ".join(f"{p} is {t}" for t, p in dtypes.items())
+        raise CheckpointError(f"{source}: tensors mix dtypes: {mixed}")
+    ours = param_shapes(cfg)
+    params: Params = {}
+    for row in rows:
+        value = flat[row.path]
+        if not _all_finite(value):
+            raise CheckpointError(f"{source}: tensor {row.path} holds NaN or infinity")
+        if row.name not in ours:  # a bias our config leaves out: only an exactly-zero one (footnote 2)
+            if _any_nonzero(value):
+                field = "output_bias" if row.name == "generator.bias" else "ffn_bias"
+                raise ConfigError(f"{field}=False, but {row.path} is not all zeros: dropping it would "
+                                  f"change the model")
+            continue
+        value = value.reshape(row.shape)
+        params[row.name] = _rescale(value, cfg.d_model, up=False) if _sqrt_d_factor(cfg, row.name) \
+            else value.copy()
+    dtype = flat[rows[0].path].dtype
+    for name in _ours_only(cfg):  # attention_bias / tied output_bias asked for: exact zeros
+        params[name] = np.zeros(ours[name], dtype)
+    check_params(cfg, params, source=source)
+    return {name: params[name] for name in ours}
+
+
+def unwrap(tree: Any, source: str = "tree") -> dict[str, Any]:
+    """The params tree inside `tree`: itself, `tree["params"]` (variables), or a TrainState's params."""
+    if not isinstance(tree, dict):
+        raise CheckpointError(f"{source}: the msgpack holds a {type(tree).__name__}, not a params tree")
+    if "params" in tree and "encoder" not in tree:
+        tree = tree["params"]
+        if not isinstance(tree, dict):
+            raise CheckpointError(f"{source}: 'params' holds a {type(tree).__name__}, not a params tree")
+    return tree
+
+
+def read_flax_wmt(path: str | os.PathLike, **overrides: Any) -> tuple[ModelConfig, Params]:
+    """Config and canonical params of a Flax WMT msgpack file. `overrides` give what the tree does
+    not store (FREE_FIELDS: max_len, dropout rates, eos_id, scale_embeddings and the bias flags of
+    the footnotes); defaults are the example's (max_len 256, dropout 0.1, attention_dropout 0.1,
+    eos_id 2, unscaled embeddings)."""
+    path = Path(path)
+    source = str(path)
+    if not path.is_file():
+        raise CheckpointError(f"{source}: no such file")
+    try:
+        data = path.read_bytes()
+    except OSError as e:
+        raise CheckpointError(f"{source}: cannot read: {e}") from None
+    flat: dict[str, Any] = {}
+    _flatten(unwrap(decode_tree(data, source), source), "", flat, source)
+    cfg = config_from_tree(flat, source, **overrides)
+    return cfg, params_from_tree(cfg, flat, source)
+
+
+# -- detection -------------------------------------------------------------------------------
+
+_SIZES = {0xcc: 1, 0xcd: 2, 0xce: 4, 0xcf: 8, 0xd0: 1, 0xd1: 2, 0xd2: 4, 0xd3: 8, 0xca: 4, 0xcb: 8,
+          0xd4: 2, 0xd5: 3, 0xd6: 5, 0xd7: 9, 0xd8: 17}
+_LENGTHS = {0xc4: (1, 0), 0xc5: (2, 0), 0xc6: (4, 0), 0xc7: (1, 1), 0xc8: (2, 1), 0xc9: (4, 1),
+            0xd9: (1, 0), 0xda: (2, 0), 0xdb: (4, 0)}  # (length bytes, extra type byte)
+
+
+class _Walker:
+    """Reads msgpack headers from a file and seeks over payloads: the keys of the top levels of a
+    tree without reading its arrays. Gives up (ValueError) past a budget of objects."""
+
+    def __init__(self, f: Any, budget: int = 200_000):
+        self.f, self.budget = f, budget
+
+    def _read(self, n: int) -> bytes:
+        data = self.f.read(n)
+        if len(data) != n:
+            raise ValueError("truncated")
+        return data
+
+    def _count(self, t: int) -> int | None:  # entries of a map (pairs) or array, else None
+        if 0x80 <= t <= 0x8f or 0x90 <= t <= 0x9f:
+            return t & 0x0f
+        if t in (0xdc, 0xde):
+            return int.from_bytes(self._read(2), "big")
+        if t in (0xdd, 0xdf):
+            return int.from_bytes(self._read(4), "big")
+        return None
+
+    def skip(self, t: int | None = None) -> None:
+        self.budget -= 1
+        if self.budget < 0:
+            raise ValueError("too many objects")
+        t = self._read(1)[0] if t is None else t
+        if t <= 0x7f or t >= 0xe0 or t in (0xc0, 0xc2, 0xc3):
+            return
+        if 0xa0 <= t <= 0xbf:
+            self.f.seek(t & 0x1f, 1)
+        elif t in _SIZES:
+            self.f.seek(_SIZES[t], 1)
+        elif t in _LENGTHS:
+            width, extra = _LENGTHS[t]
+            self.f.seek(int.from_bytes(self._read(width), "big") + extra, 1)
+        else:
+            n = self._count(t)
+            if n is None:
+                raise ValueError(f"byte {t:#x} starts no msgpack object")
+            for _ in range(2 * n if t in (0xde, 0xdf) or 0x80 <= t <= 0x8f else n):
+                self.skip()
+
+    def key(self) -> str | None:
+        t = self._read(1)[0]
+        if 0xa0 <= t <= 0xbf or t == 0xd9:
+            n = t & 0x1f if t != 0xd9 else self._read(1)[0]
+            return self._read(n).decode("utf-8")
+        self.skip(t)  # not a short string: no key of ours
+        return None
+
+    def keys(self, descend: Mapping[str, Any]) -> dict[str | None, Any]:
+        """{key: nested keys (for keys in `descend`, when the value is a map) or None}."""
+        t = self._read(1)[0]
+        n = self._count(t)
+        if n is None or not (0x80 <= t <= 0x8f or t in (0xde, 0xdf)):
+            raise ValueError("not a map")
+        out: dict[str | None, Any] = {}
+        for _ in range(n):
+            k = self.key()
+            if k in descend:
+                out[k] = self.keys(descend[k])
+            else:
+                self.skip()
+                out[k] = None
+        return out
+
+
+_PARAMS_LEVEL = {"encoder": {}, "decoder": {}}
+
+
+def is_flax_wmt(path: str | os.PathLike) -> bool:
+    """Whether `path` looks like a Flax WMT params file: a msgpack map whose params level (itself,
+    or under "params") has `encoder` and `decoder` (and at most `shared_embedding`), the encoder
+    holding `encoderblock_0` and `encoder_norm`. Reads headers only; never raises."""
+    try:
+        with open(path, "rb") as f:
+            first = f.read(1)
+            if not first or not (0x80 <= first[0] <= 0x8f or first[0] in (0xde, 0xdf)):
+                return False
+            f.seek(0)
+            top = _Walker(f).keys({"params": _PARAMS_LEVEL, **_PARAMS_LEVEL})
+            if f.tell() != os.fstat(f.fileno()).st_size:  # truncated, or bytes after the tree
+                return False
+        level = top["params"] if "params" in top and "encoder" not in top else top
+        if not isinstance(level, dict) or not {"encoder", "decoder"} <= set(level) <= {
+                "encoder", "decoder", "shared_embedding"}:
+            return False
+        encoder = level["encoder"]
+        return isinstance(encoder, dict) and {"encoderblock_0", "encoder_norm"} <= set(encoder)
+    except Exception:  # any bytes at all: detection answers, it never raises
+        return False
