@@ -1,0 +1,120 @@
+"""One roof over the converters: read a model in any format, write it in any other.
+
+    rosetta.interop.convert.convert("opus-mt-de-en/", "de-en.safetensors")          # marian -> rosetta
+    convert("model.msgpack", "hf-out/", to_format="marian", overrides={"max_len": 512})
+
+Formats: `rosetta` (our checkpoint file, SPEC §3), `marian` (a Hugging Face `MarianMTModel`
+directory), `flax-wmt` (Flax's `examples/wmt` parameter tree, msgpack). `nn-transformer` takes
+module objects, not a file: `read_nn_transformer` brings it under the same roof for Python users.
+The input format is detected where it is unambiguous; the output format comes from the
+destination's name (`.safetensors` -> rosetta, `.msgpack` -> flax-wmt, a directory -> marian)
+unless given. Whatever the output format cannot represent is refused, naming the config field,
+before anything is written.
+"""
+
+from __future__ import annotations
+
+import os
+from collections.abc import Mapping
+from pathlib import Path
+from typing import Any
+
+from rosetta.checkpoint import FORMAT, load_checkpoint, read_header, save_checkpoint
+from rosetta.config import ModelConfig
+from rosetta.errors import CheckpointError, ConfigError
+from rosetta.interop import flax_wmt, marian
+from rosetta.params import Params
+
+FORMATS = ("rosetta", "marian", "flax-wmt")
+SUFFIXES = {".safetensors": "rosetta", ".msgpack": "flax-wmt"}
+
+
+def _is_rosetta(path: Path) -> bool:
+    """A safetensors file whose metadata says our format (header only; never raises)."""
+    try:
+        return dict(read_header(path).metadata).get("format") == FORMAT
+    except (OSError, CheckpointError):
+        return False
+
+
+def detect_format(path: str | os.PathLike) -> str:
+    """The format of an existing input, or a ConfigError saying why it is not known."""
+    path = Path(path)
+    if not path.exists():
+        raise CheckpointError(f"{path}: no such file or directory")
+    if path.is_dir():
+        if (path / "model.safetensors").is_file() and not (path / marian.CONFIG_FILE).is_file():
+            return "rosetta"  # a checkpoint directory of a training run
+        if marian.is_marian(path):
+            return "marian"
+        raise ConfigError(f"{path}: a directory that is neither a Marian model (config.json with "
+                          f"model_type 'marian') nor a checkpoint directory (model.safetensors)")
+    if flax_wmt.is_flax_wmt(path):
+        return "flax-wmt"
+    if _is_rosetta(path):
+        return "rosetta"
+    raise ConfigError(f"{path}: format not recognised; pass --from {'|'.join(FORMATS)}")
+
+
+def output_format(path: str | os.PathLike) -> str:
+    """The format a destination's name asks for: .safetensors, .msgpack, or no suffix (a Marian
+    directory)."""
+    suffix = Path(path).suffix.lower()
+    if not suffix:
+        return "marian"
+    if suffix not in SUFFIXES:
+        raise ConfigError(f"{path}: cannot tell the output format from the name; pass --to "
+                          f"{'|'.join(FORMATS)}")
+    return SUFFIXES[suffix]
+
+
+def _check_format(fmt: str, flag: str) -> None:
+    if fmt not in FORMATS:
+        raise ConfigError(f"{flag} {fmt!r}: one of {', '.join(FORMATS)}")
+
+
+def read_model(path: str | os.PathLike, fmt: str | None = None,
+               overrides: Mapping[str, Any] | None = None) -> tuple[ModelConfig, Params]:
+    """(config, canonical params) of `path` in format `fmt` (detected when None)."""
+    path, overrides = Path(path), dict(overrides or {})
+    fmt = fmt or detect_format(path)
+    _check_format(fmt, "--from")
+    if fmt == "rosetta":
+        ckpt = load_checkpoint(path / "model.safetensors" if path.is_dir() else path)
+        cfg = ckpt.config.replace(**overrides) if overrides else ckpt.config
+        return cfg, dict(ckpt.params)
+    if fmt == "marian":
+        return marian.read_marian(path, **overrides)
+    return flax_wmt.read_flax_wmt(path, **overrides)
+
+
+def write_model(path: str | os.PathLike, cfg: ModelConfig, params: Mapping[str, Any], fmt: str) -> Path:
+    """Write `params` as `fmt`; refuses (writing nothing) what the format cannot represent."""
+    _check_format(fmt, "--to")
+    if fmt == "rosetta":
+        return save_checkpoint(path, cfg, params)
+    if fmt == "marian":
+        return marian.write_marian(path, cfg, params)
+    return flax_wmt.write_flax_wmt(path, cfg, params)
+
+
+def convert(src: str | os.PathLike, dst: str | os.PathLike, from_format: str | None = None,
+            to_format: str | None = None,
+            overrides: Mapping[str, Any] | None = None) -> tuple[str, str, Path]:
+    """Read `src`, write `dst`; returns (input format, output format, written path)."""
+    if Path(src).resolve() == Path(dst).resolve():
+        raise ConfigError(f"{dst}: the destination is the source")
+    fmt_in = from_format or detect_format(src)
+    fmt_out = to_format or output_format(dst)
+    _check_format(fmt_in, "--from")
+    _check_format(fmt_out, "--to")
+    cfg, params = read_model(src, fmt_in, overrides)
+    return fmt_in, fmt_out, write_model(dst, cfg, params, fmt_out)
+
+
+def read_nn_transformer(*args: Any, **kwargs: Any) -> tuple[ModelConfig, Params]:
+    """`torch.nn.Transformer` modules -> (config, params): rosetta.interop.nn_transformer's
+    `port_nn_transformer` (it needs torch, imported only here)."""
+    from rosetta.interop.nn_transformer import port_nn_transformer
+
+    return port_nn_transformer(*args, **kwargs)
