@@ -63,7 +63,8 @@ def test_overrides_change_what_the_file_cannot_say(rosetta_file, tmp_path):
         read_model(tmp_path / "hf", overrides={"no_such_field": 1})
 
 
-@pytest.mark.parametrize("name, fmt", [("a.safetensors", "rosetta"), ("a.msgpack", "flax-wmt"), ("dir", "marian")])
+@pytest.mark.parametrize("name, fmt", [("a.safetensors", "rosetta"), ("a.msgpack", "flax-wmt"),
+                                       ("dir", "marian")])
 def test_output_format_from_the_name(name, fmt):
     assert output_format(name) == fmt
 

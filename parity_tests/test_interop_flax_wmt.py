@@ -25,8 +25,9 @@ from flax import linen as nn
 
 import rosetta
 from rosetta import CheckpointError, ConfigError, ModelConfig, init_params, save_checkpoint
-from rosetta.interop import flax_wmt
-from rosetta.interop.flax_wmt import decode_tree, encode_tree, is_flax_wmt, read_flax_wmt, write_flax_wmt
+from rosetta.interop import flax_msgpack
+from rosetta.interop.flax_msgpack import decode_tree, encode_tree
+from rosetta.interop.flax_wmt import is_flax_wmt, read_flax_wmt, write_flax_wmt
 
 # (share_embeddings, logits_via_embedding) of the example's TransformerConfig -> ours
 MODES = {(True, True): "all", (True, False): "src_tgt", (False, True): "decoder", (False, False): "none"}
@@ -433,7 +434,7 @@ def test_codec_is_byte_compatible_with_flax():
 def test_codec_chunked_arrays_match_flax(monkeypatch):
     # flax splits arrays above MAX_CHUNK_SIZE (1 GiB) into chunks; shrink the limit on both sides.
     monkeypatch.setattr(flax.serialization, "MAX_CHUNK_SIZE", 16)
-    monkeypatch.setattr(flax_wmt, "MAX_CHUNK_SIZE", 16)
+    monkeypatch.setattr(flax_msgpack, "MAX_CHUNK_SIZE", 16)
     tree = codec_tree()
     theirs = flax.serialization.msgpack_serialize(tree)
     assert b"__msgpack_chunked_array__" in theirs
