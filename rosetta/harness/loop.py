@@ -9,12 +9,17 @@ is imported only when its trainer is built.
 Per backend `b`, `out/b/` holds `run.json` (settings), `log.jsonl` (one JSON record per logged
 step and per evaluation), `checkpoints/` (rosetta/harness/run_dir.py), `result.json`,
 `plot.png`, and `tokenizer.json` for text tasks; `out/` holds the combined `plot.png`,
-`summary.json` and `summary.md`. Batching is by token budget (paper §5.1, rosetta/harness/batching.py),
+`summary.json` and `summary.md`, and `.rosetta.lock`, which keeps a second process out of `out`
+while a run holds it. Nothing the harness did not write is overwritten or deleted (a user's own
+summary.md, a stray file in a run directory given to --overwrite): such files are refused by name
+before training starts. A file system error (read-only, full) is one line naming the path.
+Batching is by token budget (paper §5.1, rosetta/harness/batching.py),
 the optimizer and schedule are §5.3's, label smoothing and dropout §5.4's.
 """
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import importlib
 import json
@@ -23,6 +28,7 @@ import math
 import shutil
 import sys
 import time
+from collections.abc import Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -35,8 +41,24 @@ from rosetta.errors import RosettaError
 from rosetta.flops import training_flops
 from rosetta.harness.batching import Batch, BatchIterator, eval_batches, restore_order
 from rosetta.harness.metrics import batch_lengths, mfu, peak_flops, real_training_flops
-from rosetta.harness.report import read_log, summarize, write_log, write_plot, write_summary
-from rosetta.harness.run_dir import clean_temporaries, latest_checkpoint, save_checkpoint_dir
+from rosetta.harness.report import (
+    RESULT_FORMAT,
+    check_overwritable,
+    read_log,
+    summarize,
+    write_log,
+    write_plot,
+    write_summary,
+    written_by_rosetta,
+)
+from rosetta.harness.run_dir import (
+    checkpoint_name,
+    clean_temporaries,
+    foreign_checkpoint_entries,
+    latest_checkpoint,
+    out_dir_lock,
+    save_checkpoint_dir,
+)
 from rosetta.harness.tasks import TaskData, check_task, load_task, parse_pair
 from rosetta.harness.trainer_state import load_trainer_state, save_trainer_state
 from rosetta.inputs import check_real
@@ -181,11 +203,48 @@ def _read_json(path: Path) -> dict[str, Any]:
         raise RosettaError(f"cannot read {path}: {e}") from None
 
 
+@contextlib.contextmanager
+def _os_errors(path: Path, action: str | None = None) -> Iterator[None]:
+    """An OSError in the block (a read-only directory, a full disk, a file where a directory
+    should be) becomes one line: "cannot <action> <path>: <reason>" naming `path`, the thing
+    being written; without an action, the error's own file if it names one."""
+    try:
+        yield
+    except OSError as e:
+        reason = e.strerror or str(e)
+        if action:
+            raise RosettaError(f"cannot {action} {path}: {reason}") from None
+        raise RosettaError(f"{e.filename or path}: {reason}") from None
+
+
+# What a run directory holds besides hidden temporaries (names with ".tmp": atomic writes,
+# checkpoints being written); --overwrite deletes a run directory whole, so anything else in
+# it is someone else's.
+RUN_ENTRIES = {"run.json", "log.jsonl", "result.json", "plot.png", "tokenizer.json", "checkpoints"}
+
+
+def foreign_entries(run_dir: Path) -> list[Path]:
+    """What in `run_dir` the harness did not write: unknown names, result.json or plot.png
+    without rosetta's tag, unknown entries of checkpoints/."""
+    foreign = []
+    for entry in sorted(run_dir.iterdir()):
+        if entry.name.startswith(".") and ".tmp" in entry.name:
+            continue
+        if entry.name not in RUN_ENTRIES or (entry.name in ("result.json", "plot.png")
+                                             and not written_by_rosetta(entry)):
+            foreign.append(entry)
+    return foreign + foreign_checkpoint_entries(run_dir / "checkpoints")
+
+
 def check_out_dirs(run: RunConfig) -> list[Path]:
-    """Refuse to clobber: a fresh run needs empty backend directories (or --overwrite);
-    --resume needs the run to be there, started with the same settings. Returns the earlier
-    runs that --overwrite will delete (once the new run's data has loaded)."""
+    """Refuse to clobber: a fresh run needs empty backend directories (or --overwrite, which
+    deletes only what the harness wrote); --resume needs the run to be there, started with the
+    same settings; the summary files in OUT, and a resumed run's result.json and plot.png, must
+    be rosetta's to be rewritten. Returns the earlier runs that --overwrite will delete (once the
+    new run's data has loaded)."""
     out, doomed = Path(run.out), []
+    for name in ("summary.md", "summary.json", "plot.png"):
+        check_overwritable(out / name)
     for backend in run.backends:
         run_dir = out / backend
         state = _run_dir_state(run_dir)
@@ -205,12 +264,18 @@ def check_out_dirs(run: RunConfig) -> list[Path]:
             if diffs:
                 raise RosettaError(f"cannot resume {run_dir} with different settings: it was started with "
                                    f"{'; '.join(diffs)}; use the same settings, a new --out, or --overwrite")
+            for name in ("result.json", "plot.png"):
+                check_overwritable(run_dir / name)
         elif state == "run":
             if not run.overwrite:
                 result = run_dir / "result.json"
                 how = "finished" if result.is_file() else "unfinished"
                 raise RosettaError(f"{run_dir} already holds a {how} run; pass --resume to continue it or "
                                    f"--overwrite to replace it")
+            foreign = foreign_entries(run_dir)
+            if foreign:
+                raise RosettaError(f"--overwrite deletes {run_dir} whole, but {foreign[0]} was not written "
+                                   f"by rosetta train; move it away first")
             doomed.append(run_dir)
     return doomed
 
@@ -306,14 +371,15 @@ class _Run:
             if ckpt_dir is not None:
                 return self._resume(Trainer, ckpt_dir)
             log.info("%s: no checkpoint yet in %s: starting from step 0", self.backend, self.ckpt_root)
-        self.dir.mkdir(parents=True, exist_ok=True)
         record = {"format": RUN_FORMAT, "backend": self.backend, "identity": self.run.identity(),
                   "model_config": self.cfg.to_dict(), "train_config": self.train_cfg.to_dict(),
                   "args": self.run.to_dict()}
-        atomic_write_bytes(self.dir / "run.json", json.dumps(record, indent=2).encode("utf-8"))
-        if self.task.tokenizer is not None:
-            self.task.tokenizer.save(self.dir / "tokenizer.json")
-        write_log(self.log_path, [])
+        with _os_errors(self.dir, "write the run directory"):
+            self.dir.mkdir(parents=True, exist_ok=True)
+            atomic_write_bytes(self.dir / "run.json", json.dumps(record, indent=2).encode("utf-8"))
+            if self.task.tokenizer is not None:
+                self.task.tokenizer.save(self.dir / "tokenizer.json")
+            write_log(self.log_path, [])
         return Trainer(self.cfg, self.params0, self.train_cfg, device=self.run.device, dtype=self.run.dtype)
 
     def _resume(self, Trainer: type, ckpt_dir: Path) -> Any:
@@ -329,7 +395,8 @@ class _Run:
         step = int(state["step"])
         if trainer.step_count != step:
             raise RosettaError(f"{ckpt_dir}: trainer state at step {trainer.step_count}, state.json {step}")
-        write_log(self.log_path, [r for r in read_log(self.log_path) if r.get("step", 0) <= step])
+        with _os_errors(self.log_path, "write"):
+            write_log(self.log_path, [r for r in read_log(self.log_path) if r.get("step", 0) <= step])
         self.elapsed0 = float(state.get("elapsed_s", 0.0))
         self.totals = state.get("totals")
         log.info("%s: resumed from %s (step %d)", self.backend, ckpt_dir, step)
@@ -351,7 +418,10 @@ class _Run:
             if self.task.tokenizer is not None:
                 self.task.tokenizer.save(tmp / "tokenizer.json")
 
-        return save_checkpoint_dir(self.ckpt_root, step, write, self.run.keep)
+        # A full disk or a read-only directory: the checkpoints already there stay intact and
+        # `latest` keeps naming the newest of them (save_checkpoint_dir removes its temporary).
+        with _os_errors(self.ckpt_root / checkpoint_name(step), "write checkpoint"):
+            return save_checkpoint_dir(self.ckpt_root, step, write, self.run.keep)
 
     # -- the loop --------------------------------------------------------------------------
     def train(self) -> dict[str, Any]:
@@ -363,14 +433,17 @@ class _Run:
             return _read_json(self.dir / "result.json")
         progress = _progress_bar(run, self.backend, self.total_steps, trainer.step_count)
         try:
-            with self.log_path.open("a", encoding="utf-8") as log_file:
+            with _os_errors(self.log_path, "write"), self.log_path.open("a", encoding="utf-8") as log_file:
                 self._loop(trainer, log_file, progress)
         finally:
             progress.close()
         records = read_log(self.log_path)
-        result = {"backend": self.backend, "dtype": run.dtype, **summarize(records, self.totals)}
-        atomic_write_bytes(self.dir / "result.json", json.dumps(result, indent=2).encode("utf-8"))
-        write_plot(self.dir / "plot.png", {self.backend: records}, title=f"{run.task}: {self.backend}")
+        result = {"format": RESULT_FORMAT, "backend": self.backend, "dtype": run.dtype,
+                  **summarize(records, self.totals)}
+        with _os_errors(self.dir, "write the results in"):
+            check_overwritable(self.dir / "result.json")
+            atomic_write_bytes(self.dir / "result.json", json.dumps(result, indent=2).encode("utf-8"))
+            write_plot(self.dir / "plot.png", {self.backend: records}, title=f"{run.task}: {self.backend}")
         return result
 
     def _loop(self, trainer: Any, log_file: Any, progress: Any) -> None:
@@ -474,18 +547,26 @@ def train(run: RunConfig) -> dict[str, dict[str, Any]]:
     """Train every backend of `run` in turn on the same data, from the same initial weights, with
     the same schedule; then write the combined plot and summary. Returns each backend's result."""
     check_run(run)
-    doomed = check_out_dirs(run)
-    task = _load_task(run)
-    cfg = _model_config(run, task)
-    for run_dir in doomed:  # --overwrite, and the new run's data and config are good
-        shutil.rmtree(run_dir)
-    params0 = init_params(cfg, run.seed)  # one initializer for every framework (SPEC §4)
-    results = {}
-    for backend in run.backends:
-        log.info("%s: training %s (%s) for the %s task in %s", backend, run.preset, run.dtype, run.task,
-                 Path(run.out) / backend)
-        results[backend] = _Run(run, backend, task, cfg, params0).train()
-    write_combined_report(Path(run.out), run)
+    out = Path(run.out)
+    if out.exists() and not out.is_dir():
+        raise RosettaError(f"--out {out} is a file, not a directory")
+    if run.resume and not out.is_dir():
+        raise RosettaError(f"--resume: {out} holds no run to resume (no such directory)")
+    # The lock first, so that the checks below see what no other process is changing.
+    with _os_errors(out), out_dir_lock(out):
+        doomed = check_out_dirs(run)
+        task = _load_task(run)
+        cfg = _model_config(run, task)
+        for run_dir in doomed:  # --overwrite, and the new run's data and config are good
+            shutil.rmtree(run_dir)
+        params0 = init_params(cfg, run.seed)  # one initializer for every framework (SPEC §4)
+        results = {}
+        for backend in run.backends:
+            log.info("%s: training %s (%s) for the %s task in %s", backend, run.preset, run.dtype, run.task,
+                     out / backend)
+            results[backend] = _Run(run, backend, task, cfg, params0).train()
+        with _os_errors(out, "write the summary in"):
+            write_combined_report(out, run)
     return results
 
 

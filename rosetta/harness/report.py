@@ -1,6 +1,11 @@
 """What a training run reports: its JSON-lines log read back, a per-framework summary, the plot
 (loss and throughput against step, one line per framework) and the side-by-side summary files.
 Framework-free; matplotlib with the Agg backend (no display needed).
+
+Every file written here carries a tag that says rosetta wrote it (a `format` field in JSON, a
+closing sentence in Markdown, a PNG text chunk), and none replaces a file without one
+(`check_overwritable`): a user's own summary.md or plot.png in the output directory is refused
+by name, never overwritten.
 """
 
 from __future__ import annotations
@@ -8,13 +13,75 @@ from __future__ import annotations
 import json
 import math
 import statistics
+import struct
 from collections.abc import Iterable, Mapping, Sequence
 from pathlib import Path
 from typing import Any
 
 from rosetta.checkpoint import atomic_write_bytes
+from rosetta.errors import RosettaError
 
 Record = dict[str, Any]
+
+RESULT_FORMAT = "rosetta-result/1"
+SUMMARY_FORMAT = "rosetta-summary/1"
+SUMMARY_FOOTER = "Written by `rosetta train` (rosetta-summary/1); the next run in this directory rewrites it."
+PLOT_SOFTWARE = "rosetta-transformer (rosetta-plot/1)"
+PNG_SIGNATURE = b"\x89PNG\r\n\x1a\n"
+
+
+def _png_text(path: Path) -> dict[str, str]:
+    """The tEXt chunks of a PNG file (keyword -> text), read up to the image data, where
+    matplotlib and Pillow put them; {} for anything that is not a PNG."""
+    with path.open("rb") as f:
+        if f.read(8) != PNG_SIGNATURE:
+            return {}
+        found = {}
+        while len(head := f.read(8)) == 8:
+            length, kind = struct.unpack(">I4s", head)
+            if kind in (b"IDAT", b"IEND"):
+                break
+            body = f.read(length + 4)[:length]  # the chunk and its CRC
+            if kind == b"tEXt":
+                key, _, text = body.partition(b"\0")
+                found[key.decode("latin-1")] = text.decode("latin-1")
+        return found
+
+
+def _json_object(path: Path) -> dict[str, Any]:
+    try:
+        data = json.loads(path.read_text(encoding="utf-8"))
+    except (OSError, UnicodeDecodeError, json.JSONDecodeError):
+        return {}
+    return data if isinstance(data, dict) else {}
+
+
+def written_by_rosetta(path: Path) -> bool:
+    """Whether the file at `path` carries this module's tag. Files from before the tags are
+    recognised by their fixed shape: summary.json's two keys, summary.md's title, result.json's
+    keys, and a matplotlib PNG beside one of those."""
+    if path.is_symlink() or not path.is_file():
+        return False
+    if path.suffix == ".json":
+        data = _json_object(path)
+        return (data.get("format") in (RESULT_FORMAT, SUMMARY_FORMAT) or set(data) == {"backends", "run"}
+                or {"backend", "dtype", "steps", "train_time_s", "wall_time_s"} <= set(data))
+    if path.suffix == ".md":
+        text = path.read_text(encoding="utf-8", errors="replace")
+        return SUMMARY_FOOTER in text or text.startswith("# Training summary: task ")
+    if path.suffix == ".png":
+        software = _png_text(path).get("Software", "")
+        return software == PLOT_SOFTWARE or (
+            software.startswith("Matplotlib") and any(written_by_rosetta(path.with_name(name))
+                                                      for name in ("summary.json", "result.json")))
+    return False
+
+
+def check_overwritable(path: Path) -> None:
+    """Refuse to replace `path` unless it is missing or rosetta wrote it (`written_by_rosetta`)."""
+    if (path.exists() or path.is_symlink()) and not written_by_rosetta(path):
+        raise RosettaError(f"{path} exists and was not written by rosetta train (it carries no rosetta "
+                           f"format tag): refusing to overwrite it; move it away or choose another --out")
 
 
 def read_log(path: Path) -> list[Record]:
@@ -113,8 +180,9 @@ def write_plot(path: Path, logs: Mapping[str, Sequence[Record]], title: str = ""
     if title:
         fig.suptitle(title)
     fig.tight_layout()
+    check_overwritable(path)
     tmp = path.with_name(f".{path.name}.tmp.png")
-    fig.savefig(tmp, dpi=100)
+    fig.savefig(tmp, dpi=100, metadata={"Software": PLOT_SOFTWARE})
     plt.close(fig)
     tmp.replace(path)
 
@@ -125,8 +193,10 @@ def _fmt(value: Any, spec: str) -> str:
 
 def write_summary(out: Path, results: Mapping[str, Record], run: Record) -> None:
     """summary.json (everything) and summary.md (a side-by-side table) in `out`."""
-    atomic_write_bytes(out / "summary.json",
-                       json.dumps({"backends": results, "run": run}, indent=2).encode("utf-8"))
+    for name in ("summary.json", "summary.md"):
+        check_overwritable(out / name)
+    summary = {"format": SUMMARY_FORMAT, "backends": results, "run": run}
+    atomic_write_bytes(out / "summary.json", json.dumps(summary, indent=2).encode("utf-8"))
     names = list(results)
     rows = [
         ("device", lambda r: str(r.get("device"))),
@@ -159,5 +229,5 @@ def write_summary(out: Path, results: Mapping[str, Record], run: Record) -> None
               "step time is the forward and backward pass and the update, wall time adds evaluations and "
               "checkpoints. Tokens are real (non-pad) ones. MFU counts matmul FLOPs of real tokens "
               "(rosetta/harness/metrics.py); – where the device's peak rate is unknown (pass --peak-tflops) "
-              "or a count is unknown."]
+              "or a count is unknown.", "", SUMMARY_FOOTER]
     atomic_write_bytes(out / "summary.md", ("\n".join(lines) + "\n").encode("utf-8"))

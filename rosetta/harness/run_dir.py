@@ -11,26 +11,42 @@ fsynced, the directory fsynced, then renamed into place with `os.replace` (atomi
 and the parent fsynced; only then is `latest` replaced (atomically, itself a temporary file
 and a rename) and checkpoints beyond the newest `keep` deleted. Temporary directories left by
 a killed writer are removed by `clean_temporaries`.
+
+A checkpoint is trusted only if it is what its name says (`check_checkpoint_dir`): its files
+lie inside the run directory (no symlink leads out of it) and the step recorded in its
+`state.json` and model metadata is the step in its name.
+
+`out_dir_lock` keeps a second process out of an output directory for a whole run.
 """
 
 from __future__ import annotations
 
+import contextlib
+import fcntl
+import json
 import os
 import re
 import shutil
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from pathlib import Path
 
+import safetensors
+
 from rosetta.checkpoint import atomic_write_bytes
-from rosetta.errors import CheckpointError
+from rosetta.errors import CheckpointError, RosettaError
 
 LATEST = "latest"
 TEMP_PREFIX = ".tmp-"
+LOCK = ".rosetta.lock"
 _NAME = re.compile(r"^step-(\d{8,})$")
 
 
 def checkpoint_name(step: int) -> str:
     return f"step-{step:08d}"
+
+
+def is_checkpoint_name(name: str) -> bool:
+    return _NAME.match(name) is not None
 
 
 def _fsync_dir(path: Path) -> None:
@@ -49,6 +65,14 @@ def list_checkpoints(root: Path) -> list[tuple[int, Path]]:
     return sorted(found)
 
 
+def foreign_checkpoint_entries(root: Path) -> list[Path]:
+    """Entries of a checkpoints directory that are none of: a checkpoint, `latest`, a temporary."""
+    if not root.is_dir():
+        return []
+    return [p for p in sorted(root.iterdir())
+            if not (_NAME.match(p.name) or p.name == LATEST or (p.name.startswith(".") and ".tmp" in p.name))]
+
+
 def clean_temporaries(root: Path) -> None:
     """Delete temporary directories a killed writer left behind (never a complete checkpoint)."""
     if root.is_dir():
@@ -59,15 +83,87 @@ def clean_temporaries(root: Path) -> None:
 
 def latest_checkpoint(root: Path) -> Path | None:
     """The directory `latest` names; if the pointer is missing or stale (a crash between the
-    rename and the pointer update), the newest complete directory; None if there is none."""
+    rename and the pointer update), the newest complete directory; None if there is none. The
+    one chosen must pass `check_checkpoint_dir` (a CheckpointError otherwise)."""
     pointer = root / LATEST
+    chosen = None
     if pointer.is_file():
         name = pointer.read_text(encoding="utf-8").strip()
         if _NAME.match(name) and (root / name).is_dir():
             newer = [p for step, p in list_checkpoints(root) if p.name > name]
-            return newer[-1] if newer else root / name
-    found = list_checkpoints(root)
-    return found[-1][1] if found else None
+            chosen = newer[-1] if newer else root / name
+    if chosen is None:
+        found = list_checkpoints(root)
+        chosen = found[-1][1] if found else None
+    if chosen is not None:
+        check_checkpoint_dir(chosen)
+    return chosen
+
+
+def _recorded_steps(ckpt_dir: Path) -> dict[str, object]:
+    """The step each record of a checkpoint directory holds: state.json's `step`, the model
+    file's metadata `step` (a string there). A record that is missing or unreadable is left out:
+    reading it later gives its own error."""
+    found: dict[str, object] = {}
+    try:
+        found["state.json"] = json.loads((ckpt_dir / "state.json").read_text(encoding="utf-8")).get("step")
+    except (OSError, ValueError, AttributeError):
+        pass
+    try:
+        with safetensors.safe_open(str(ckpt_dir / "model.safetensors"), framework="numpy") as f:
+            if "step" in (f.metadata() or {}):
+                found["model.safetensors"] = f.metadata()["step"]
+    except (OSError, safetensors.SafetensorError):
+        pass
+    return found
+
+
+def check_checkpoint_dir(ckpt_dir: Path) -> None:
+    """Refuse a checkpoint directory `<run>/checkpoints/step-N` that is not what its name says:
+    one of its entries (or itself) a symlink leading out of the run directory, or a recorded
+    step other than N. Resuming or translating from it would load another run's or another
+    step's weights under this one's name."""
+    run_dir = ckpt_dir.parent.parent
+    inside = run_dir.resolve()
+    for entry in (ckpt_dir, *sorted(ckpt_dir.iterdir())):
+        target = entry.resolve()
+        if not target.is_relative_to(inside):
+            raise CheckpointError(f"{entry} is a symlink to {target}, outside the run directory {run_dir}: "
+                                  f"refusing it")
+    match = _NAME.match(ckpt_dir.name)
+    if match is None:
+        return  # a directory named by hand: no step to compare with
+    step = int(match.group(1))
+    for record, recorded in _recorded_steps(ckpt_dir).items():
+        if str(recorded) != str(step):
+            raise CheckpointError(f"{ckpt_dir}: its {record} records step {recorded}, not the step {step} "
+                                  f"of its name: refusing it")
+
+
+@contextlib.contextmanager
+def out_dir_lock(out: Path) -> Iterator[None]:
+    """Hold an exclusive lock on the output directory `out` (created if missing) until the block
+    ends: flock on `out/.rosetta.lock`, never waiting. A second process, whether it would train,
+    resume or --overwrite, is refused with the pid the holder wrote in the lock file. The lock
+    goes with the process (a killed holder frees it); the file stays, emptied, because deleting
+    a lock file another process has just opened would let two processes hold two locks."""
+    out.mkdir(parents=True, exist_ok=True)
+    fd = os.open(out / LOCK, os.O_RDWR | os.O_CREAT | getattr(os, "O_CLOEXEC", 0), 0o644)
+    try:
+        try:
+            fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except BlockingIOError:
+            holder = os.pread(fd, 32, 0).decode("ascii", "replace").strip() or "unknown"
+            raise RosettaError(f"{out} is in use by another rosetta process (pid {holder}); wait for it to "
+                               f"finish or choose another --out") from None
+        os.ftruncate(fd, 0)
+        os.pwrite(fd, f"{os.getpid()}\n".encode("ascii"), 0)
+        try:
+            yield
+        finally:
+            os.ftruncate(fd, 0)  # no stale pid for the next holder's rivals to read
+    finally:
+        os.close(fd)  # releases the lock
 
 
 def save_checkpoint_dir(root: Path, step: int, write: Callable[[Path], None],

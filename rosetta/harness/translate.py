@@ -2,7 +2,9 @@
 sentences, decode with any backend (`model.generate`: greedy or beam search), detokenise.
 
 A run directory (`rosetta train --out OUT`) resolves to its newest checkpoint:
-`OUT/<backend>/checkpoints/<latest>/model.safetensors` and the `tokenizer.json` beside it.
+`OUT/<backend>/checkpoints/<latest>/model.safetensors` and the `tokenizer.json` beside it; a
+checkpoint that is not what its name says (a symlink out of the run, another step's files) is
+refused (rosetta/harness/run_dir.py: check_checkpoint_dir).
 Runs of the synthetic tasks have no tokenizer: their input lines are space-separated ids.
 As in training (rosetta/harness/batching.py), every source gets eos appended.
 """
@@ -18,7 +20,7 @@ import numpy as np
 from rosetta.backends import BackendModel
 from rosetta.config import ModelConfig
 from rosetta.errors import InputError, RosettaError
-from rosetta.harness.run_dir import latest_checkpoint
+from rosetta.harness.run_dir import check_checkpoint_dir, is_checkpoint_name, latest_checkpoint
 from rosetta.harness.tokenizer import Tokenizer
 from rosetta.inputs import check_int, parse_id_line
 
@@ -31,6 +33,8 @@ def resolve_run(path: str | os.PathLike[str]) -> tuple[Path, Path | None]:
         raise RosettaError(f"--run {path}: no such directory")
     if (path / "model.safetensors").is_file():
         ckpt_dir, run_dir = path, path.parent.parent
+        if path.parent.name == "checkpoints" and is_checkpoint_name(path.name):
+            check_checkpoint_dir(path)  # a run's own checkpoint: it must be what its name says
     elif (path / "checkpoints").is_dir() or (path / "run.json").is_file():
         ckpt_dir = latest_checkpoint(path / "checkpoints")
         if ckpt_dir is None:
