@@ -114,3 +114,15 @@ def test_real_stdin_with_invalid_utf8_is_one_line_not_a_traceback(checkpoint):
         assert done.returncode == 2, done.stderr
         assert done.stderr.decode() == ("rosetta: error: input line 2 is not valid UTF-8 (byte 0xc3 at "
                                         "byte 1 of the line)\n")
+
+
+def test_parity_lengths_beyond_max_len_and_memory_exhaustion_are_one_line(monkeypatch, capsys):
+    assert main(["parity", "--preset", "tiny", "--src-len", "129"]) == 2  # tiny: max_len 128
+    assert one_line_error(capsys) == "rosetta: error: --src-len 129 is longer than the model's max_len 128"
+
+    def exhausted(*args, **kwargs):
+        raise MemoryError
+
+    monkeypatch.setattr("rosetta.parity.parity_report", exhausted)
+    assert main(["parity", "--preset", "tiny", "--batch", "100000000"]) == 2
+    assert one_line_error(capsys).startswith("rosetta: error: out of memory")

@@ -65,12 +65,11 @@ def _integer(minimum: int | None = None) -> Callable[[str], int]:
     return parse
 
 
-def _real(minimum: float | None = None, positive: bool = False) -> Callable[[str], float]:
+def _real(minimum: float | None = None) -> Callable[[str], float]:
     def parse(text: str) -> float:
         value = float(text) if _REAL.fullmatch(text) else math.nan
-        if (not math.isfinite(value) or (minimum is not None and value < minimum)
-                or (positive and value <= 0)):
-            bound = " > 0" if positive else "" if minimum is None else f" >= {minimum:g}"
+        if not math.isfinite(value) or (minimum is not None and value < minimum):
+            bound = "" if minimum is None else f" >= {minimum:g}"
             raise argparse.ArgumentTypeError(f"must be a finite number{bound}, got {text!r}")
         return value
 
@@ -81,8 +80,7 @@ positive_int = _integer(minimum=1)
 non_negative_int = _integer(minimum=0)
 integer = _integer()  # `train` checks the range itself (rosetta/harness/loop.py: check_run)
 non_negative_real = _real(minimum=0.0)
-positive_real = _real(positive=True)
-real = _real()
+real = _real()  # `train` checks the range itself, as for `integer`
 
 
 def _overrides(pairs: list[str]) -> dict:
@@ -122,6 +120,9 @@ def cmd_parity(args: argparse.Namespace) -> int:
     from rosetta.parity import failures, format_report, parity_report
 
     cfg, params = _model_source(args)
+    for flag, length in (("--src-len", args.src_len), ("--tgt-len", args.tgt_len)):
+        if length > cfg.max_len:
+            raise RosettaError(f"{flag} {length} is longer than the model's max_len {cfg.max_len}")
     backends = args.backends or available_backends()
     print(f"backends: {', '.join(backends)}; d_model={cfg.d_model}, layers="
           f"{cfg.num_encoder_layers}+{cfg.num_decoder_layers}, batch {args.batch} x "
@@ -378,6 +379,9 @@ def main(argv: list[str] | None = None) -> int:
         return args.func(args)
     except RosettaError as e:
         print(f"rosetta: error: {e}", file=sys.stderr)
+        return 2
+    except MemoryError:  # e.g. parity --batch 1000000: a bad size, not a bug
+        print("rosetta: error: out of memory; ask for a smaller batch or model", file=sys.stderr)
         return 2
 
 
