@@ -105,13 +105,13 @@ class Model(BackendModel):
         return {name: self._numpy(value) for name, value in stages.items()}
 
     def _generate(self, src: np.ndarray, beam_size: int, alpha: float,
-                  max_len_margin: int, cache: bool = True) -> decode.Generation:
+                  max_len_margin: int, length_rule: str = "wu", cache: bool = True) -> decode.Generation:
         with self._context():
             if beam_size == 1:
                 return decode.greedy_search(self.graphdef, self.state, self.config, src, max_len_margin,
                                             cache)
             return decode.beam_search(self.graphdef, self.state, self.config, src, beam_size, alpha,
-                                      max_len_margin, cache)
+                                      max_len_margin, cache, rule=length_rule)
 
     def _step_logits(self, src: np.ndarray, tgt: np.ndarray) -> np.ndarray:
         with self._context():

@@ -17,9 +17,10 @@ from rosetta.config import ModelConfig
 from rosetta.generation import NEG, Generation, output_limits, strip
 
 
-def length_penalty(length: jax.Array | int, alpha: float) -> jax.Array:
-    """lp(Y) = ((5 + |Y|) / 6)^alpha, Wu et al. 2016, eq. 14."""
-    return ((5.0 + jnp.asarray(length, dtype=jnp.float32)) / 6.0) ** alpha
+def length_penalty(length: jax.Array | int, alpha: float, rule: str = "wu") -> jax.Array:
+    """lp(Y) = ((5 + |Y|) / 6)^alpha, Wu et al. 2016, eq. 14; |Y|^alpha for rule "hf"."""
+    n = jnp.asarray(length, dtype=jnp.float32)
+    return n**alpha if rule == "hf" else ((5.0 + n) / 6.0) ** alpha
 
 
 class Steps:
@@ -76,13 +77,13 @@ def _greedy(graphdef, state, src, limits, *, length: int, cache: bool):
     return tokens, scores
 
 
-@partial(jax.jit, static_argnames=("graphdef", "beam_size", "alpha", "length", "cache"))
-def _beam(graphdef, state, src, limits, *, beam_size: int, alpha: float, length: int, cache: bool):
+@partial(jax.jit, static_argnames=("graphdef", "beam_size", "alpha", "length", "cache", "rule"))
+def _beam(graphdef, state, src, limits, *, beam_size: int, alpha: float, length: int, cache: bool,
+          rule: str):
     module = nnx.merge(graphdef, state)
     cfg, B, K, L = module.cfg, src.shape[0], beam_size, length
     memory = jnp.repeat(module.encode(src), K, axis=0)  # beam k of sentence b: row b*K+k
     steps = Steps(module, jnp.repeat(src, K, axis=0), memory, L, cache)
-    lp_limit = length_penalty(limits, alpha)
 
     def body(carry):
         t, seqs, alive, fin_seqs, fin_scores, done, kv = carry
@@ -93,8 +94,10 @@ def _beam(graphdef, state, src, limits, *, beam_size: int, alpha: float, length:
         origin, token = top // V, top % V
         top_seqs = jnp.take_along_axis(seqs, origin[:, :, None], axis=1).at[:, :, t].set(token)
         final = (token == cfg.eos_id) | (t + 1 >= limits)[:, None]
-        # Finished: keep the best K of the old finished and the new final candidates.
-        new_scores = jnp.where(final, top_logp / length_penalty(t + 1, alpha), NEG)
+        # Finished: keep the best K of the old finished and the new final candidates (Hugging
+        # Face's rule takes them only from the top K of the 2K).
+        finishes = final & (jnp.arange(2 * K) < K) if rule == "hf" else final
+        new_scores = jnp.where(finishes, top_logp / length_penalty(t + 1, alpha, rule), NEG)
         new_fin_scores, keep = jax.lax.top_k(jnp.concatenate([fin_scores, new_scores], axis=1), K)
         new_fin_seqs = jnp.take_along_axis(jnp.concatenate([fin_seqs, top_seqs], axis=1),
                                            keep[:, :, None], axis=1)
@@ -110,7 +113,8 @@ def _beam(graphdef, state, src, limits, *, beam_size: int, alpha: float, length:
         alive = jnp.where(frozen, alive, new_alive)
         seqs = jnp.where(frozen[:, :, None], seqs, new_seqs)
         # Stop when no alive hypothesis can beat the worst kept finished one (see numpy_ref).
-        hopeless = fin_scores[:, -1] >= alive[:, 0] / lp_limit
+        bound = length_penalty(t + 1 if rule == "hf" else limits, alpha, rule)
+        hopeless = fin_scores[:, -1] >= alive[:, 0] / bound
         done = done | (t + 1 >= limits) | hopeless
         return t + 1, seqs, alive, fin_seqs, fin_scores, done, kv
 
@@ -129,8 +133,9 @@ def greedy_search(graphdef, state, cfg: ModelConfig, src: np.ndarray, max_len_ma
 
 
 def beam_search(graphdef, state, cfg: ModelConfig, src: np.ndarray, beam_size: int = 4,
-                alpha: float = 0.6, max_len_margin: int = 50, cache: bool = True) -> Generation:
+                alpha: float = 0.6, max_len_margin: int = 50, cache: bool = True,
+                rule: str = "wu") -> Generation:
     limits, L = output_limits(cfg, src, max_len_margin)
     tokens, scores = _beam(graphdef, state, src, limits, beam_size=beam_size, alpha=float(alpha),
-                           length=L, cache=cache)
+                           length=L, cache=cache, rule=rule)
     return Generation(strip(cfg, np.asarray(tokens)), np.asarray(scores, dtype=np.float64))

@@ -36,10 +36,11 @@ class Model(BackendModel):
         return stages
 
     def _generate(self, src: np.ndarray, beam_size: int, alpha: float,
-                  max_len_margin: int) -> decode.Generation:
+                  max_len_margin: int, length_rule: str = "wu") -> decode.Generation:
         if beam_size == 1:
             return decode.greedy_search(self.params, self.config, src, max_len_margin)
-        return decode.beam_search(self.params, self.config, src, beam_size, alpha, max_len_margin)
+        return decode.beam_search(self.params, self.config, src, beam_size, alpha, max_len_margin,
+                                  rule=length_rule)
 
     def _step_logits(self, src: np.ndarray, tgt: np.ndarray) -> np.ndarray:
         # The plain way: position t from the whole prefix tgt[:, :t+1], recomputed each time.

@@ -58,7 +58,7 @@ def greedy_search(params: Params, cfg: ModelConfig, src: np.ndarray,
 
 
 def beam_search(params: Params, cfg: ModelConfig, src: np.ndarray, beam_size: int = 4,
-                alpha: float = 0.6, max_len_margin: int = 50) -> Generation:
+                alpha: float = 0.6, max_len_margin: int = 50, rule: str = "wu") -> Generation:
     B, K = src.shape[0], beam_size
     limits, L = output_limits(cfg, src, max_len_margin)
     memory = np.repeat(ref.encode(params, cfg, src), K, axis=0)  # beam k of sentence b: row b*K+k
@@ -77,8 +77,10 @@ def beam_search(params: Params, cfg: ModelConfig, src: np.ndarray, beam_size: in
         top_seqs = np.take_along_axis(seqs, origin[:, :, None], axis=1)
         top_seqs[:, :, t] = token
         final = (token == cfg.eos_id) | (t + 1 >= limits)[:, None]
-        # Finished: keep the best K of the old finished and the new final candidates.
-        new_scores = np.where(final, top_logp / length_penalty(t + 1, alpha), NEG)
+        # Finished: keep the best K of the old finished and the new final candidates (Hugging
+        # Face's rule takes them only from the top K of the 2K).
+        finishes = final & (np.arange(2 * K) < K) if rule == "hf" else final
+        new_scores = np.where(finishes, top_logp / length_penalty(t + 1, alpha, rule), NEG)
         all_scores = np.concatenate([fin_scores, new_scores], axis=1)
         keep = np.argsort(-all_scores, axis=-1, kind="stable")[:, :K]
         new_fin_scores = np.take_along_axis(all_scores, keep, axis=1)
@@ -97,7 +99,9 @@ def beam_search(params: Params, cfg: ModelConfig, src: np.ndarray, beam_size: in
         seqs = np.where(frozen[:, :, None], seqs, new_seqs)
         # Stop when no alive hypothesis can beat the worst kept finished one: log-probs only
         # fall and, for alpha >= 0, lp grows, so alive/lp(limit) bounds any future score.
-        hopeless = fin_scores[:, -1] >= alive[:, 0] / length_penalty(limits, alpha)
+        # Hugging Face's heuristic divides by lp of the current length instead.
+        bound = length_penalty(t + 1 if rule == "hf" else limits, alpha, rule)
+        hopeless = fin_scores[:, -1] >= alive[:, 0] / bound
         done |= (t + 1 >= limits) | hopeless
         if done.all():
             break

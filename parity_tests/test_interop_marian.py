@@ -142,6 +142,33 @@ def test_marian_greedy_equals_generate(marian_dir, tmp_path):
     assert any(n > 0 for n in lengths), lengths
 
 
+def hf_beam(model: MarianMTModel, src_row: np.ndarray, max_new_tokens: int, alpha: float) -> list[int]:
+    """Hugging Face's beam search (4 beams, its default early_stopping=False) on one sentence."""
+    with torch.no_grad():
+        out = model.generate(torch.tensor(src_row[None]), num_beams=4, do_sample=False, length_penalty=alpha,
+                             early_stopping=False, max_new_tokens=max_new_tokens, bad_words_ids=[[PAD]],
+                             forced_eos_token_id=None)[0, 1:].tolist()
+    return [t for t in (out[: out.index(EOS)] if EOS in out else out) if t != PAD]
+
+
+@pytest.mark.parametrize("alpha", [0.6, 1.0])
+def test_marian_beam_with_the_hugging_face_rule_equals_generate(marian_dir, tmp_path, alpha):
+    model, path = marian_dir
+    cfg, _ = read_marian(path)
+    src, _ = batch(cfg, seed=4)
+    margin = 5
+    model = MarianMTModel.from_pretrained(path).eval()
+    end_some_sentences(model, src, steps=src.shape[1] + margin)
+    model.save_pretrained(tmp_path / "eos")
+    cfg, params = read_marian(tmp_path / "eos")
+    limits = (src != PAD).sum(axis=1) + margin
+    theirs = [hf_beam(model, row[row != PAD], int(limit), alpha) for row, limit in zip(src, limits, strict=True)]
+    for backend in BACKENDS:
+        ours = rosetta.from_params(cfg, params, backend=backend).generate(
+            src, beam_size=4, alpha=alpha, max_len_margin=margin, length_rule="hf")
+        assert ours.tokens == theirs, backend
+
+
 def test_marian_to_ours_to_marian_is_bit_exact(marian_dir):
     _, path = marian_dir
     stored = safetensors.numpy.load_file(str(path / "model.safetensors"))

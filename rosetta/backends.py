@@ -21,7 +21,7 @@ import numpy as np
 from rosetta.checkpoint import check_params, load_checkpoint, save_checkpoint
 from rosetta.config import ModelConfig
 from rosetta.errors import InputError, RosettaError
-from rosetta.generation import Generation
+from rosetta.generation import LENGTH_RULES, Generation
 from rosetta.inputs import check_int, check_real, check_src, check_tgt
 from rosetta.params import Params
 
@@ -88,9 +88,11 @@ class BackendModel(ABC):
         return self._stages(src, check_tgt(self.config, tgt, src.shape[0]))
 
     def generate(self, src: object, beam_size: int = 1, alpha: float = 0.6,
-                 max_len_margin: int = 50) -> Generation:
+                 max_len_margin: int = 50, length_rule: str = "wu") -> Generation:
         """Translate source ids [B, S]: greedy search for beam_size 1, else beam search with
-        the length penalty of Wu et al. 2016 (the paper: beam 4, alpha 0.6, margin 50). Each
+        the length penalty of Wu et al. 2016 (the paper: beam 4, alpha 0.6, margin 50), or with
+        `length_rule="hf"` Hugging Face generate's rule (log P / n^alpha, rosetta/generation.py's
+        LENGTH_RULES; PITFALLS 15), to compare beam outputs with Hugging Face's. Each
         sentence emits at most (its real length + max_len_margin) tokens, capped at max_len.
         Identical algorithm in every backend (numpy_ref/decode.py). Numeric arguments follow
         rosetta/inputs.py's rule (NumPy scalars welcome, bools refused); the beam is at most the
@@ -104,7 +106,9 @@ class BackendModel(ABC):
                              f"give at most {vocab}")
         alpha = check_real(alpha, "alpha", minimum=0.0)
         max_len_margin = check_int(max_len_margin, "max_len_margin", minimum=0)
-        return self._generate(src, beam_size, alpha, max_len_margin)
+        if length_rule not in LENGTH_RULES:
+            raise InputError(f"length_rule {length_rule!r}: one of {', '.join(LENGTH_RULES)}")
+        return self._generate(src, beam_size, alpha, max_len_margin, length_rule)
 
     def step_logits(self, src: object, tgt: object) -> np.ndarray:
         """logits [B, T, V] computed the way generation does, one position at a time (with the
@@ -134,7 +138,7 @@ class BackendModel(ABC):
 
     @abstractmethod
     def _generate(self, src: np.ndarray, beam_size: int, alpha: float,
-                  max_len_margin: int) -> Generation: ...
+                  max_len_margin: int, length_rule: str = "wu") -> Generation: ...
 
     @abstractmethod
     def _step_logits(self, src: np.ndarray, tgt: np.ndarray) -> np.ndarray: ...

@@ -12,6 +12,12 @@ import numpy as np
 from rosetta.config import ModelConfig
 
 NEG = -1e9  # "impossible" score: finite, so NEG - NEG is 0, not NaN
+# Beam search's rule for finished hypotheses (PITFALLS 15). "wu": score log P / lp(n) with
+# lp(n) = ((5 + n) / 6)^alpha (Wu et al. 2016, eq. 14), finished candidates from all 2K, stop when
+# no alive hypothesis can win even at the length limit. "hf": Hugging Face generate's beam search
+# (transformers 5, early_stopping=False): log P / n^alpha, finished candidates only from the top K
+# of the 2K, stop judged at the current length n (its heuristic).
+LENGTH_RULES = ("wu", "hf")
 
 
 @dataclass(frozen=True)
@@ -23,9 +29,10 @@ class Generation:
     scores: np.ndarray
 
 
-def length_penalty(length: np.ndarray | int, alpha: float) -> np.ndarray:
-    """lp(Y) = ((5 + |Y|) / 6)^alpha, Wu et al. 2016, eq. 14."""
-    return ((5.0 + np.asarray(length, dtype=np.float64)) / 6.0) ** alpha
+def length_penalty(length: np.ndarray | int, alpha: float, rule: str = "wu") -> np.ndarray:
+    """lp(Y) = ((5 + |Y|) / 6)^alpha, Wu et al. 2016, eq. 14; |Y|^alpha for rule "hf"."""
+    n = np.asarray(length, dtype=np.float64)
+    return n**alpha if rule == "hf" else ((5.0 + n) / 6.0) ** alpha
 
 
 def output_limits(cfg: ModelConfig, src: np.ndarray, max_len_margin: int) -> tuple[np.ndarray, int]:

@@ -11,9 +11,10 @@ from rosetta.generation import NEG, Generation, output_limits, strip
 from torch_impl.model import Transformer, source_mask
 
 
-def length_penalty(length: torch.Tensor | int, alpha: float) -> torch.Tensor:
-    """lp(Y) = ((5 + |Y|) / 6)^alpha, Wu et al. 2016, eq. 14."""
-    return ((5.0 + torch.as_tensor(length, dtype=torch.float32)) / 6.0) ** alpha
+def length_penalty(length: torch.Tensor | int, alpha: float, rule: str = "wu") -> torch.Tensor:
+    """lp(Y) = ((5 + |Y|) / 6)^alpha, Wu et al. 2016, eq. 14; |Y|^alpha for rule "hf"."""
+    n = torch.as_tensor(length, dtype=torch.float32)
+    return n**alpha if rule == "hf" else ((5.0 + n) / 6.0) ** alpha
 
 
 class Steps:
@@ -73,7 +74,8 @@ def greedy_search(module: Transformer, cfg: ModelConfig, src: torch.Tensor,
 
 
 def beam_search(module: Transformer, cfg: ModelConfig, src: torch.Tensor, beam_size: int = 4,
-                alpha: float = 0.6, max_len_margin: int = 50, cache: bool = True) -> Generation:
+                alpha: float = 0.6, max_len_margin: int = 50, cache: bool = True,
+                rule: str = "wu") -> Generation:
     B, K, dev = src.shape[0], beam_size, src.device
     limits_np, L = output_limits(cfg, src.cpu().numpy(), max_len_margin)
     limits = torch.as_tensor(limits_np, device=dev)
@@ -92,8 +94,10 @@ def beam_search(module: Transformer, cfg: ModelConfig, src: torch.Tensor, beam_s
         top_seqs = seqs.gather(1, origin[:, :, None].expand(B, 2 * K, L)).clone()
         top_seqs[:, :, t] = token
         final = (token == cfg.eos_id) | (t + 1 >= limits)[:, None]
-        # Finished: keep the best K of the old finished and the new final candidates.
-        new_scores = torch.where(final, top_logp / length_penalty(t + 1, alpha), NEG)
+        # Finished: keep the best K of the old finished and the new final candidates (Hugging
+        # Face's rule takes them only from the top K of the 2K).
+        finishes = final & (torch.arange(2 * K, device=dev) < K) if rule == "hf" else final
+        new_scores = torch.where(finishes, top_logp / length_penalty(t + 1, alpha, rule), NEG)
         all_scores = torch.cat([fin_scores, new_scores], dim=1)
         new_fin_scores, keep = topk_stable(all_scores, K)
         new_fin_seqs = torch.cat([fin_seqs, top_seqs], dim=1).gather(1, keep[:, :, None].expand(B, K, L))
@@ -108,7 +112,8 @@ def beam_search(module: Transformer, cfg: ModelConfig, src: torch.Tensor, beam_s
         alive = torch.where(frozen, alive, new_alive)
         seqs = torch.where(frozen[:, :, None], seqs, new_seqs)
         # Stop when no alive hypothesis can beat the worst kept finished one (see numpy_ref).
-        hopeless = fin_scores[:, -1] >= alive[:, 0] / length_penalty(limits, alpha)
+        bound = length_penalty(t + 1 if rule == "hf" else limits, alpha, rule)
+        hopeless = fin_scores[:, -1] >= alive[:, 0] / bound
         done |= (t + 1 >= limits) | hopeless
         if bool(done.all()):
             break
