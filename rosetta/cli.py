@@ -8,6 +8,8 @@
     rosetta train --backend torch jax --task copy --steps 300 --out runs/copy
     rosetta train --backend torch --task multi30k --pair de-en --vocab-size 8000 --epochs 10 --out runs/de-en
     echo "Ein Hund läuft." | rosetta translate --run runs/de-en/torch --backend numpy --beam 4
+    rosetta convert opus-mt-de-en/ de-en.safetensors            # Hugging Face Marian -> ours
+    rosetta convert runs/de-en/torch/checkpoints/latest hf-de-en/ --to marian   # and tokenizer.json
 
 Exit codes (every command):
     0  success; for `parity`: every backend and dtype within its tolerance (rosetta.parity.TOLERANCES)
@@ -34,7 +36,9 @@ from collections.abc import Callable
 from rosetta.checkpoint import load_checkpoint, save_checkpoint
 from rosetta.config import PRESETS, ModelConfig, preset
 from rosetta.errors import RosettaError
+from rosetta.generation import LENGTH_RULES
 from rosetta.inputs import parse_id_line, split_lines
+from rosetta.interop.convert import FORMATS
 from rosetta.params import init_params, param_count
 
 
@@ -171,7 +175,7 @@ def cmd_generate(args: argparse.Namespace) -> int:
         src = np.full((len(chunk), max(map(len, chunk))), pad, dtype=np.int64)
         for i, row in enumerate(chunk):
             src[i, : len(row)] = row
-        out = model.generate(src, args.beam, args.alpha, args.margin)
+        out = model.generate(src, args.beam, args.alpha, args.margin, args.length_rule)
         for tokens, score in zip(out.tokens, out.scores, strict=True):
             text = " ".join(map(str, tokens))
             print(f"{text}\t{score:.6f}" if args.scores else text)
@@ -261,8 +265,33 @@ def cmd_translate(args: argparse.Namespace) -> int:
         raise RosettaError(f"the tokenizer has {tokenizer.vocab_size} ids but the model's source vocabulary "
                            f"has {model.config.src_vocab_size}: not the tokenizer the model was trained with")
     lines = _stdin_lines()
-    for line in translate_lines(model, tokenizer, lines, args.beam, args.alpha, args.margin, args.batch_size):
+    for line in translate_lines(model, tokenizer, lines, args.beam, args.alpha, args.margin, args.batch_size,
+                                args.length_rule):
         print(line)
+    return 0
+
+
+def cmd_convert(args: argparse.Namespace) -> int:
+    from pathlib import Path
+
+    from rosetta.harness.run_dir import LATEST
+    from rosetta.interop import marian
+    from rosetta.interop.convert import convert
+
+    src, tokenizer, fmt_in = Path(args.src), None, args.from_format
+    is_run = src.is_dir() or (src.name == LATEST and src.is_file())
+    if is_run and fmt_in in (None, "rosetta") and not marian.is_marian(src):
+        # A run or checkpoint directory of `rosetta train` (or its checkpoints/latest pointer): its
+        # checkpoint, and its tokenizer.
+        from rosetta.harness.translate import resolve_run
+
+        src, tokenizer = resolve_run(src)
+        fmt_in = "rosetta"
+    done = convert(src, args.dst, fmt_in, args.to_format, _overrides(args.set))
+    print(f"wrote {done.path} ({done.to_format}) from {src} ({done.from_format})")
+    if tokenizer is not None and done.to_format == "marian":
+        written = marian.write_tokenizer(tokenizer, done.path, done.config)
+        print(f"wrote {written} (PreTrainedTokenizerFast) from {tokenizer}")
     return 0
 
 
@@ -277,6 +306,9 @@ def _add_search_args(p: argparse.ArgumentParser, beam: int) -> None:
     p.add_argument("--margin", type=non_negative_int, default=50,
                    help="max output length = source length + margin")
     p.add_argument("--batch-size", type=positive_int, default=32, help="sentences decoded at once")
+    p.add_argument("--length-rule", choices=LENGTH_RULES, default="wu",
+                   help="beam score: wu = log P / ((5 + n) / 6)^alpha (Wu et al. 2016); hf = Hugging Face "
+                        "generate's beam search, log P / n^alpha")
 
 
 def _add_train_args(p: argparse.ArgumentParser) -> None:
@@ -370,6 +402,19 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--tokenizer", help="... and its tokenizer.json (none: lines are token ids)")
     _add_search_args(p, beam=4)
     p.set_defaults(func=cmd_translate)
+
+    p = cmds.add_parser("convert", help="convert a model between formats: rosetta, marian, flax-wmt",
+                        epilog="formats: rosetta (a checkpoint file, checkpoint or run directory), marian (a "
+                               "Hugging Face MarianMTModel directory), flax-wmt (Flax examples/wmt params, "
+                               "msgpack). Output format from DST's name: .safetensors, .msgpack, else a "
+                               "directory (marian). A run's tokenizer goes with a marian output.")
+    p.add_argument("src", help="the model to read")
+    p.add_argument("dst", help="where to write it")
+    p.add_argument("--from", dest="from_format", choices=FORMATS, help="input format (default: detected)")
+    p.add_argument("--to", dest="to_format", choices=FORMATS, help="output format (default: from DST)")
+    p.add_argument("--set", action="append", default=[], metavar="FIELD=VALUE",
+                   help="a config field the input cannot say (max_len, eos_id, ...; repeatable)")
+    p.set_defaults(func=cmd_convert)
     return parser
 
 

@@ -20,15 +20,20 @@ import numpy as np
 from rosetta.backends import BackendModel
 from rosetta.config import ModelConfig
 from rosetta.errors import InputError, RosettaError
-from rosetta.harness.run_dir import check_checkpoint_dir, is_checkpoint_name, latest_checkpoint
+from rosetta.harness.run_dir import LATEST, check_checkpoint_dir, is_checkpoint_name, latest_checkpoint
 from rosetta.harness.tokenizer import Tokenizer
 from rosetta.inputs import check_int, parse_id_line
 
 
 def resolve_run(path: str | os.PathLike[str]) -> tuple[Path, Path | None]:
-    """(model.safetensors, tokenizer.json or None) of a run directory, a backend's run directory
-    or a checkpoint directory."""
+    """(model.safetensors, tokenizer.json or None) of a run directory, a backend's run directory,
+    a checkpoint directory, or a checkpoints/latest pointer file."""
     path = Path(path)
+    if path.name == LATEST and path.is_file():  # checkpoints/latest, the pointer file: what it names
+        named = latest_checkpoint(path.parent)
+        if named is None:
+            raise RosettaError(f"--run {path}: names no complete checkpoint")
+        return resolve_run(named)
     if not path.is_dir():
         raise RosettaError(f"--run {path}: no such directory")
     if (path / "model.safetensors").is_file():
@@ -66,7 +71,8 @@ def encode_line(line: str, number: int, tokenizer: Tokenizer | None, cfg: ModelC
 
 
 def translate_lines(model: BackendModel, tokenizer: Tokenizer | None, lines: Sequence[str], beam: int = 4,
-                    alpha: float = 0.6, max_len_margin: int = 50, batch_size: int = 32) -> list[str]:
+                    alpha: float = 0.6, max_len_margin: int = 50, batch_size: int = 32,
+                    length_rule: str = "wu") -> list[str]:
     """One output per input line (an empty line gives an empty output), in input order."""
     cfg = model.config
     batch_size = check_int(batch_size, "batch_size", minimum=1)
@@ -86,7 +92,7 @@ def translate_lines(model: BackendModel, tokenizer: Tokenizer | None, lines: Seq
         src = np.full((len(chunk), max(len(ids) for _, ids in chunk)), cfg.pad_id, dtype=np.int64)
         for row, (_, ids) in enumerate(chunk):
             src[row, :len(ids)] = ids
-        generated = model.generate(src, beam, alpha, max_len_margin).tokens
+        generated = model.generate(src, beam, alpha, max_len_margin, length_rule).tokens
         for (index, _), tokens in zip(chunk, generated, strict=True):
             outputs[index] = (tokenizer.decode(tokens) if tokenizer is not None
                               else " ".join(str(t) for t in tokens))

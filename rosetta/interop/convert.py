@@ -17,7 +17,7 @@ from __future__ import annotations
 import os
 from collections.abc import Mapping
 from pathlib import Path
-from typing import Any
+from typing import Any, NamedTuple
 
 from rosetta.checkpoint import FORMAT, load_checkpoint, read_header, save_checkpoint
 from rosetta.config import ModelConfig
@@ -98,10 +98,16 @@ def write_model(path: str | os.PathLike, cfg: ModelConfig, params: Mapping[str, 
     return flax_wmt.write_flax_wmt(path, cfg, params)
 
 
+class Converted(NamedTuple):
+    from_format: str
+    to_format: str
+    path: Path
+    config: ModelConfig
+
+
 def convert(src: str | os.PathLike, dst: str | os.PathLike, from_format: str | None = None,
-            to_format: str | None = None,
-            overrides: Mapping[str, Any] | None = None) -> tuple[str, str, Path]:
-    """Read `src`, write `dst`; returns (input format, output format, written path)."""
+            to_format: str | None = None, overrides: Mapping[str, Any] | None = None) -> Converted:
+    """Read `src`, write `dst`: the formats, the written path and the model's config."""
     if Path(src).resolve() == Path(dst).resolve():
         raise ConfigError(f"{dst}: the destination is the source")
     fmt_in = from_format or detect_format(src)
@@ -109,7 +115,7 @@ def convert(src: str | os.PathLike, dst: str | os.PathLike, from_format: str | N
     _check_format(fmt_in, "--from")
     _check_format(fmt_out, "--to")
     cfg, params = read_model(src, fmt_in, overrides)
-    return fmt_in, fmt_out, write_model(dst, cfg, params, fmt_out)
+    return Converted(fmt_in, fmt_out, write_model(dst, cfg, params, fmt_out), cfg)
 
 
 def read_nn_transformer(*args: Any, **kwargs: Any) -> tuple[ModelConfig, Params]:
