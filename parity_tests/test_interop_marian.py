@@ -162,7 +162,8 @@ def test_marian_beam_with_the_hugging_face_rule_equals_generate(marian_dir, tmp_
     model.save_pretrained(tmp_path / "eos")
     cfg, params = read_marian(tmp_path / "eos")
     limits = (src != PAD).sum(axis=1) + margin
-    theirs = [hf_beam(model, row[row != PAD], int(limit), alpha) for row, limit in zip(src, limits, strict=True)]
+    theirs = [hf_beam(model, row[row != PAD], int(limit), alpha)
+              for row, limit in zip(src, limits, strict=True)]
     for backend in BACKENDS:
         ours = rosetta.from_params(cfg, params, backend=backend).generate(
             src, beam_size=4, alpha=alpha, max_len_margin=margin, length_rule="hf")
