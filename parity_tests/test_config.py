@@ -2,6 +2,9 @@
 
 from __future__ import annotations
 
+import json
+import time
+
 import pytest
 
 from parity_tests.conftest import CONFIG_VARIANTS, variant_config
@@ -87,3 +90,93 @@ def test_bad_json_and_unknown_preset():
         ModelConfig.from_json("[1, 2]")
     with pytest.raises(ConfigError, match="unknown preset 'huge'"):
         preset("huge")
+
+
+# -- untrusted configs: finite, bounded, unambiguous (issue 11) --------------------------------
+
+NONFINITE_OR_OUT_OF_RANGE = [
+    ({"layer_norm_eps": float("inf")}, "layer_norm_eps must be a positive number"),
+    ({"layer_norm_eps": float("nan")}, "layer_norm_eps must be a positive number"),
+    ({"layer_norm_eps": -1e-5}, "layer_norm_eps must be a positive number"),
+    ({"layer_norm_eps": 1e-300}, "layer_norm_eps"),  # flushes to zero in float32
+    ({"layer_norm_eps": 5.0}, "layer_norm_eps"),  # not a small guard
+    ({"dropout": float("nan")}, "dropout must be a number in [0, 1)"),
+    ({"dropout": float("inf")}, "dropout must be a number in [0, 1)"),
+    ({"attention_dropout": float("nan")}, "attention_dropout must be a number in [0, 1)"),
+    ({"activation_dropout": float("-inf")}, "activation_dropout must be a number in [0, 1)"),
+]
+
+
+@pytest.mark.parametrize("overrides,message", NONFINITE_OR_OUT_OF_RANGE,
+                         ids=[str(o) for o, _ in NONFINITE_OR_OUT_OF_RANGE])
+def test_float_fields_must_be_finite_and_in_range(overrides, message):
+    with pytest.raises(ConfigError) as err:
+        ModelConfig.from_dict({**PRESETS["tiny"], **overrides})
+    assert message in str(err.value)
+
+
+# Sizes real models use, from their papers and configs: every one must be accepted.
+REAL_MODELS = {
+    "paper_big": dict(d_model=1024, num_heads=16, d_ff=4096, src_vocab_size=37000, tgt_vocab_size=37000),
+    "marian_big": dict(d_model=1024, num_heads=16, d_ff=4096, src_vocab_size=58101,
+                       tgt_vocab_size=58101, max_len=1024),
+    "t5_11b_widths": dict(d_model=1024, num_heads=128, d_ff=65536, src_vocab_size=32128,
+                          tgt_vocab_size=32128),
+    "mt5_xxl": dict(d_model=4096, num_heads=64, d_ff=10240, src_vocab_size=250112,
+                    tgt_vocab_size=250112, num_encoder_layers=24, num_decoder_layers=24),
+    "deepnet_1000_layers": dict(num_encoder_layers=500, num_decoder_layers=500),
+    "million_token_vocab": dict(src_vocab_size=1_000_000, tgt_vocab_size=1_000_000),
+    "long_documents": dict(max_len=65536),
+}
+
+
+@pytest.mark.parametrize("name", sorted(REAL_MODELS))
+def test_bounds_admit_every_real_model(name):
+    cfg = ModelConfig.from_dict({**PRESETS["base"], **REAL_MODELS[name]})
+    assert ModelConfig.from_json(cfg.to_json()) == cfg
+
+
+HOSTILE = [
+    ({"num_encoder_layers": 1_000_000_000}, "num_encoder_layers must be <= "),
+    ({"num_decoder_layers": 10**30}, "num_decoder_layers must be <= "),
+    ({"max_len": 100_000_000}, "max_len must be <= "),
+    ({"d_model": 2**40, "num_heads": 1}, "d_model must be <= "),
+    ({"d_ff": 10**12}, "d_ff must be <= "),
+    ({"num_heads": 2**20, "d_model": 2**20}, "must be <= "),
+    ({"src_vocab_size": 10**10, "tgt_vocab_size": 10**10}, "src_vocab_size must be <= "),
+    ({"tgt_vocab_size": 10**10, "share_embeddings": "none"}, "tgt_vocab_size must be <= "),
+]
+
+
+@pytest.mark.parametrize("overrides,message", HOSTILE, ids=[str(o) for o, _ in HOSTILE])
+def test_hostile_sizes_are_refused_with_the_reason(overrides, message):
+    with pytest.raises(ConfigError) as err:
+        ModelConfig.from_dict({**PRESETS["tiny"], **overrides})
+    assert message in str(err.value)
+    assert "untrusted" in str(err.value)  # the reason, not just the number
+
+
+def test_hostile_config_json_is_refused_at_once():
+    # A billion layers used to hang in param_shapes until memory ran out.
+    text = json.dumps({**PRESETS["tiny"], "num_encoder_layers": 1_000_000_000})
+    start = time.perf_counter()
+    with pytest.raises(ConfigError, match="num_encoder_layers must be <= "):
+        ModelConfig.from_json(text)
+    assert time.perf_counter() - start < 1.0
+
+
+@pytest.mark.parametrize("text,message", [
+    ('{"src_vocab_size": 64, "tgt_vocab_size": 64, "src_vocab_size": 64}',
+     "duplicate key 'src_vocab_size'"),
+    ('{"src_vocab_size": 64, "tgt_vocab_size": 64, "layer_norm_eps": NaN}', "NaN"),
+    ('{"src_vocab_size": 64, "tgt_vocab_size": 64, "layer_norm_eps": Infinity}', "Infinity"),
+    ('{"src_vocab_size": 64, "tgt_vocab_size": 64, "dropout": -Infinity}', "-Infinity"),
+    ('{"src_vocab_size": 64, "tgt_vocab_size": 64, "layer_norm_eps": 1e400}', "out of range"),
+    ('{"src_vocab_size": 64, "tgt_vocab_size": 64, "d_model": ' + "9" * 5000 + "}", "config"),
+    ("[" * 100_000 + "]" * 100_000, "nested too deeply"),
+])
+def test_json_that_python_accepts_but_json_does_not_mean_is_refused(text, message):
+    with pytest.raises(ConfigError) as err:
+        ModelConfig.from_json(text)
+    assert message in str(err.value)
+    assert "\n" not in str(err.value)

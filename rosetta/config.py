@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import dataclasses
 import json
+import math
 from dataclasses import dataclass
 from typing import Any
 
@@ -17,6 +18,32 @@ ACTIVATIONS = ("relu", "gelu", "gelu_tanh", "silu")
 POSITIONAL_ENCODINGS = ("sinusoidal_interleaved", "sinusoidal_concat", "sinusoidal_concat_t2t")
 SHARE_EMBEDDINGS = ("none", "decoder", "src_tgt", "all")
 REQUIRED_FIELDS = ("src_vocab_size", "tgt_vocab_size")
+
+# Upper bounds on the size fields. A config travels inside checkpoint files, which may come from
+# anywhere: without bounds a file of a few kilobytes could ask for a billion layers or a
+# 10^8-row positional table and take every byte of memory before anything else is checked.
+# Each bound admits every real encoder-decoder model with a wide margin:
+LIMITS: dict[str, int] = {
+    # 2^21 = 2,097,152 tokens: multilingual vocabularies reach 250k (mT5, NLLB); ~1M fits.
+    "src_vocab_size": 2**21,
+    "tgt_vocab_size": 2**21,
+    # 16,384: the paper's big model and Marian's big models use 1,024; mT5-XXL and UL2 4,096.
+    "d_model": 2**14,
+    # 1,024 heads: T5-11B has 128, the paper's big model 16.
+    "num_heads": 2**10,
+    # 131,072: the widest known feed-forward block is T5-11B's 65,536.
+    "d_ff": 2**17,
+    # 1,024 layers per stack: the deepest trained encoder-decoder, DeepNet (Wang et al. 2022),
+    # has 500 + 500; the paper and Marian use 6.
+    "num_encoder_layers": 2**10,
+    "num_decoder_layers": 2**10,
+    # 2^20 = 1,048,576 positions: long-document models run 16k-64k; the paper's default is 1,024.
+    "max_len": 2**20,
+}
+# layer_norm_eps: positive and small. Real values run from 1e-12 (BERT) to 1e-5 (the paper's
+# frameworks); an eps below float32's smallest normal number would flush to zero in float32
+# compute (a zero variance would then divide by zero), one above 0.1 is no longer a small guard.
+LAYER_NORM_EPS_RANGE = (1.1754943508222875e-38, 0.1)
 
 
 @dataclass(frozen=True)
@@ -85,10 +112,48 @@ class ModelConfig:
         return dataclasses.replace(self, **changes)
 
 
+class JSONRefused(ValueError):
+    """Text that Python's json module would accept but that a strict reader must not."""
+
+
+def _unique_keys(pairs: list[tuple[str, Any]]) -> dict[str, Any]:
+    # Python keeps the last of duplicate keys; another reader may keep the first. A config that
+    # means different things to different readers is refused.
+    obj: dict[str, Any] = {}
+    for key, value in pairs:
+        if key in obj:
+            raise JSONRefused(f"duplicate key {key!r}")
+        obj[key] = value
+    return obj
+
+
+def _no_constant(name: str) -> Any:
+    raise JSONRefused(f"{name} is not a JSON number")
+
+
+def _finite_float(text: str) -> float:
+    value = float(text)
+    if not math.isfinite(value):  # 1e400 parses as infinity
+        raise JSONRefused(f"number {text} is out of range")
+    return value
+
+
+def strict_json_loads(text: str) -> Any:
+    """json.loads without Python's extensions: duplicate keys, NaN, Infinity and numbers that
+    overflow to infinity are refused. Raises ValueError (JSONRefused or JSONDecodeError)."""
+    try:
+        return json.loads(text, object_pairs_hook=_unique_keys, parse_constant=_no_constant,
+                          parse_float=_finite_float)
+    except RecursionError:
+        raise JSONRefused("nested too deeply") from None
+
+
 def parse_json(text: str, what: str) -> Any:
     try:
-        return json.loads(text)
-    except json.JSONDecodeError as e:
+        return strict_json_loads(text)
+    except JSONRefused as e:
+        raise ConfigError(f"{what} JSON refused: {e}") from None
+    except ValueError as e:  # JSONDecodeError, or an integer too long to convert
         raise ConfigError(f"{what} is not valid JSON: {e}") from None
 
 
@@ -138,14 +203,33 @@ def _check_int(cfg: ModelConfig, name: str, minimum: int) -> None:
         raise ConfigError(f"{name} must be an integer, got {value!r}")
     if value < minimum:
         raise ConfigError(f"{name} must be >= {minimum}, got {value}")
+    if name in LIMITS and value > LIMITS[name]:
+        raise ConfigError(
+            f"{name} must be <= {LIMITS[name]:,} (a bound that keeps untrusted files from "
+            f"exhausting memory; real models stay far below it), got {value:,}"
+        )
+
+
+def _is_number(value: Any) -> bool:
+    return isinstance(value, (int, float)) and not isinstance(value, bool)
 
 
 def _check_rate(cfg: ModelConfig, name: str) -> None:
     value = getattr(cfg, name)
     if value is None and name == "activation_dropout":
         return
-    if isinstance(value, bool) or not isinstance(value, (int, float)) or not 0.0 <= value < 1.0:
+    # NaN fails the range test too; infinity is outside it.
+    if not _is_number(value) or not 0.0 <= value < 1.0:
         raise ConfigError(f"{name} must be a number in [0, 1), got {value!r}")
+
+
+def _check_eps(cfg: ModelConfig) -> None:
+    eps, (low, high) = cfg.layer_norm_eps, LAYER_NORM_EPS_RANGE
+    if not _is_number(eps) or not low <= eps <= high:  # NaN and infinity fail the range test
+        raise ConfigError(
+            f"layer_norm_eps must be a positive number in [{low:.3g}, {high:g}] (a finite, "
+            f"small guard that float32 can hold), got {eps!r}"
+        )
 
 
 def _check_choice(cfg: ModelConfig, name: str, choices: tuple[str, ...]) -> None:
@@ -174,9 +258,7 @@ def _validate(cfg: ModelConfig) -> None:
     _check_choice(cfg, "activation", ACTIVATIONS)
     _check_choice(cfg, "positional_encoding", POSITIONAL_ENCODINGS)
     _check_choice(cfg, "share_embeddings", SHARE_EMBEDDINGS)
-    eps = cfg.layer_norm_eps
-    if isinstance(eps, bool) or not isinstance(eps, (int, float)) or not eps > 0:
-        raise ConfigError(f"layer_norm_eps must be a positive number, got {eps!r}")
+    _check_eps(cfg)
     # Sinusoidal tables pair one sine with one cosine per frequency (paper §3.5).
     if cfg.d_model % 2:
         raise ConfigError(f"d_model must be even, got {cfg.d_model}")

@@ -7,6 +7,7 @@ Dense kernels are in math layout `[in, out]` (`y = x @ kernel + bias`); PyTorch'
 
 from __future__ import annotations
 
+from dataclasses import dataclass
 from typing import NamedTuple
 
 import numpy as np
@@ -86,8 +87,45 @@ def param_shapes(cfg: ModelConfig) -> dict[str, tuple[int, ...]]:
     return shapes
 
 
+@dataclass(frozen=True)
+class Size:
+    """How many tensors, and how many numbers in them."""
+
+    tensors: int
+    params: int
+
+    def __add__(self, other: Size) -> Size:
+        return Size(self.tensors + other.tensors, self.params + other.params)
+
+    def __mul__(self, times: int) -> Size:
+        return Size(self.tensors * times, self.params * times)
+
+
+def checkpoint_size(cfg: ModelConfig) -> Size:
+    """The size of `param_shapes(cfg)`, by arithmetic: constant time however large the config,
+    so a file's header can be checked against it before any per-tensor work."""
+    d, f, ab, fb = cfg.d_model, cfg.d_ff, int(cfg.attention_bias), int(cfg.ffn_bias)
+    attention = Size(4 + 4 * ab, 4 * d * d + 4 * d * ab)
+    norm = Size(2, 2 * d)
+    ffn = Size(2 + 2 * fb, 2 * d * f + (f + d) * fb)
+    encoder_layer = attention + norm + ffn + norm
+    decoder_layer = attention * 2 + norm * 2 + ffn + norm
+    total = encoder_layer * cfg.num_encoder_layers + decoder_layer * cfg.num_decoder_layers
+    if cfg.has_final_norm:
+        total = total + norm * 2
+    names = embedding_names(cfg)
+    for table in dict.fromkeys((names.src, names.tgt)):  # one table when shared
+        vocab = cfg.tgt_vocab_size if table.startswith("tgt") else cfg.src_vocab_size
+        total = total + Size(1, vocab * d)
+    if names.output is not None:
+        total = total + Size(1, d * cfg.tgt_vocab_size)
+    if cfg.output_bias:
+        total = total + Size(1, cfg.tgt_vocab_size)
+    return total
+
+
 def param_count(cfg: ModelConfig) -> int:
-    return sum(int(np.prod(shape)) for shape in param_shapes(cfg).values())
+    return checkpoint_size(cfg).params
 
 
 def init_params(cfg: ModelConfig, seed: int = 0, dtype: type = np.float32) -> Params:
