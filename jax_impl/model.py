@@ -23,6 +23,12 @@ from rosetta.positional import positional_encoding
 
 Stages = dict[str, jax.Array]
 
+# The sinusoidal table covers the first min(max_len, POSITION_ROWS) positions when the model is
+# built; a longer sequence gets a longer table built when its function is traced: its size
+# follows the sequences actually run, not the config's max_len, which comes from a possibly
+# hostile file (10^8 positions would take gigabytes). torch_impl/model.py does the same.
+POSITION_ROWS = 1024
+
 
 # -- Building blocks -----------------------------------------------------------------------
 
@@ -238,10 +244,20 @@ class Transformer(nnx.Module):
         self.positions = Positions(self.positions_table(cfg))
 
     @staticmethod
-    def positions_table(cfg: ModelConfig) -> jax.Array:
-        # Computed in float64 by the reference and cast once (see positional_encoding).
-        table = positional_encoding(cfg.positional_encoding, cfg.max_len, cfg.d_model)
+    def positions_table(cfg: ModelConfig, rows: int | None = None) -> jax.Array:
+        """The first `rows` positions (min(max_len, POSITION_ROWS) if None), computed in float64
+        by the reference and cast once (see positional_encoding)."""
+        rows = min(cfg.max_len, POSITION_ROWS) if rows is None else rows
+        table = positional_encoding(cfg.positional_encoding, rows, cfg.d_model)
         return jnp.asarray(table, dtype=jnp.float32)
+
+    def position_table(self, rows: int) -> jax.Array:
+        """The sinusoidal table, at least `rows` positions long (see POSITION_ROWS). State cannot
+        grow inside jit, so a longer table is built at trace time (`rows` is static) as a
+        constant of that compiled shape, where torch_impl grows its buffer."""
+        if rows > self.positions.shape[0]:
+            return self.positions_table(self.cfg, rows)
+        return self.positions[...]
 
     def _vocab(self, name: str) -> int:
         return self.cfg.tgt_vocab_size if name.startswith("tgt") else self.cfg.src_vocab_size
@@ -255,12 +271,15 @@ class Transformer(nnx.Module):
         return getattr(self, embedding_names(self.cfg).tgt.split(".")[0])
 
     def embed(self, table: nnx.Embed, ids: jax.Array, offset: int | jax.Array = 0,
-              rngs: nnx.Rngs | None = None) -> jax.Array:
-        """Dropout(E[x] * sqrt(d_model) + PE[pos]), §3.4-3.5 and §5.4."""
+              rngs: nnx.Rngs | None = None, rows: int | None = None) -> jax.Array:
+        """Dropout(E[x] * sqrt(d_model) + PE[pos]), §3.4-3.5 and §5.4. `rows`: how many positions
+        the caller will use in all (decode_step: the cache length; a traced offset needs it),
+        offset + length if None."""
         x = table(ids)
         if self.cfg.scale_embeddings:
             x = x * math.sqrt(self.cfg.d_model)
-        positions = jax.lax.dynamic_slice_in_dim(self.positions[...], offset, ids.shape[1])
+        pe = self.position_table(offset + ids.shape[1] if rows is None else rows)
+        positions = jax.lax.dynamic_slice_in_dim(pe, offset, ids.shape[1])
         return self.dropout(x + positions.astype(x.dtype), rngs=rngs)
 
     def encode(self, src: jax.Array, stages: Stages | None = None,
@@ -305,8 +324,8 @@ class Transformer(nnx.Module):
         """Logits [N, V] for the tokens [N] fed at position t, given the cache of positions
         < t, and the updated cache. Every cached position is a real token (decoding never
         emits pad_id)."""
-        x = self.embed(self.tgt_table, tokens[:, None], offset=t)
         length = cache[0].self_k.shape[2]
+        x = self.embed(self.tgt_table, tokens[:, None], offset=t, rows=length)
         self_mask = (jnp.arange(length) <= t)[None, None, None, :]
         new_cache = []
         for layer, layer_cache in zip(self.decoder.layers, cache, strict=True):

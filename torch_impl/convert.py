@@ -6,6 +6,7 @@ from __future__ import annotations
 
 from collections.abc import Mapping
 
+import ml_dtypes
 import numpy as np
 import torch
 
@@ -32,11 +33,20 @@ def to_state_dict(
     state = {}
     for name in param_shapes(cfg):
         key, transposed = torch_name(name)
-        value = np.asarray(params[name])
+        value = _torch_compatible(np.asarray(params[name]))
         # torch.tensor copies: the module must never share memory with the caller's arrays,
         # or an optimizer step would write into them.
         state[key] = torch.tensor(value.T if transposed else value, dtype=dtype)
     return state
+
+
+def _torch_compatible(value: np.ndarray) -> np.ndarray:
+    """`value` as an array torch.tensor accepts. NumPy has no bfloat16 of its own: bfloat16
+    checkpoints arrive as ml_dtypes.bfloat16, which torch cannot read; float32 holds every
+    bfloat16 value exactly (same exponent range, more mantissa), so widening loses nothing."""
+    if value.dtype == ml_dtypes.bfloat16:
+        return value.astype(np.float32)
+    return value
 
 
 def from_state_dict(cfg: ModelConfig, state: Mapping[str, torch.Tensor]) -> Params:

@@ -22,6 +22,12 @@ from rosetta.positional import positional_encoding
 
 Stages = dict[str, torch.Tensor]
 
+# The sinusoidal table covers the first min(max_len, POSITION_ROWS) positions when the model is
+# built and grows (doubling, at most to max_len) the first time a longer sequence runs: its size
+# follows the sequences actually run, not the config's max_len, which comes from a possibly
+# hostile file (10^8 positions would take gigabytes). jax_impl/model.py does the same.
+POSITION_ROWS = 1024
+
 
 # -- Building blocks -----------------------------------------------------------------------
 
@@ -223,7 +229,7 @@ class Transformer(nn.Module):
         self.dropout = nn.Dropout(cfg.dropout)
         # float64, cast with the parameters; a real tensor even on the meta device (from_numpy ignores
         # the default device); not persistent: it is not part of the checkpoint.
-        table = positional_encoding(cfg.positional_encoding, cfg.max_len, cfg.d_model)
+        table = positional_encoding(cfg.positional_encoding, min(cfg.max_len, POSITION_ROWS), cfg.d_model)
         self.register_buffer("positions", torch.from_numpy(table), persistent=False)
 
     def _vocab(self, name: str) -> int:
@@ -237,12 +243,29 @@ class Transformer(nn.Module):
     def tgt_table(self) -> nn.Embedding:
         return getattr(self, embedding_names(self.cfg).tgt.split(".")[0])
 
-    def embed(self, table: nn.Embedding, ids: torch.Tensor, offset: int = 0) -> torch.Tensor:
-        """Dropout(E[x] * sqrt(d_model) + PE[pos]), §3.4-3.5 and §5.4."""
+    @torch.compiler.disable  # replaces a buffer: eager, once per new length, even when compiled
+    def _grow_positions(self, rows: int) -> None:
+        rows = max(rows, min(2 * self.positions.shape[0], self.cfg.max_len))
+        table = positional_encoding(self.cfg.positional_encoding, rows, self.cfg.d_model)
+        with torch.inference_mode(False):  # a plain tensor, usable by training later
+            self.positions = torch.from_numpy(table).to(self.positions.device, self.positions.dtype)
+
+    def position_table(self, rows: int) -> torch.Tensor:
+        """The sinusoidal table, at least `rows` positions long (see POSITION_ROWS)."""
+        if rows > self.positions.shape[0]:
+            self._grow_positions(rows)
+        return self.positions
+
+    def embed(self, table: nn.Embedding, ids: torch.Tensor, offset: int = 0,
+              rows: int | None = None) -> torch.Tensor:
+        """Dropout(E[x] * sqrt(d_model) + PE[pos]), §3.4-3.5 and §5.4. `rows`: how many positions
+        the caller will use in all (decode_step: the cache length), offset + length if None."""
         x = table(ids)
         if self.cfg.scale_embeddings:
             x = x * math.sqrt(self.cfg.d_model)
-        return self.dropout(x + self.positions[offset: offset + ids.shape[1]].to(x.dtype))
+        pe = self.position_table(offset + ids.shape[1] if rows is None else rows)
+        positions = pe[offset: offset + ids.shape[1]]
+        return self.dropout(x + positions.to(x.dtype))
 
     def encode(self, src: torch.Tensor, stages: Stages | None = None) -> torch.Tensor:
         """The encoder stack: src [B, S] -> memory [B, S, d]."""
@@ -284,8 +307,8 @@ class Transformer(nn.Module):
                     cross_mask: torch.Tensor) -> torch.Tensor:
         """Logits [N, V] for the tokens [N] fed at position t, given the cache of positions
         < t. Every cached position is a real token (decoding never emits pad_id)."""
-        x = self.embed(self.tgt_table, tokens[:, None], offset=t)
         length = cache[0].self_k.shape[2]
+        x = self.embed(self.tgt_table, tokens[:, None], offset=t, rows=length)
         self_mask = (torch.arange(length, device=x.device) <= t)[None, None, None, :]
         for layer, layer_cache in zip(self.decoder.layers, cache, strict=True):
             x = layer.step(x, layer_cache, t, self_mask, cross_mask)
