@@ -1,7 +1,7 @@
 """The model configuration: one frozen dataclass, the paper's base model as defaults.
 
 Every backend reads the same `ModelConfig`; it travels inside each checkpoint as JSON
-(docs/FORMAT in the README). Validation errors name the offending field.
+(docs/checkpoint.md). Validation errors name the offending field.
 """
 
 from __future__ import annotations
