@@ -118,6 +118,8 @@ class Diagnosis:
                     f"(rel after: {b.rel_after:.1e}, worst stage before: {b.rel_before:.1e})")
         lines = [f"{head}; nothing in the catalogue explains the difference "
                  f"(tolerance {self.tolerance:.0e}). Closest:"]
+        if all(c.rel_after >= 0.9 * c.rel_before for c in self.candidates[:SHOWN]):
+            lines[0] += " (no entry brings the error down by even 10%)"
         for c in self.candidates[:SHOWN]:
             lines.append(f"  {' + '.join(c.names)}: {c.fix} (rel after {c.rel_after:.1e}, "
                          f"before {c.rel_before:.1e})")
@@ -157,15 +159,19 @@ def diagnose(
         except ConfigError:  # two entries that contradict each other
             return None
         reuse = None if any(e.encoder for e in chosen) else encoder
-        ours = forward_stages(params2, cfg2, src, tgt, switches, fine, reuse)
-        after = _worst(stage_errors(cfg, src, tgt, ours, observed))
+        with np.errstate(all="ignore"):  # a wrong guess may overflow (silu of 1e7): no matter
+            ours = forward_stages(params2, cfg2, src, tgt, switches, fine, reuse)
+        remaining = stage_errors(cfg, src, tgt, ours, observed)
+        after = _worst(remaining)
         changed = sum(not np.array_equal(ours[s], correct[s], equal_nan=True) for s in errors)
         explanation = Explanation(tuple(e.name for e in chosen),
                                   " and ".join(e.fix for e in chosen), before, after, first)
-        # Remaining errors well inside the tolerance are ties (rounding of the observed side);
-        # then one entry before two, fewer stages changed before more, catalogue order.
-        settled = 0.0 if after <= tolerance / 10 else after
-        return (settled, len(chosen), changed), explanation
+        # Worst stage first, then the mean over stages (which guess gets closer elsewhere).
+        # Errors well inside the tolerance are ties (the observed side's rounding): then one
+        # entry before two, fewer stages changed before more, then catalogue order.
+        mean = float(np.mean(list(remaining.values())))
+        settled = (0.0, 0.0) if after <= tolerance / 10 else (after, mean)
+        return (*settled, len(chosen), changed), explanation
 
     applicable = [e for e in CATALOGUE if e.applies(cfg, src, tgt)]
     scored = [c for c in (candidate((e,)) for e in applicable) if c is not None]
