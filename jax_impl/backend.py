@@ -47,10 +47,10 @@ def _logits(graphdef, state, src, tgt):
     return nnx.merge(graphdef, state)(src, tgt)
 
 
-@partial(jax.jit, static_argnums=0)
-def _stages(graphdef, state, src, tgt):
+@partial(jax.jit, static_argnums=(0, 4))
+def _stages(graphdef, state, src, tgt, fine=False):
     stages: dict[str, jax.Array] = {}
-    nnx.merge(graphdef, state)(src, tgt, stages)
+    nnx.merge(graphdef, state)(src, tgt, stages, fine=fine)
     return stages
 
 
@@ -99,9 +99,9 @@ class Model(BackendModel):
         with self._context():
             return self._numpy(_logits(self.graphdef, self.state, src, tgt))
 
-    def _stages(self, src: np.ndarray, tgt: np.ndarray) -> dict[str, np.ndarray]:
+    def _stages(self, src: np.ndarray, tgt: np.ndarray, fine: bool = False) -> dict[str, np.ndarray]:
         with self._context():
-            stages = _stages(self.graphdef, self.state, src, tgt)
+            stages = _stages(self.graphdef, self.state, src, tgt, fine)
         return {name: self._numpy(value) for name, value in stages.items()}
 
     def _generate(self, src: np.ndarray, beam_size: int, alpha: float,

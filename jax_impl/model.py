@@ -80,7 +80,9 @@ class MultiHeadAttention(nnx.Module):
         return self.split_heads(self.k(x_kv)), self.split_heads(self.v(x_kv))
 
     def attend(self, x_q: jax.Array, k: jax.Array, v: jax.Array, mask: jax.Array,
-               rngs: nnx.Rngs | None = None) -> jax.Array:
+               rngs: nnx.Rngs | None = None, record: Stages | None = None, name: str = "") -> jax.Array:
+        """With `record`, the fine stages `name` (the o projection's output) and `name.weights`
+        (the softmax, before attention dropout) go into it."""
         B, Tq, d = x_q.shape
         q = self.split_heads(self.q(x_q))
         # Scores and softmax in float32 even for bfloat16 compute, as fused kernels do.
@@ -88,13 +90,17 @@ class MultiHeadAttention(nnx.Module):
         # Masked scores are replaced by the most negative finite value: uniform weights, not
         # NaN, where every key is masked (SPEC §2, PITFALLS 4).
         scores = jnp.where(mask, scores, jnp.finfo(scores.dtype).min)  # (B, h, Tq, Tk)
-        weights = self.attention_dropout(jax.nn.softmax(scores, axis=-1), rngs=rngs).astype(q.dtype)
+        probabilities = jax.nn.softmax(scores, axis=-1)
+        weights = self.attention_dropout(probabilities, rngs=rngs).astype(q.dtype)
         y = weights @ v.astype(q.dtype)  # (B, h, Tq, dh)
-        return self.o(y.transpose(0, 2, 1, 3).reshape(B, Tq, d))
+        out = self.o(y.transpose(0, 2, 1, 3).reshape(B, Tq, d))
+        if record is not None:
+            record[name], record[name + ".weights"] = out, probabilities
+        return out
 
     def __call__(self, x_q: jax.Array, x_kv: jax.Array, mask: jax.Array,
-                 rngs: nnx.Rngs | None = None) -> jax.Array:
-        return self.attend(x_q, *self.project_kv(x_kv), mask, rngs)
+                 rngs: nnx.Rngs | None = None, record: Stages | None = None, name: str = "") -> jax.Array:
+        return self.attend(x_q, *self.project_kv(x_kv), mask, rngs, record, name)
 
 
 class FeedForward(nnx.Module):
@@ -106,8 +112,12 @@ class FeedForward(nnx.Module):
         self.activation = cfg.activation
         self.dropout = nnx.Dropout(cfg.activation_dropout_rate)
 
-    def __call__(self, x: jax.Array, rngs: nnx.Rngs | None = None) -> jax.Array:
-        return self.linear2(self.dropout(activation(self.activation, self.linear1(x)), rngs=rngs))
+    def __call__(self, x: jax.Array, rngs: nnx.Rngs | None = None, record: Stages | None = None,
+                 name: str = "") -> jax.Array:
+        out = self.linear2(self.dropout(activation(self.activation, self.linear1(x)), rngs=rngs))
+        if record is not None:
+            record[name] = out
+        return out
 
 
 def residual(norm: nnx.LayerNorm, x: jax.Array, sublayer, cfg: ModelConfig,
@@ -138,10 +148,14 @@ class EncoderLayer(nnx.Module):
         self.ffn, self.ffn_norm = FeedForward(cfg, dtype, rngs), norm_layer(cfg, dtype, rngs)
         self.dropout = nnx.Dropout(cfg.dropout)
 
-    def __call__(self, x: jax.Array, mask: jax.Array, rngs: nnx.Rngs | None = None) -> jax.Array:
-        x = residual(self.self_attn_norm, x, lambda h: self.self_attn(h, h, mask, rngs), self.cfg,
+    def __call__(self, x: jax.Array, mask: jax.Array, rngs: nnx.Rngs | None = None,
+                 record: Stages | None = None, name: str = "") -> jax.Array:
+        """With `record`, the fine stages `name.self_attn(.weights)` and `name.ffn`."""
+        x = residual(self.self_attn_norm, x,
+                     lambda h: self.self_attn(h, h, mask, rngs, record, f"{name}.self_attn"), self.cfg,
                      self.dropout, rngs)
-        return residual(self.ffn_norm, x, lambda h: self.ffn(h, rngs), self.cfg, self.dropout, rngs)
+        return residual(self.ffn_norm, x, lambda h: self.ffn(h, rngs, record, f"{name}.ffn"), self.cfg,
+                        self.dropout, rngs)
 
 
 class DecoderLayer(nnx.Module):
@@ -157,13 +171,18 @@ class DecoderLayer(nnx.Module):
         self.dropout = nnx.Dropout(cfg.dropout)
 
     def __call__(self, x: jax.Array, memory: jax.Array, self_mask: jax.Array,
-                 cross_mask: jax.Array, rngs: nnx.Rngs | None = None) -> jax.Array:
-        x = residual(self.self_attn_norm, x, lambda h: self.self_attn(h, h, self_mask, rngs),
+                 cross_mask: jax.Array, rngs: nnx.Rngs | None = None, record: Stages | None = None,
+                 name: str = "") -> jax.Array:
+        """With `record`, the fine stages `name.self_attn(.weights)`, `name.cross_attn(.weights)`
+        and `name.ffn`."""
+        x = residual(self.self_attn_norm, x,
+                     lambda h: self.self_attn(h, h, self_mask, rngs, record, f"{name}.self_attn"),
                      self.cfg, self.dropout, rngs)
         x = residual(self.cross_attn_norm, x,
-                     lambda h: self.cross_attn(h, memory, cross_mask, rngs), self.cfg, self.dropout,
-                     rngs)
-        return residual(self.ffn_norm, x, lambda h: self.ffn(h, rngs), self.cfg, self.dropout, rngs)
+                     lambda h: self.cross_attn(h, memory, cross_mask, rngs, record, f"{name}.cross_attn"),
+                     self.cfg, self.dropout, rngs)
+        return residual(self.ffn_norm, x, lambda h: self.ffn(h, rngs, record, f"{name}.ffn"), self.cfg,
+                        self.dropout, rngs)
 
     def step(self, x: jax.Array, cache: LayerCache, t: jax.Array, self_mask: jax.Array,
              cross_mask: jax.Array) -> tuple[jax.Array, LayerCache]:
@@ -283,26 +302,30 @@ class Transformer(nnx.Module):
         return self.dropout(x + positions.astype(x.dtype), rngs=rngs)
 
     def encode(self, src: jax.Array, stages: Stages | None = None,
-               rngs: nnx.Rngs | None = None) -> jax.Array:
-        """The encoder stack: src [B, S] -> memory [B, S, d]."""
+               rngs: nnx.Rngs | None = None, fine: bool = False) -> jax.Array:
+        """The encoder stack: src [B, S] -> memory [B, S, d]; `fine` adds the sublayer stages."""
         stages = {} if stages is None else stages
+        record = stages if fine else None
         x = stages["src_embed"] = self.embed(self.src_table, src, rngs=rngs)
         mask = source_mask(src, self.cfg.pad_id)
         for i, layer in enumerate(self.encoder.layers):
-            x = stages[f"encoder.layers.{i}"] = layer(x, mask, rngs)
+            x = stages[f"encoder.layers.{i}"] = layer(x, mask, rngs, record, f"encoder.layers.{i}")
         if self.encoder.final_norm is not None:
             x = self.encoder.final_norm(x)
         stages["encoder"] = x
         return x
 
     def decode(self, tgt: jax.Array, memory: jax.Array, src: jax.Array,
-               stages: Stages | None = None, rngs: nnx.Rngs | None = None) -> jax.Array:
-        """The decoder stack: tgt [B, T] (starting with the start token) -> hidden [B, T, d]."""
+               stages: Stages | None = None, rngs: nnx.Rngs | None = None, fine: bool = False) -> jax.Array:
+        """The decoder stack: tgt [B, T] (starting with the start token) -> hidden [B, T, d];
+        `fine` adds the sublayer stages."""
         stages = {} if stages is None else stages
+        record = stages if fine else None
         x = stages["tgt_embed"] = self.embed(self.tgt_table, tgt, rngs=rngs)
         self_mask, cross_mask = target_mask(tgt, self.cfg.pad_id), source_mask(src, self.cfg.pad_id)
         for i, layer in enumerate(self.decoder.layers):
-            x = stages[f"decoder.layers.{i}"] = layer(x, memory, self_mask, cross_mask, rngs)
+            x = stages[f"decoder.layers.{i}"] = layer(x, memory, self_mask, cross_mask, rngs, record,
+                                                      f"decoder.layers.{i}")
         if self.decoder.final_norm is not None:
             x = self.decoder.final_norm(x)
         stages["decoder"] = x
@@ -336,10 +359,11 @@ class Transformer(nnx.Module):
         return self.generator(x, self.tgt_table)[:, 0], new_cache
 
     def __call__(self, src: jax.Array, tgt: jax.Array, stages: Stages | None = None,
-                 rngs: nnx.Rngs | None = None) -> jax.Array:
-        """Logits [B, T, V] for source ids [B, S] and decoder input ids [B, T]."""
+                 rngs: nnx.Rngs | None = None, fine: bool = False) -> jax.Array:
+        """Logits [B, T, V] for source ids [B, S] and decoder input ids [B, T]; `stages` receives
+        the coarse stages, and with `fine` the sublayer outputs and attention weights too."""
         stages = {} if stages is None else stages
-        memory = self.encode(src, stages, rngs)
-        logits = stages["logits"] = self.generator(self.decode(tgt, memory, src, stages, rngs),
+        memory = self.encode(src, stages, rngs, fine)
+        logits = stages["logits"] = self.generator(self.decode(tgt, memory, src, stages, rngs, fine),
                                                    self.tgt_table)
         return logits

@@ -30,9 +30,9 @@ class Model(BackendModel):
     def _logits(self, src: np.ndarray, tgt: np.ndarray) -> np.ndarray:
         return model.forward(self.params, self.config, src, tgt)
 
-    def _stages(self, src: np.ndarray, tgt: np.ndarray) -> dict[str, np.ndarray]:
+    def _stages(self, src: np.ndarray, tgt: np.ndarray, fine: bool = False) -> dict[str, np.ndarray]:
         stages: dict[str, np.ndarray] = {}
-        model.forward(self.params, self.config, src, tgt, stages)
+        model.forward(self.params, self.config, src, tgt, stages, fine)
         return stages
 
     def _generate(self, src: np.ndarray, beam_size: int, alpha: float,

@@ -81,9 +81,11 @@ def target_mask(tgt: np.ndarray, pad_id: int) -> np.ndarray:
 # -- Sublayers -----------------------------------------------------------------------------
 
 def multi_head_attention(
-    p: Params, x_q: np.ndarray, x_kv: np.ndarray, mask: np.ndarray, num_heads: int
+    p: Params, x_q: np.ndarray, x_kv: np.ndarray, mask: np.ndarray, num_heads: int,
+    record: Stages | None = None, name: str = "",
 ) -> np.ndarray:
-    """Multi-head scaled dot-product attention, §3.2.1-3.2.2, eq. 1."""
+    """Multi-head scaled dot-product attention, §3.2.1-3.2.2, eq. 1. With `record`, the fine
+    stages `name` (the o projection's output) and `name.weights` (the softmax) go into it."""
     B, Tq, d = x_q.shape
     Tk, dh = x_kv.shape[1], d // num_heads
 
@@ -97,13 +99,21 @@ def multi_head_attention(
     # Masked scores are *replaced* by the most negative finite value, so a row whose keys are
     # all masked gets uniform weights rather than the NaN a -inf fill gives (PITFALLS 4).
     scores = np.where(mask, scores, np.finfo(scores.dtype).min)
-    y = softmax(scores) @ v  # (B, h, Tq, dh)
-    return dense(sub(p, "o"), y.transpose(0, 2, 1, 3).reshape(B, Tq, d))
+    weights = softmax(scores)
+    out = dense(sub(p, "o"), (weights @ v).transpose(0, 2, 1, 3).reshape(B, Tq, d))
+    if record is not None:
+        record[name], record[name + ".weights"] = out, weights
+    return out
 
 
-def feed_forward(p: Params, x: np.ndarray, act: str) -> np.ndarray:
-    """Position-wise feed-forward network, §3.3, eq. 2 (with a choice of activation)."""
-    return dense(sub(p, "linear2"), activation(act, dense(sub(p, "linear1"), x)))
+def feed_forward(p: Params, x: np.ndarray, act: str, record: Stages | None = None,
+                 name: str = "") -> np.ndarray:
+    """Position-wise feed-forward network, §3.3, eq. 2 (with a choice of activation); the
+    output goes into `record[name]` when given."""
+    out = dense(sub(p, "linear2"), activation(act, dense(sub(p, "linear1"), x)))
+    if record is not None:
+        record[name] = out
+    return out
 
 
 def residual(p_norm: Params, x: np.ndarray, sublayer, cfg: ModelConfig) -> np.ndarray:
@@ -115,28 +125,35 @@ def residual(p_norm: Params, x: np.ndarray, sublayer, cfg: ModelConfig) -> np.nd
 
 # -- Layers and stacks ---------------------------------------------------------------------
 
-def encoder_layer(p: Params, x: np.ndarray, mask: np.ndarray, cfg: ModelConfig) -> np.ndarray:
-    """One encoder layer, §3.1: self-attention, then feed-forward."""
+def encoder_layer(p: Params, x: np.ndarray, mask: np.ndarray, cfg: ModelConfig,
+                  record: Stages | None = None, name: str = "") -> np.ndarray:
+    """One encoder layer, §3.1: self-attention, then feed-forward. With `record`, the fine
+    stages `name.self_attn(.weights)` and `name.ffn` (sublayer outputs, before the residual)."""
     attn = sub(p, "self_attn")
     x = residual(sub(p, "self_attn_norm"), x,
-                 lambda h: multi_head_attention(attn, h, h, mask, cfg.num_heads), cfg)
+                 lambda h: multi_head_attention(attn, h, h, mask, cfg.num_heads, record,
+                                                f"{name}.self_attn"), cfg)
     return residual(sub(p, "ffn_norm"), x,
-                    lambda h: feed_forward(sub(p, "ffn"), h, cfg.activation), cfg)
+                    lambda h: feed_forward(sub(p, "ffn"), h, cfg.activation, record, f"{name}.ffn"),
+                    cfg)
 
 
 def decoder_layer(
     p: Params, x: np.ndarray, memory: np.ndarray, self_mask: np.ndarray,
-    cross_mask: np.ndarray, cfg: ModelConfig,
+    cross_mask: np.ndarray, cfg: ModelConfig, record: Stages | None = None, name: str = "",
 ) -> np.ndarray:
-    """One decoder layer, §3.1: masked self-attention, cross-attention, feed-forward."""
+    """One decoder layer, §3.1: masked self-attention, cross-attention, feed-forward. With
+    `record`, the fine stages `name.self_attn(.weights)`, `name.cross_attn(.weights)`, `name.ffn`."""
     self_attn, cross_attn = sub(p, "self_attn"), sub(p, "cross_attn")
     x = residual(sub(p, "self_attn_norm"), x,
-                 lambda h: multi_head_attention(self_attn, h, h, self_mask, cfg.num_heads), cfg)
+                 lambda h: multi_head_attention(self_attn, h, h, self_mask, cfg.num_heads, record,
+                                                f"{name}.self_attn"), cfg)
     x = residual(sub(p, "cross_attn_norm"), x,
-                 lambda h: multi_head_attention(cross_attn, h, memory, cross_mask, cfg.num_heads),
-                 cfg)
+                 lambda h: multi_head_attention(cross_attn, h, memory, cross_mask, cfg.num_heads,
+                                                record, f"{name}.cross_attn"), cfg)
     return residual(sub(p, "ffn_norm"), x,
-                    lambda h: feed_forward(sub(p, "ffn"), h, cfg.activation), cfg)
+                    lambda h: feed_forward(sub(p, "ffn"), h, cfg.activation, record, f"{name}.ffn"),
+                    cfg)
 
 
 def embed(table: np.ndarray, ids: np.ndarray, cfg: ModelConfig, offset: int = 0) -> np.ndarray:
@@ -148,14 +165,16 @@ def embed(table: np.ndarray, ids: np.ndarray, cfg: ModelConfig, offset: int = 0)
     return x + table.astype(x.dtype)  # or float32 models would silently compute in float64
 
 
-def encode(params: Params, cfg: ModelConfig, src: np.ndarray, stages: Stages | None = None):
-    """The encoder stack: src [B, S] -> memory [B, S, d]."""
+def encode(params: Params, cfg: ModelConfig, src: np.ndarray, stages: Stages | None = None,
+           fine: bool = False):
+    """The encoder stack: src [B, S] -> memory [B, S, d]; `fine` adds the sublayer stages."""
     stages = {} if stages is None else stages
+    record = stages if fine else None
     x = stages["src_embed"] = embed(params[embedding_names(cfg).src], src, cfg)
     mask = source_mask(src, cfg.pad_id)
     for i in range(cfg.num_encoder_layers):
-        x = stages[f"encoder.layers.{i}"] = encoder_layer(sub(params, f"encoder.layers.{i}"),
-                                                          x, mask, cfg)
+        name = f"encoder.layers.{i}"
+        x = stages[name] = encoder_layer(sub(params, name), x, mask, cfg, record, name)
     if cfg.has_final_norm:
         x = layer_norm(sub(params, "encoder.final_norm"), x, cfg.layer_norm_eps)
     stages["encoder"] = x
@@ -164,15 +183,18 @@ def encode(params: Params, cfg: ModelConfig, src: np.ndarray, stages: Stages | N
 
 def decode(
     params: Params, cfg: ModelConfig, tgt: np.ndarray, memory: np.ndarray, src: np.ndarray,
-    stages: Stages | None = None,
+    stages: Stages | None = None, fine: bool = False,
 ) -> np.ndarray:
-    """The decoder stack: tgt [B, T] (starting with the start token) -> hidden [B, T, d]."""
+    """The decoder stack: tgt [B, T] (starting with the start token) -> hidden [B, T, d];
+    `fine` adds the sublayer stages."""
     stages = {} if stages is None else stages
+    record = stages if fine else None
     x = stages["tgt_embed"] = embed(params[embedding_names(cfg).tgt], tgt, cfg)
     self_mask, cross_mask = target_mask(tgt, cfg.pad_id), source_mask(src, cfg.pad_id)
     for i in range(cfg.num_decoder_layers):
-        x = stages[f"decoder.layers.{i}"] = decoder_layer(
-            sub(params, f"decoder.layers.{i}"), x, memory, self_mask, cross_mask, cfg)
+        name = f"decoder.layers.{i}"
+        x = stages[name] = decoder_layer(sub(params, name), x, memory, self_mask, cross_mask, cfg,
+                                         record, name)
     if cfg.has_final_norm:
         x = layer_norm(sub(params, "decoder.final_norm"), x, cfg.layer_norm_eps)
     stages["decoder"] = x
@@ -189,10 +211,12 @@ def generator(params: Params, cfg: ModelConfig, hidden: np.ndarray) -> np.ndarra
 
 def forward(
     params: Params, cfg: ModelConfig, src: np.ndarray, tgt: np.ndarray,
-    stages: Stages | None = None,
+    stages: Stages | None = None, fine: bool = False,
 ) -> np.ndarray:
-    """Logits [B, T, V] for source ids [B, S] and decoder input ids [B, T]."""
+    """Logits [B, T, V] for source ids [B, S] and decoder input ids [B, T]; `stages` receives
+    the coarse stages, and with `fine` the sublayer outputs and attention weights too."""
     stages = {} if stages is None else stages
-    memory = encode(params, cfg, src, stages)
-    logits = stages["logits"] = generator(params, cfg, decode(params, cfg, tgt, memory, src, stages))
+    memory = encode(params, cfg, src, stages, fine)
+    hidden = decode(params, cfg, tgt, memory, src, stages, fine)
+    logits = stages["logits"] = generator(params, cfg, hidden)
     return logits

@@ -14,6 +14,7 @@ import importlib
 import os
 from abc import ABC, abstractmethod
 from collections.abc import Mapping
+from pathlib import Path
 from typing import ClassVar
 
 import numpy as np
@@ -81,11 +82,22 @@ class BackendModel(ABC):
         src = check_src(self.config, src)
         return self._logits(src, check_tgt(self.config, tgt, src.shape[0]))
 
-    def stages(self, src: object, tgt: object) -> dict[str, np.ndarray]:
+    def stages(self, src: object, tgt: object, fine: bool = False) -> dict[str, np.ndarray]:
         """Every intermediate the parity tests compare: src_embed, encoder.layers.{i},
-        encoder, tgt_embed, decoder.layers.{i}, decoder, logits."""
+        encoder, tgt_embed, decoder.layers.{i}, decoder, logits. With `fine`, each sublayer
+        too (docs/diff.md): `{encoder,decoder}.layers.{i}.self_attn`, `decoder.layers.{i}.cross_attn`
+        and `.ffn` (the sublayer's output before dropout and the residual add) and
+        `....self_attn.weights` / `....cross_attn.weights` (the softmax probabilities [B, h, Tq, Tk])."""
         src = check_src(self.config, src)
-        return self._stages(src, check_tgt(self.config, tgt, src.shape[0]))
+        return self._stages(src, check_tgt(self.config, tgt, src.shape[0]), fine)
+
+    def dump(self, path: str | os.PathLike, src: object, tgt: object, fine: bool = True) -> Path:
+        """Write the stages of (src, tgt) as an activation dump (rosetta.diff.dump, docs/diff.md)."""
+        from rosetta.diff.dump import write_dump  # the tool layer sits above this contract
+
+        src = check_src(self.config, src)
+        tgt = check_tgt(self.config, tgt, src.shape[0])
+        return write_dump(path, src, tgt, self._stages(src, tgt, fine))
 
     def generate(self, src: object, beam_size: int = 1, alpha: float = 0.6,
                  max_len_margin: int = 50, length_rule: str = "wu") -> Generation:
@@ -134,7 +146,7 @@ class BackendModel(ABC):
     def _logits(self, src: np.ndarray, tgt: np.ndarray) -> np.ndarray: ...
 
     @abstractmethod
-    def _stages(self, src: np.ndarray, tgt: np.ndarray) -> dict[str, np.ndarray]: ...
+    def _stages(self, src: np.ndarray, tgt: np.ndarray, fine: bool = False) -> dict[str, np.ndarray]: ...
 
     @abstractmethod
     def _generate(self, src: np.ndarray, beam_size: int, alpha: float,

@@ -10,11 +10,13 @@
     echo "Ein Hund läuft." | rosetta translate --run runs/de-en/torch --backend numpy --beam 4
     rosetta convert opus-mt-de-en/ de-en.safetensors            # Hugging Face Marian -> ours
     rosetta convert runs/de-en/torch/checkpoints/latest hf-de-en/ --to marian   # and tokenizer.json
+    rosetta diff m.safetensors@torch mine.npz --diagnose   # where two implementations part, and why
+    rosetta attention m.safetensors@jax --out attention.png --src "5 6 7 2" --tgt "1 8 9"
 
 Exit codes (every command):
     0  success; for `parity`: every backend and dtype within its tolerance (rosetta.parity.TOLERANCES)
-    1  `parity` only: some backend or dtype over its tolerance, or non-finite logits (the report
-       marks the row FAIL; stderr names it)
+    1  `parity`: some backend or dtype over its tolerance, or non-finite logits (the report
+       marks the row FAIL; stderr names it); `diff`: the two sides differ at some stage
     2  bad input or usage (a flag, a file, stdin, a diverged training run): one line on stderr
 
 Arguments: every count is ASCII digits (no "1_0", no "٥"): sizes and lengths >= 1, seeds, margins
@@ -295,6 +297,91 @@ def cmd_convert(args: argparse.Namespace) -> int:
     return 0
 
 
+def cmd_diff(args: argparse.Namespace) -> int:
+    """Both sides on one batch, stage by stage (docs/diff.md); exit 1 where they differ."""
+    from rosetta.diff.compare import compare_stages, first_over, format_rows
+    from rosetta.diff.sides import check_compatible, pad_id, parse_side, pick_batch
+
+    a, b = parse_side(args.a), parse_side(args.b)
+    check_compatible(a, b)
+    src, tgt = pick_batch([a, b], args.seed)
+    stages_a, stages_b = a.stages(src, tgt), b.stages(src, tgt)
+    tolerance = max(a.tolerance, b.tolerance) if args.tolerance is None else args.tolerance
+    rows = compare_stages(pad_id([a, b]), src, tgt, stages_a, stages_b, tolerance)
+    if not rows:
+        raise RosettaError(f"{args.a} and {args.b} have no stage in common to compare")
+    first = first_over(rows)
+    print(format_rows(rows, tolerance))
+    print(f"first difference at {first.stage} (relative error {first.rel:.3e} > {tolerance:.0e})"
+          if first else f"no difference at any stage (tolerance {tolerance:.0e})")
+    if args.json:
+        _write_diff_json(args, rows, tolerance, first)
+    if args.diagnose:
+        _diagnose(a, b, src, tgt, stages_a, stages_b, tolerance, first)
+    if args.plot:
+        from rosetta.diff.plots import plot_diff
+
+        print(f"wrote {plot_diff(args.plot, rows, stages_a, stages_b, first.stage if first else None)}")
+    return 1 if first else 0
+
+
+def _write_diff_json(args: argparse.Namespace, rows: list, tolerance: float, first) -> None:
+    """--json: the rows and the verdict (schema in docs/diff.md); non-finite errors as null."""
+    def number(x: float) -> float | None:
+        return x if math.isfinite(x) else None
+
+    record = {"a": args.a, "b": args.b, "tolerance": tolerance, "differ": first is not None,
+              "first_difference": first.stage if first else None,
+              "rows": [{"stage": r.stage, "rel": number(r.rel), "max_abs": number(r.max_abs), "over": r.over}
+                       for r in rows]}
+    with open(args.json, "w", encoding="utf-8") as f:
+        json.dump(record, f, indent=1)
+        f.write("\n")
+
+
+def _diagnose(a, b, src, tgt, stages_a, stages_b, tolerance: float, first) -> None:
+    """--diagnose: the catalogue's mistakes replayed on the weights of one side (the one with
+    weights; B when both) to explain the other side's stages."""
+    if first is None:
+        print("diagnosis: nothing to explain, the sides agree")
+        return
+    from rosetta.diff.diagnose import diagnose
+
+    reference, observed = (b, stages_a) if b.weights is not None else (a, stages_b)
+    if reference.weights is None:
+        raise RosettaError("--diagnose needs the weights of one side: two dumps hold only activations")
+    cfg, params = reference.weights
+    print(diagnose(cfg, params, src, tgt, observed, tolerance=tolerance).report())
+
+
+def cmd_attention(args: argparse.Namespace) -> int:
+    """Every attention map of one side on one sentence pair, as one PNG."""
+    from rosetta.diff.plots import plot_attention
+    from rosetta.diff.sides import parse_side
+    from rosetta.parity import random_batch
+
+    side = parse_side(args.side)
+    if (args.src is None) != (args.tgt is None):
+        raise UsageError("give both --src and --tgt, or neither (a random sentence pair)")
+    if side.dump is not None:
+        if args.src is not None:
+            raise UsageError("a dump holds its own sentence pair: --src and --tgt are for models")
+        src, tgt = side.dump.src[:1], side.dump.tgt[:1]
+        stages = {name: value[:1] for name, value in side.dump.stages.items()}
+    else:
+        cfg = side.config
+        if args.src is None:
+            src, tgt = random_batch(cfg, batch=1, seed=args.seed)
+        else:
+            import numpy as np
+
+            src = np.array([parse_id_line(args.src, 1, cfg.src_vocab_size)])
+            tgt = np.array([parse_id_line(args.tgt, 1, cfg.tgt_vocab_size)])
+        stages = side.stages(src, tgt)
+    print(f"wrote {plot_attention(args.out, stages, src, tgt)}")
+    return 0
+
+
 def _add_search_args(p: argparse.ArgumentParser, beam: int) -> None:
     """Backend and search flags shared by `generate` and `translate`."""
     p.add_argument("--backend", default="numpy", help="numpy, torch or jax")
@@ -415,6 +502,35 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--set", action="append", default=[], metavar="FIELD=VALUE",
                    help="a config field the input cannot say (max_len, eos_id, ...; repeatable)")
     p.set_defaults(func=cmd_convert)
+
+    sides = ("SIDE: a model file or directory (rosetta checkpoint, marian, flax-wmt) as "
+             "PATH[@BACKEND[:DTYPE]] (default numpy at its first dtype), or an activation dump "
+             "PATH.npz (docs/diff.md)")
+    p = cmds.add_parser("diff", help="find the first stage where two implementations part, and why",
+                        epilog=sides + ". Exit code 0: every shared stage within the tolerance; 1: they "
+                               "differ (the first stage over is marked); 2: bad input or usage")
+    p.add_argument("a", help="the side under test")
+    p.add_argument("b", help="the side it is compared with (the reference: ||a - b|| / ||b||)")
+    p.add_argument("--tolerance", type=non_negative_real,
+                   help="largest relative error that still agrees (default: the larger of the sides' "
+                        "rosetta.parity.TOLERANCES entries; 1e-10 for float64 vs float64)")
+    p.add_argument("--json", metavar="FILE", help="also write the rows and the verdict as JSON")
+    p.add_argument("--diagnose", action="store_true",
+                   help="name the porting mistake that explains the difference (the catalogue)")
+    p.add_argument("--plot", metavar="FILE",
+                   help="PNG: the error per stage and the attention where they part")
+    p.add_argument("--seed", type=non_negative_int, default=0,
+                   help="the random batch (when no side is a dump)")
+    p.set_defaults(func=cmd_diff)
+
+    p = cmds.add_parser("attention", help="plot every attention map of one side on one sentence pair",
+                        epilog=sides)
+    p.add_argument("side", help="the model (or dump) to plot")
+    p.add_argument("--out", required=True, metavar="FILE.png", help="where to write the PNG")
+    p.add_argument("--src", help='source ids, e.g. "5 6 7 2" (default: a random sentence pair)')
+    p.add_argument("--tgt", help='decoder input ids, start token first, e.g. "1 8 9"')
+    p.add_argument("--seed", type=non_negative_int, default=0, help="the random sentence pair")
+    p.set_defaults(func=cmd_attention)
     return parser
 
 

@@ -95,10 +95,10 @@ class Model(BackendModel):
         with self._context():
             return self._numpy(self.module(self._tensor(src), self._tensor(tgt)))
 
-    def _stages(self, src: np.ndarray, tgt: np.ndarray) -> dict[str, np.ndarray]:
+    def _stages(self, src: np.ndarray, tgt: np.ndarray, fine: bool = False) -> dict[str, np.ndarray]:
         stages: dict[str, torch.Tensor] = {}
         with self._context():
-            self.module(self._tensor(src), self._tensor(tgt), stages)
+            self.module(self._tensor(src), self._tensor(tgt), stages, fine)
             return {name: self._numpy(value) for name, value in stages.items()}
 
     def _generate(self, src: np.ndarray, beam_size: int, alpha: float,

@@ -79,7 +79,9 @@ class MultiHeadAttention(nn.Module):
         return self.split_heads(self.k(x_kv)), self.split_heads(self.v(x_kv))
 
     def attend(self, x_q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
-               mask: torch.Tensor) -> torch.Tensor:
+               mask: torch.Tensor, record: Stages | None = None, name: str = "") -> torch.Tensor:
+        """With `record`, the fine stages `name` (the o projection's output) and `name.weights`
+        (the softmax) go into it."""
         B, Tq, d = x_q.shape
         q = self.split_heads(self.q(x_q))
         # An additive mask holding the dtype's most negative finite value (SPEC §2), not a
@@ -90,10 +92,18 @@ class MultiHeadAttention(nn.Module):
         dropout = self.attention_dropout if self.training else 0.0
         y = F.scaled_dot_product_attention(q, k.to(q.dtype), v.to(q.dtype), attn_mask=bias,
                                            dropout_p=dropout)  # (B, h, Tq, dh)
-        return self.o(y.transpose(1, 2).reshape(B, Tq, d))
+        out = self.o(y.transpose(1, 2).reshape(B, Tq, d))
+        if record is not None:
+            # SDPA does not return its probabilities: recompute them the reference's way (only
+            # when asked, so the fast path stays one fused kernel).
+            scores = q @ k.to(q.dtype).transpose(-2, -1) / math.sqrt(q.shape[-1])
+            scores = scores.masked_fill(~mask, torch.finfo(scores.dtype).min)
+            record[name], record[name + ".weights"] = out, scores.softmax(dim=-1)
+        return out
 
-    def forward(self, x_q: torch.Tensor, x_kv: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
-        return self.attend(x_q, *self.project_kv(x_kv), mask)
+    def forward(self, x_q: torch.Tensor, x_kv: torch.Tensor, mask: torch.Tensor,
+                record: Stages | None = None, name: str = "") -> torch.Tensor:
+        return self.attend(x_q, *self.project_kv(x_kv), mask, record, name)
 
 
 class FeedForward(nn.Module):
@@ -106,8 +116,11 @@ class FeedForward(nn.Module):
         self.activation = cfg.activation
         self.dropout = nn.Dropout(cfg.activation_dropout_rate)
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return self.linear2(self.dropout(activation(self.activation, self.linear1(x))))
+    def forward(self, x: torch.Tensor, record: Stages | None = None, name: str = "") -> torch.Tensor:
+        out = self.linear2(self.dropout(activation(self.activation, self.linear1(x))))
+        if record is not None:
+            record[name] = out
+        return out
 
 
 def residual(norm: nn.LayerNorm, x: torch.Tensor, sublayer, cfg: ModelConfig,
@@ -136,10 +149,14 @@ class EncoderLayer(nn.Module):
         self.ffn, self.ffn_norm = FeedForward(cfg), norm_layer(cfg)
         self.dropout = nn.Dropout(cfg.dropout)
 
-    def forward(self, x: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
-        x = residual(self.self_attn_norm, x, lambda h: self.self_attn(h, h, mask), self.cfg,
+    def forward(self, x: torch.Tensor, mask: torch.Tensor, record: Stages | None = None,
+                name: str = "") -> torch.Tensor:
+        """With `record`, the fine stages `name.self_attn(.weights)` and `name.ffn`."""
+        x = residual(self.self_attn_norm, x,
+                     lambda h: self.self_attn(h, h, mask, record, f"{name}.self_attn"), self.cfg,
                      self.dropout)
-        return residual(self.ffn_norm, x, self.ffn, self.cfg, self.dropout)
+        return residual(self.ffn_norm, x, lambda h: self.ffn(h, record, f"{name}.ffn"), self.cfg,
+                        self.dropout)
 
 
 class DecoderLayer(nn.Module):
@@ -154,12 +171,17 @@ class DecoderLayer(nn.Module):
         self.dropout = nn.Dropout(cfg.dropout)
 
     def forward(self, x: torch.Tensor, memory: torch.Tensor, self_mask: torch.Tensor,
-                cross_mask: torch.Tensor) -> torch.Tensor:
-        x = residual(self.self_attn_norm, x, lambda h: self.self_attn(h, h, self_mask), self.cfg,
+                cross_mask: torch.Tensor, record: Stages | None = None, name: str = "") -> torch.Tensor:
+        """With `record`, the fine stages `name.self_attn(.weights)`, `name.cross_attn(.weights)`
+        and `name.ffn`."""
+        x = residual(self.self_attn_norm, x,
+                     lambda h: self.self_attn(h, h, self_mask, record, f"{name}.self_attn"), self.cfg,
                      self.dropout)
-        x = residual(self.cross_attn_norm, x, lambda h: self.cross_attn(h, memory, cross_mask),
+        x = residual(self.cross_attn_norm, x,
+                     lambda h: self.cross_attn(h, memory, cross_mask, record, f"{name}.cross_attn"),
                      self.cfg, self.dropout)
-        return residual(self.ffn_norm, x, self.ffn, self.cfg, self.dropout)
+        return residual(self.ffn_norm, x, lambda h: self.ffn(h, record, f"{name}.ffn"), self.cfg,
+                        self.dropout)
 
     def step(self, x: torch.Tensor, cache: LayerCache, t: int, self_mask: torch.Tensor,
              cross_mask: torch.Tensor) -> torch.Tensor:
@@ -267,26 +289,30 @@ class Transformer(nn.Module):
         positions = pe[offset: offset + ids.shape[1]]
         return self.dropout(x + positions.to(x.dtype))
 
-    def encode(self, src: torch.Tensor, stages: Stages | None = None) -> torch.Tensor:
-        """The encoder stack: src [B, S] -> memory [B, S, d]."""
+    def encode(self, src: torch.Tensor, stages: Stages | None = None, fine: bool = False) -> torch.Tensor:
+        """The encoder stack: src [B, S] -> memory [B, S, d]; `fine` adds the sublayer stages."""
         stages = {} if stages is None else stages
+        record = stages if fine else None
         x = stages["src_embed"] = self.embed(self.src_table, src)
         mask = source_mask(src, self.cfg.pad_id)
         for i, layer in enumerate(self.encoder.layers):
-            x = stages[f"encoder.layers.{i}"] = layer(x, mask)
+            x = stages[f"encoder.layers.{i}"] = layer(x, mask, record, f"encoder.layers.{i}")
         if self.encoder.final_norm is not None:
             x = self.encoder.final_norm(x)
         stages["encoder"] = x
         return x
 
     def decode(self, tgt: torch.Tensor, memory: torch.Tensor, src: torch.Tensor,
-               stages: Stages | None = None) -> torch.Tensor:
-        """The decoder stack: tgt [B, T] (starting with the start token) -> hidden [B, T, d]."""
+               stages: Stages | None = None, fine: bool = False) -> torch.Tensor:
+        """The decoder stack: tgt [B, T] (starting with the start token) -> hidden [B, T, d];
+        `fine` adds the sublayer stages."""
         stages = {} if stages is None else stages
+        record = stages if fine else None
         x = stages["tgt_embed"] = self.embed(self.tgt_table, tgt)
         self_mask, cross_mask = target_mask(tgt, self.cfg.pad_id), source_mask(src, self.cfg.pad_id)
         for i, layer in enumerate(self.decoder.layers):
-            x = stages[f"decoder.layers.{i}"] = layer(x, memory, self_mask, cross_mask)
+            x = stages[f"decoder.layers.{i}"] = layer(x, memory, self_mask, cross_mask, record,
+                                                      f"decoder.layers.{i}")
         if self.decoder.final_norm is not None:
             x = self.decoder.final_norm(x)
         stages["decoder"] = x
@@ -317,10 +343,11 @@ class Transformer(nn.Module):
         return self.generator(x, self.tgt_table)[:, 0]
 
     def forward(self, src: torch.Tensor, tgt: torch.Tensor,
-                stages: Stages | None = None) -> torch.Tensor:
-        """Logits [B, T, V] for source ids [B, S] and decoder input ids [B, T]."""
+                stages: Stages | None = None, fine: bool = False) -> torch.Tensor:
+        """Logits [B, T, V] for source ids [B, S] and decoder input ids [B, T]; `stages` receives
+        the coarse stages, and with `fine` the sublayer outputs and attention weights too."""
         stages = {} if stages is None else stages
-        memory = self.encode(src, stages)
-        logits = stages["logits"] = self.generator(self.decode(tgt, memory, src, stages),
+        memory = self.encode(src, stages, fine)
+        logits = stages["logits"] = self.generator(self.decode(tgt, memory, src, stages, fine),
                                                    self.tgt_table)
         return logits

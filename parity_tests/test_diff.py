@@ -1,0 +1,437 @@
+"""`rosetta diff` and the fine stages it compares (issue 13, docs/diff.md).
+
+Expected values come from elsewhere than the code under test: the float64 reference (numpy_ref)
+for every backend's fine stages, a model written here on top of torch.nn.Transformer (its own
+layer names, PyTorch's own attention) for the hook recipe, Hugging Face's MarianMTModel for the
+Marian side, and the tensor we perturbed for where a difference must first show.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+
+import numpy as np
+import pytest
+import torch
+from torch import nn
+
+from rosetta import init_params, preset
+from rosetta.backends import from_params
+from rosetta.checkpoint import save_checkpoint
+from rosetta.cli import main
+from rosetta.config import ModelConfig
+from rosetta.diff.compare import compare_stages, first_over
+from rosetta.diff.dump import read_dump, write_dump
+from rosetta.errors import CheckpointError
+from rosetta.parity import random_batch, target_positions
+
+
+def perturbed_params(cfg: ModelConfig, seed: int = 1) -> dict[str, np.ndarray]:
+    """Every tensor moved off its initial value, so a dropped bias or scale cannot pass by luck."""
+    rng = np.random.default_rng(seed)
+    return {k: (v + 0.05 * rng.standard_normal(v.shape)).astype(np.float32)
+            for k, v in init_params(cfg, seed=0).items()}
+
+
+def fine_names(cfg: ModelConfig) -> set[str]:
+    """The stage names of the interface, written out from the brief, not from the code."""
+    names = {"src_embed", "encoder", "tgt_embed", "decoder", "logits"}
+    for i in range(cfg.num_encoder_layers):
+        p = f"encoder.layers.{i}"
+        names |= {p, f"{p}.self_attn", f"{p}.self_attn.weights", f"{p}.ffn"}
+    for i in range(cfg.num_decoder_layers):
+        p = f"decoder.layers.{i}"
+        names |= {p, f"{p}.self_attn", f"{p}.self_attn.weights", f"{p}.cross_attn",
+                  f"{p}.cross_attn.weights", f"{p}.ffn"}
+    return names
+
+
+FINE_CONFIGS = {
+    "post_norm_relu": {},
+    "pre_norm_gelu_final_norm": dict(norm_first=True, activation="gelu"),
+    "unequal_layers_8_heads_start_is_pad": dict(num_encoder_layers=3, num_decoder_layers=1, num_heads=8,
+                                                bos_id=0),
+}
+
+
+# -- 1. fine stages in every backend ----------------------------------------------------------
+
+@pytest.mark.parametrize("backend", ["torch", "jax"])
+@pytest.mark.parametrize("variant", sorted(FINE_CONFIGS))
+def test_fine_stages_match_the_float64_reference(backend, variant):
+    cfg = preset("tiny", **FINE_CONFIGS[variant])
+    params = perturbed_params(cfg)
+    src, tgt = random_batch(cfg, 3, 7, 6, seed=2)
+    want = from_params(cfg, params, "numpy", "float64").stages(src, tgt, fine=True)
+    got = from_params(cfg, params, backend, "float32").stages(src, tgt, fine=True)
+    assert set(want) == set(got) == fine_names(cfg)
+    rows = compare_stages(cfg.pad_id, src, tgt, got, want, 1e-5)
+    assert len(rows) == len(want)
+    assert first_over(rows) is None, [r for r in rows if r.over]
+    assert all(r.rel > 0 for r in rows if r.stage != "src_embed")  # float32 really ran
+
+
+@pytest.mark.parametrize("backend", ["numpy", "torch", "jax"])
+def test_attention_weights_are_distributions_over_the_keys_that_exist(backend):
+    cfg = preset("tiny")
+    src, tgt = random_batch(cfg, 4, 7, 6, seed=3)
+    stages = from_params(cfg, perturbed_params(cfg), backend).stages(src, tgt, fine=True)
+    src_keys, tgt_keys = src != cfg.pad_id, tgt != cfg.pad_id
+    tgt_keys[:, 0] = True
+    causal = np.tril(np.ones((tgt.shape[1],) * 2, bool))
+    allowed = {"encoder.layers.0.self_attn.weights": src_keys[:, None, None, :],
+               "decoder.layers.0.self_attn.weights": causal[None, None] & tgt_keys[:, None, None, :],
+               "decoder.layers.0.cross_attn.weights": src_keys[:, None, None, :]}
+    for name, keys in allowed.items():
+        w = stages[name].astype(np.float64)
+        assert w.shape[1] == cfg.num_heads
+        np.testing.assert_allclose(w.sum(-1), 1.0, atol=1e-5, err_msg=name)
+        assert np.abs(np.where(keys, 0.0, w)).max() < 1e-6, name  # no weight on pad or future keys
+
+
+def test_coarse_stages_are_unchanged_without_fine():
+    cfg = preset("tiny")
+    src, tgt = random_batch(cfg, seed=4)
+    model = from_params(cfg, perturbed_params(cfg), "numpy", "float64")
+    coarse, fine = model.stages(src, tgt), model.stages(src, tgt, fine=True)
+    assert set(coarse) == {n for n in fine_names(cfg) if not n.endswith(("attn", "weights", "ffn"))}
+    for name, value in coarse.items():
+        np.testing.assert_array_equal(value, fine[name])
+
+
+# -- 2. the dump format ------------------------------------------------------------------------
+
+@pytest.fixture(scope="module")
+def tiny():
+    cfg = preset("tiny")
+    params = perturbed_params(cfg)
+    src, tgt = random_batch(cfg, 3, 6, 5, seed=5)
+    return cfg, params, src, tgt
+
+
+def test_dump_round_trip(tmp_path, tiny):
+    cfg, params, src, tgt = tiny
+    model = from_params(cfg, params, "numpy", "float64")
+    path = model.dump(tmp_path / "d.npz", src, tgt)
+    dump = read_dump(path)
+    np.testing.assert_array_equal(dump.src, src)
+    np.testing.assert_array_equal(dump.tgt, tgt)
+    assert set(dump.stages) == fine_names(cfg)
+    np.testing.assert_array_equal(dump.stages["logits"], model.logits(src, tgt))
+    assert list(dump.stages)[0] == "src_embed" and list(dump.stages)[-1] == "logits"  # forward order
+
+
+def _bad_dump(tmp_path, tiny, change) -> str:
+    cfg, params, src, tgt = tiny
+    stages = from_params(cfg, params, "numpy", "float64").stages(src, tgt, fine=True)
+    arrays = {"src": src, "tgt": tgt, **stages}
+    change(arrays)
+    path = tmp_path / "bad.npz"
+    np.savez(path, **arrays)  # bypasses write_dump's checks, as someone else's code would
+    return str(path)
+
+
+BAD_DUMPS = {
+    "unknown stage": (lambda a: a.update({"encoder.layers.0.attn": a["encoder.layers.0"]}),
+                      r"unknown stage name 'encoder\.layers\.0\.attn'"),
+    "wrong length": (lambda a: a.update({"decoder.layers.0": a["decoder.layers.0"][:, :-1]}),
+                     r"stage 'decoder\.layers\.0' has shape \(3, 4, 32\).*\[B, T, d\]"),
+    "widths disagree": (lambda a: a.update({"encoder": a["encoder"][..., :16]}),
+                        r"stage 'encoder' has d = 16 but stage 'src_embed' has 32"),
+    "weights shape": (lambda a: a.update({"decoder.layers.1.cross_attn.weights":
+                                          a["decoder.layers.1.self_attn.weights"]}),
+                      r"'decoder\.layers\.1\.cross_attn\.weights' has shape.*\[B, h, T, S\]"),
+    "nan": (lambda a: a["decoder.layers.1.ffn"].__setitem__((0, 0, 0), np.nan),
+            r"stage 'decoder\.layers\.1\.ffn' holds NaN or infinity"),
+    "missing src": (lambda a: a.pop("src"), r"no 'src' array"),
+    "missing tgt": (lambda a: a.pop("tgt"), r"no 'tgt' array"),
+    "float ids": (lambda a: a.update({"tgt": a["tgt"].astype(np.float32)}), r"'tgt' must hold integer"),
+    "rows disagree": (lambda a: a.update({"tgt": a["tgt"][:2]}), r"'src' has 3 rows but 'tgt' has 2"),
+}
+
+
+@pytest.mark.parametrize("case", sorted(BAD_DUMPS))
+def test_bad_dumps_are_refused_naming_the_problem(tmp_path, tiny, case, capsys):
+    change, message = BAD_DUMPS[case]
+    path = _bad_dump(tmp_path, tiny, change)
+    with pytest.raises(CheckpointError, match=message):
+        read_dump(path)
+    cfg, params = tiny[:2]
+    ckpt = save_checkpoint(tmp_path / "m.safetensors", cfg, params)
+    assert main(["diff", str(ckpt), path]) == 2
+    err = capsys.readouterr().err
+    assert err.startswith("rosetta: error:") and len(err.strip().splitlines()) == 1
+
+
+def test_write_dump_refuses_what_read_dump_would(tmp_path, tiny):
+    cfg, params, src, tgt = tiny
+    with pytest.raises(CheckpointError, match="unknown stage name 'decoder.layers.0.mlp'"):
+        write_dump(tmp_path / "x.npz", src, tgt, {"decoder.layers.0.mlp": np.zeros((3, 5, 32))})
+    assert not (tmp_path / "x.npz").exists()
+
+
+# -- 3-4. rosetta diff on clean pairs ------------------------------------------------------------
+
+@pytest.fixture(scope="module")
+def checkpoint(tmp_path_factory, tiny):
+    cfg, params = tiny[:2]
+    return save_checkpoint(tmp_path_factory.mktemp("ckpt") / "m.safetensors", cfg, params)
+
+
+@pytest.mark.parametrize("pair", [("", "@torch"), ("@jax", "@torch"), ("@numpy:float64", "")])
+def test_backends_of_one_checkpoint_report_no_difference(checkpoint, pair, tmp_path, capsys):
+    out_json = tmp_path / "d.json"
+    a, b = (f"{checkpoint}{suffix}" for suffix in pair)
+    assert main(["diff", a, b, "--json", str(out_json)]) == 0
+    out = capsys.readouterr().out
+    assert "no difference at any stage" in out
+    record = json.loads(out_json.read_text())
+    assert record["differ"] is False and record["first_difference"] is None
+    assert {row["stage"] for row in record["rows"]} == fine_names(preset("tiny"))
+    float64_only = pair == ("@numpy:float64", "")
+    assert record["tolerance"] == (1e-10 if float64_only else 1e-5)  # the larger TOLERANCES entry
+    assert all(not row["over"] for row in record["rows"])
+
+
+# -- a real difference ----------------------------------------------------------------------
+
+@pytest.mark.parametrize("tensor, first", [
+    ("decoder.layers.1.ffn.linear1.kernel", "decoder.layers.1.ffn"),
+    ("decoder.layers.1.cross_attn.k.kernel", "decoder.layers.1.cross_attn.weights"),
+    ("encoder.layers.0.self_attn.v.bias", "encoder.layers.0.self_attn"),
+])
+def test_a_perturbed_tensor_is_found_at_its_first_stage(tmp_path, tiny, checkpoint, tensor, first, capsys):
+    cfg, params, src, tgt = tiny
+    changed = dict(params)
+    changed[tensor] = params[tensor] + np.float32(0.05)
+    dump = from_params(cfg, changed, "torch").dump(tmp_path / "other.npz", src, tgt)
+    out_json = tmp_path / "d.json"
+    assert main(["diff", str(dump), str(checkpoint), "--json", str(out_json)]) == 1
+    out = capsys.readouterr().out
+    assert f"first difference at {first} " in out
+    marked = [line for line in out.splitlines() if "<- first difference" in line]
+    assert len(marked) == 1 and marked[0].split()[0] == first
+    record = json.loads(out_json.read_text())
+    assert record["differ"] is True and record["first_difference"] == first
+    rows = {row["stage"]: row for row in record["rows"]}
+    assert rows[first]["over"] and rows["logits"]["over"]
+
+
+# -- bad input --------------------------------------------------------------------------------
+
+def test_sides_with_different_configs_are_refused_naming_the_field(tmp_path, checkpoint, capsys):
+    cfg = preset("tiny", d_ff=48)
+    other = save_checkpoint(tmp_path / "o.safetensors", cfg, init_params(cfg))
+    assert main(["diff", str(checkpoint), str(other)]) == 2
+    assert "the sides differ in d_ff: 64" in capsys.readouterr().err
+
+
+def test_a_dump_of_another_model_shape_is_refused(tmp_path, checkpoint, capsys):
+    cfg = preset("tiny", d_model=16, d_ff=32, num_heads=2)
+    src, tgt = random_batch(cfg, seed=0)
+    dump = from_params(cfg, init_params(cfg), "numpy").dump(tmp_path / "small.npz", src, tgt)
+    assert main(["diff", str(dump), str(checkpoint)]) == 2
+    assert "d_model 16, the model has 32" in capsys.readouterr().err
+
+
+def test_two_dumps_of_different_batches_are_refused(tmp_path, tiny, capsys):
+    cfg, params, src, tgt = tiny
+    model = from_params(cfg, params)
+    a = model.dump(tmp_path / "a.npz", src, tgt)
+    b = model.dump(tmp_path / "b.npz", *random_batch(cfg, seed=9))
+    assert main(["diff", str(a), str(b)]) == 2
+    assert "holds another batch" in capsys.readouterr().err
+    assert main(["diff", str(a), str(a)]) == 0  # the same batch: compared, equal
+
+
+# -- the PyTorch hook recipe (docs/diff.md) on a model written independently of torch_impl --------
+
+class Embedder(nn.Module):
+    """E[x] * sqrt(d) + PE[pos], the paper's interleaved sines and cosines, written out here."""
+
+    def __init__(self, table: nn.Embedding):
+        super().__init__()
+        self.table = table
+
+    def forward(self, ids: torch.Tensor) -> torch.Tensor:
+        d = self.table.embedding_dim
+        pos = torch.arange(ids.shape[1], dtype=torch.float64)[:, None]
+        angle = pos / 10000.0 ** (torch.arange(0, d, 2, dtype=torch.float64) / d)
+        pe = torch.stack([angle.sin(), angle.cos()], dim=-1).reshape(ids.shape[1], d)
+        return self.table(ids) * math.sqrt(d) + pe.float()
+
+
+class UserModel(nn.Module):
+    """A translation model as a PyTorch user writes it: nn.Transformer (post-norm, with the final
+    norms nn.Transformer always adds), embeddings and a tied output layer."""
+
+    def __init__(self, vocab: int, d: int, heads: int, layers: int, d_ff: int, pad: int = 0):
+        super().__init__()
+        self.pad = pad
+        table = nn.Embedding(vocab, d)
+        self.src_embed, self.tgt_embed = Embedder(table), Embedder(table)
+        self.transformer = nn.Transformer(d, heads, layers, layers, d_ff, dropout=0.0, batch_first=True)
+        self.generator = nn.Linear(d, vocab, bias=False)
+        self.generator.weight = table.weight
+
+    def forward(self, src: torch.Tensor, tgt: torch.Tensor) -> torch.Tensor:
+        src_pad, tgt_pad = src == self.pad, tgt == self.pad
+        tgt_pad[:, 0] = False  # the start token is never padding
+        causal = torch.ones(tgt.shape[1], tgt.shape[1], dtype=torch.bool).triu(1)  # True = masked
+        memory = self.transformer.encoder(self.src_embed(src), src_key_padding_mask=src_pad)
+        hidden = self.transformer.decoder(self.tgt_embed(tgt), memory, tgt_mask=causal,
+                                          tgt_key_padding_mask=tgt_pad, memory_key_padding_mask=src_pad)
+        return self.generator(hidden)
+
+
+def load_canonical(model: UserModel, params: dict[str, np.ndarray]) -> None:
+    """Our canonical params into the user's modules: kernels [in, out] -> nn.Linear [out, in],
+    q, k, v stacked into in_proj (a mapping written here, not the porter's)."""
+    t = {k: torch.from_numpy(np.asarray(v, np.float32)) for k, v in params.items()}
+    sd = {"src_embed.table.weight": t["shared_embed.embedding"]}
+
+    def attention(ours: str, theirs: str) -> None:
+        sd[f"{theirs}.in_proj_weight"] = torch.cat([t[f"{ours}.{p}.kernel"].T for p in "qkv"])
+        sd[f"{theirs}.in_proj_bias"] = torch.cat([t[f"{ours}.{p}.bias"] for p in "qkv"])
+        sd[f"{theirs}.out_proj.weight"] = t[f"{ours}.o.kernel"].T
+        sd[f"{theirs}.out_proj.bias"] = t[f"{ours}.o.bias"]
+
+    def block(ours: str, theirs: str, norms: list[str]) -> None:
+        attention(f"{ours}.self_attn", f"{theirs}.self_attn")
+        if "cross_attn_norm" in norms:
+            attention(f"{ours}.cross_attn", f"{theirs}.multihead_attn")
+        for j in (1, 2):
+            sd[f"{theirs}.linear{j}.weight"] = t[f"{ours}.ffn.linear{j}.kernel"].T
+            sd[f"{theirs}.linear{j}.bias"] = t[f"{ours}.ffn.linear{j}.bias"]
+        for j, norm in enumerate(norms, 1):
+            sd[f"{theirs}.norm{j}.weight"] = t[f"{ours}.{norm}.scale"]
+            sd[f"{theirs}.norm{j}.bias"] = t[f"{ours}.{norm}.bias"]
+
+    for i in range(len(model.transformer.encoder.layers)):
+        block(f"encoder.layers.{i}", f"transformer.encoder.layers.{i}", ["self_attn_norm", "ffn_norm"])
+    for i in range(len(model.transformer.decoder.layers)):
+        block(f"decoder.layers.{i}", f"transformer.decoder.layers.{i}",
+              ["self_attn_norm", "cross_attn_norm", "ffn_norm"])
+    for side in ("encoder", "decoder"):
+        sd[f"transformer.{side}.norm.weight"] = t[f"{side}.final_norm.scale"]
+        sd[f"transformer.{side}.norm.bias"] = t[f"{side}.final_norm.bias"]
+    sd["tgt_embed.table.weight"] = sd["generator.weight"] = sd["src_embed.table.weight"]
+    model.load_state_dict(sd, strict=True)
+
+
+def dump_with_hooks(model: UserModel, path, src: np.ndarray, tgt: np.ndarray):
+    """The recipe of docs/diff.md: forward hooks on the user's modules collect the stages."""
+    stages: dict[str, np.ndarray] = {}
+
+    def keep(name):
+        def hook(module, args, output):
+            output = output[0] if isinstance(output, tuple) else output  # attention: (out, weights)
+            stages[name] = output.detach().numpy()  # as computed: the dtype sets the tolerance
+        return hook
+
+    def keep_weights(name):
+        def hook(module, args, output):
+            stages[name] = output[1].detach().numpy()
+        return hook
+
+    def want_weights(module, args, kwargs):  # ask nn.MultiheadAttention for per-head weights
+        return args, {**kwargs, "need_weights": True, "average_attn_weights": False}
+
+    tr = model.transformer
+    modules = {"src_embed": model.src_embed, "encoder": tr.encoder, "tgt_embed": model.tgt_embed,
+               "decoder": tr.decoder, "logits": model.generator}
+    for kind, layers in (("encoder", tr.encoder.layers), ("decoder", tr.decoder.layers)):
+        for i, layer in enumerate(layers):
+            p = f"{kind}.layers.{i}"
+            modules |= {p: layer, f"{p}.self_attn": layer.self_attn, f"{p}.ffn": layer.linear2}
+            if kind == "decoder":
+                modules[f"{p}.cross_attn"] = layer.multihead_attn
+    handles = [module.register_forward_hook(keep(name)) for name, module in modules.items()]
+    for name, module in modules.items():
+        if name.endswith("attn"):
+            handles.append(module.register_forward_pre_hook(want_weights, with_kwargs=True))
+            handles.append(module.register_forward_hook(keep_weights(name + ".weights")))
+    # Grad mode on: nn.TransformerEncoderLayer's inference fast path would skip the hooks.
+    model.eval()(torch.from_numpy(src), torch.from_numpy(tgt))
+    for handle in handles:
+        handle.remove()
+    return write_dump(path, src, tgt, stages)
+
+
+def test_hook_recipe_on_a_users_model_with_our_weights_reports_no_difference(tmp_path, capsys):
+    cfg = preset("tiny", final_norm=True)  # post-norm plus final norms: nn.Transformer's layout
+    params = perturbed_params(cfg)
+    ckpt = save_checkpoint(tmp_path / "m.safetensors", cfg, params)
+    torch.manual_seed(0)
+    user = UserModel(cfg.src_vocab_size, cfg.d_model, cfg.num_heads, cfg.num_encoder_layers, cfg.d_ff)
+    load_canonical(user, params)
+    src, tgt = random_batch(cfg, 3, 8, 6, seed=6)
+    dump = dump_with_hooks(user, tmp_path / "user.npz", src, tgt)
+    assert set(read_dump(dump).stages) == fine_names(cfg)
+    assert main(["diff", str(dump), str(ckpt)]) == 0
+    assert "no difference at any stage" in capsys.readouterr().out
+    # ... and the recipe sees a mistake: the user's model without the sqrt(d) scaling.
+    user.src_embed.forward = lambda ids: Embedder.forward(user.src_embed, ids) / math.sqrt(cfg.d_model)
+    dump = dump_with_hooks(user, tmp_path / "unscaled.npz", src, tgt)
+    assert main(["diff", str(dump), str(ckpt)]) == 1
+    assert "first difference at src_embed " in capsys.readouterr().out
+
+
+def test_ported_nn_transformer_against_its_own_hook_dump(tmp_path, capsys):
+    from rosetta.interop.nn_transformer import save_ported
+
+    torch.manual_seed(3)
+    user = UserModel(40, 16, 2, 2, 32)
+    with torch.no_grad():
+        for name, p in user.named_parameters():
+            if "norm" in name:  # LayerNorm starts at identity: move it, so a swap would show
+                p.add_(0.1 * torch.randn_like(p))
+    src_table = user.src_embed.table
+    cfg, ckpt = save_ported(tmp_path / "ported.safetensors", user.transformer, src_table, src_table,
+                            user.generator, max_len=64)
+    src, tgt = random_batch(cfg, 3, 7, 5, seed=7)
+    dump = dump_with_hooks(user, tmp_path / "nn.npz", src, tgt)
+    for backend in ("", "@torch"):
+        assert main(["diff", f"{ckpt}{backend}", str(dump)]) == 0
+    assert capsys.readouterr().out.count("no difference at any stage") == 2
+
+
+# -- a converted Marian model ------------------------------------------------------------------
+
+def test_marian_directory_against_its_converted_checkpoint(tmp_path, capsys):
+    from transformers import MarianConfig, MarianMTModel
+
+    from rosetta.interop.convert import convert
+
+    torch.manual_seed(0)
+    marian = MarianMTModel(MarianConfig(
+        vocab_size=37, d_model=16, encoder_layers=2, decoder_layers=2, encoder_attention_heads=4,
+        decoder_attention_heads=4, encoder_ffn_dim=32, decoder_ffn_dim=32, max_position_embeddings=64,
+        pad_token_id=0, eos_token_id=2, decoder_start_token_id=0, forced_eos_token_id=None,
+        dropout=0.0, attention_dropout=0.0, activation_dropout=0.0, activation_function="swish",
+        share_encoder_decoder_embeddings=True, tie_word_embeddings=True)).eval()
+    with torch.no_grad():
+        for name, p in marian.named_parameters():
+            if "embed_positions" not in name:
+                p.normal_(1.0 if "layer_norm.weight" in name else 0.0, 0.3)
+    marian.save_pretrained(tmp_path / "hf")
+    convert(tmp_path / "hf", tmp_path / "m.safetensors")
+    out_json = tmp_path / "d.json"
+    assert main(["diff", str(tmp_path / "hf"), f"{tmp_path / 'm.safetensors'}@torch",
+                 "--json", str(out_json)]) == 0
+    assert "no difference at any stage" in capsys.readouterr().out
+    assert json.loads(out_json.read_text())["tolerance"] == 1e-5
+
+
+def test_contract_positions_ignore_padding(tiny):
+    """A difference only at pad positions is no difference (SPEC §5)."""
+    cfg, params, src, tgt = tiny
+    assert (src == cfg.pad_id).any() and (tgt == cfg.pad_id).any()
+    a = from_params(cfg, params, "numpy", "float64").stages(src, tgt, fine=True)
+    b = {k: v.copy() for k, v in a.items()}
+    b["encoder"][src == cfg.pad_id] += 1.0
+    b["logits"][~target_positions(cfg, tgt)] += 1.0
+    assert first_over(compare_stages(cfg.pad_id, src, tgt, a, b, 1e-12)) is None
+    b["logits"][0, 0, 0] += 1.0
+    assert first_over(compare_stages(cfg.pad_id, src, tgt, a, b, 1e-12)).stage == "logits"

@@ -1,0 +1,130 @@
+"""The two sides of `rosetta diff`: what each argument names, and running it on one batch.
+
+A side is one of
+    PATH[@BACKEND[:DTYPE]]  a model file or directory rosetta.interop.convert.read_model reads (a
+                            rosetta checkpoint, a Marian directory, a flax-wmt msgpack), run in
+                            BACKEND (default numpy) at DTYPE (default the backend's first: numpy's
+                            is float64, so a converted model runs as the float64 reference);
+    PATH.npz                an activation dump (rosetta/diff/dump.py): stages someone else's code
+                            computed, on the batch stored with them.
+"""
+
+from __future__ import annotations
+
+import re
+from collections.abc import Sequence
+from dataclasses import dataclass
+from pathlib import Path
+
+import numpy as np
+
+from rosetta.backends import BACKENDS, BackendModel, get_backend
+from rosetta.config import ModelConfig
+from rosetta.diff.dump import Dump, read_dump, stage_kind
+from rosetta.errors import ConfigError, InputError
+from rosetta.params import Params
+from rosetta.parity import TOLERANCES, random_batch
+
+# The numpy reference against itself (float64 vs float64): only summation order differs.
+FLOAT64_TOLERANCE = 1e-10
+# A dump says only its arrays' dtype: the tolerance of that precision in TOLERANCES.
+DUMP_TOLERANCES = {"float64": FLOAT64_TOLERANCE, "float32": 1e-5, "float16": 1e-2}
+# The fields that fix the stages' shapes: two sides that differ here cannot be compared.
+SHAPE_FIELDS = ("src_vocab_size", "tgt_vocab_size", "d_model", "num_heads", "num_encoder_layers",
+                "num_decoder_layers", "d_ff")
+_SPEC = re.compile(r"(?P<path>.+?)(@(?P<backend>[a-z]+)(:(?P<dtype>[a-z0-9]+))?)?")
+
+
+@dataclass
+class Side:
+    """One side: a model (config, params, backend, dtype) or a dump."""
+
+    label: str
+    model: BackendModel | None = None
+    weights: tuple[ModelConfig, Params] | None = None
+    dump: Dump | None = None
+
+    @property
+    def config(self) -> ModelConfig | None:
+        return None if self.weights is None else self.weights[0]
+
+    @property
+    def tolerance(self) -> float:
+        """This side's agreement bound with the reference (rosetta.parity.TOLERANCES)."""
+        if self.model is not None:
+            key = (self.model.name, self.model.dtype)
+            return FLOAT64_TOLERANCE if key == ("numpy", "float64") else TOLERANCES.get(key, 3e-2)
+        dtypes = {str(v.dtype) for v in self.dump.stages.values()} or {"float64"}
+        return max(DUMP_TOLERANCES.get(d, 3e-2) for d in dtypes)
+
+    def stages(self, src: np.ndarray, tgt: np.ndarray) -> dict[str, np.ndarray]:
+        """Every stage this side has for the batch (src, tgt); a dump must hold that batch."""
+        if self.dump is None:
+            return self.model.stages(src, tgt, fine=True)
+        if self.dump.src.shape != np.shape(src) or self.dump.tgt.shape != np.shape(tgt) \
+                or (self.dump.src != src).any() or (self.dump.tgt != tgt).any():
+            raise InputError(f"{self.label}: the dump holds another batch (src {self.dump.src.shape}, "
+                             f"tgt {self.dump.tgt.shape}) than the one asked for (src {np.shape(src)}, "
+                             f"tgt {np.shape(tgt)}); two dumps must be computed on the same src and tgt")
+        return self.dump.stages
+
+
+def parse_side(spec: str) -> Side:
+    """The side a command-line argument names (see the module docstring)."""
+    from rosetta.interop.convert import read_model  # the converters pull in the formats' readers
+
+    m = _SPEC.fullmatch(spec)
+    path, backend, dtype = m["path"], m["backend"], m["dtype"]
+    if backend is not None and backend not in BACKENDS:  # an '@' that is part of the path
+        path, backend, dtype = spec, None, None
+    if Path(path).suffix == ".npz":
+        if backend is not None:
+            raise ConfigError(f"{spec}: a dump holds computed stages; it has no backend to run")
+        return Side(spec, dump=read_dump(path))
+    cfg, params = read_model(path)
+    model = get_backend(backend or "numpy")(cfg, params, dtype)
+    return Side(spec, model=model, weights=(cfg, params))
+
+
+def check_compatible(a: Side, b: Side) -> None:
+    """A ConfigError naming the first field (or dump stage) whose shape differs between sides."""
+    if a.config is not None and b.config is not None:
+        for field in SHAPE_FIELDS:
+            x, y = getattr(a.config, field), getattr(b.config, field)
+            if x != y:
+                raise ConfigError(f"the sides differ in {field}: {x} ({a.label}) vs {y} ({b.label}); "
+                                  f"only models of one shape can be compared stage by stage")
+    for model_side, dump_side in ((a, b), (b, a)):
+        if model_side.config is not None and dump_side.dump is not None:
+            _check_dump_fits(model_side.config, dump_side)
+
+
+def _check_dump_fits(cfg: ModelConfig, side: Side) -> None:
+    """The dump's widths and layer indices must be the model's."""
+    for name, value in side.dump.stages.items():
+        kind = stage_kind(name)
+        width = {"enc": ("d_model", value.shape[-1]), "dec": ("d_model", value.shape[-1]),
+                 "logits": ("tgt_vocab_size", value.shape[-1])}.get(kind, ("num_heads", value.shape[1]))
+        if getattr(cfg, width[0]) != width[1]:
+            raise ConfigError(f"{side.label}: stage {name!r} has {width[0]} {width[1]}, the model has "
+                              f"{getattr(cfg, width[0])}")
+        layer = re.match(r"(encoder|decoder)\.layers\.(\d+)", name)
+        if layer and int(layer[2]) >= getattr(cfg, f"num_{layer[1]}_layers"):
+            raise ConfigError(f"{side.label}: stage {name!r}: the model has "
+                              f"{getattr(cfg, f'num_{layer[1]}_layers')} {layer[1]} layers")
+
+
+def pick_batch(sides: Sequence[Side], seed: int = 0) -> tuple[np.ndarray, np.ndarray]:
+    """The batch both sides run on: a dump's own (two dumps must agree), else a random one."""
+    dumps = [s for s in sides if s.dump is not None]
+    if dumps:
+        src, tgt = dumps[0].dump.src, dumps[0].dump.tgt
+        for other in dumps[1:]:
+            other.stages(src, tgt)  # refuses another batch, naming it
+        return src, tgt
+    return random_batch(sides[0].config, seed=seed)
+
+
+def pad_id(sides: Sequence[Side]) -> int:
+    """The pad id that decides which positions count: a model side's; 0 between two dumps."""
+    return next((s.config.pad_id for s in sides if s.config is not None), 0)
