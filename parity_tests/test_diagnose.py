@@ -320,3 +320,19 @@ def test_entries_identical_on_these_weights_tie_and_either_is_accepted():
     assert result.first_stage == "logits"
     assert result.best.names in {("output_tied",), ("logits_over_sqrt_d",)}
     assert {c.names for c in result.candidates[:2]} == {("output_tied",), ("logits_over_sqrt_d",)}
+
+
+def test_a_real_float32_port_with_another_table_is_diagnosed():
+    # The other side is the PyTorch backend in float32 built with tensor2tensor's table (the
+    # Flax example's convention): its float32 rounding stays, and the diagnosis still names
+    # the convention, with a rel after at float32 level instead of 0.
+    from rosetta.backends import get_backend
+
+    cfg, params, src, tgt = setup("positions_concat_t2t")
+    port = get_backend("torch")(cfg.replace(positional_encoding="sinusoidal_concat_t2t"), params, "float32")
+    observed = port.stages(src, tgt)
+    result = diagnose(cfg, params, src, tgt, observed, tolerance=TOL)
+    assert result.best is not None, result.report()
+    assert result.best.names == ("positions_concat_t2t",)
+    assert 0 < result.best.rel_after < TOL
+    assert result.first_stage == "src_embed"
