@@ -188,6 +188,22 @@ def test_diagnose_finds_a_pair():
     assert "nothing in the catalogue explains the difference" in single.report()
 
 
+@pytest.mark.parametrize("pair", [
+    ("kernels_transposed", "layer_norm_eps_1e-6"),  # a large mistake hiding a small one
+    ("positions_concat_t2t", "activation_gelu_tanh"),  # the Flax example's two conventions
+    ("mask_inverted", "logits_log_softmax"),
+    ("heads_interleaved", "positions_from_one"),
+])
+def test_diagnose_finds_pairs_of_mistakes(pair):
+    cfg, params, src, tgt = setup("layer_norm_eps_1e-6")  # small LayerNorm inputs: eps shows
+    observed = mistaken_stages(pair, cfg, params, src, tgt, fine=True)
+    result = diagnose(cfg, params, src, tgt, observed, tolerance=TOL)
+    assert result.best is not None, result.report()
+    assert set(result.best.names) == set(pair)
+    assert result.first_stage == first_parting(cfg, src, tgt, reference_stages(params, cfg, src, tgt),
+                                               observed)
+
+
 def test_a_clean_pair_has_nothing_to_explain():
     cfg, params, src, tgt = setup("kernels_transposed")
     # The other side: numpy_ref itself in float32, as a float32 port that is right would dump.

@@ -26,7 +26,8 @@ from rosetta.parity import relative_error, target_positions
 __all__ = ["Diagnosis", "Explanation", "diagnose", "mistaken_stages", "stage_errors"]
 
 DEFAULT_TOLERANCE = 1e-5  # float32 against the float64 reference (rosetta.parity.TOLERANCES)
-PAIR_POOL = 6  # pairs are tried among this many best single entries
+PAIR_POOL = 6  # pairs are tried among this many best single entries,
+PAIR_LEAD = 3  # and between each of this many best and every other entry
 SHOWN = 3  # the closest candidates listed when nothing explains the difference
 
 
@@ -177,8 +178,13 @@ def diagnose(
     scored = [c for c in (candidate((e,)) for e in applicable) if c is not None]
     scored.sort(key=lambda c: c[0])
     if pairs and scored and scored[0][1].rel_after > tolerance / 10:
-        pool = [BY_NAME[c[1].names[0]] for c in scored[:PAIR_POOL]]
-        for a, b in itertools.combinations(pool, 2):
+        # Every pair among the best few, and each of the very best with every other entry: a
+        # large mistake can hide a small one that alone improves nothing (a table and an eps).
+        ranked = [c[1].names[0] for c in scored]
+        tried = dict.fromkeys(itertools.combinations(ranked[:PAIR_POOL], 2))
+        for i, lead in enumerate(ranked[:PAIR_LEAD]):
+            tried |= dict.fromkeys((lead, other) for other in ranked[i + 1:])
+        for a, b in (tuple(BY_NAME[n] for n in pair) for pair in tried):
             if a.config is not None and b.config is not None and \
                     set(a.config(cfg)) & set(b.config(cfg)):
                 continue  # two settings of the same field are not a pair
