@@ -19,9 +19,11 @@ import numpy as np
 
 from rosetta.config import ModelConfig
 from rosetta.diff.catalogue import BY_NAME, CATALOGUE, Entry, as_float64, build, mistaken_stages
+from rosetta.diff.compare import contract_positions
+from rosetta.diff.dump import stage_kind
 from rosetta.diff.variant import Stages, forward_stages
 from rosetta.errors import ConfigError, InputError
-from rosetta.parity import relative_error, target_positions
+from rosetta.parity import relative_error
 
 __all__ = ["Diagnosis", "Explanation", "diagnose", "mistaken_stages", "stage_errors"]
 
@@ -39,17 +41,11 @@ class Explanation(NamedTuple):
     first_stage: str | None  # where the correct model and the observation part
 
 
-def _positions(cfg: ModelConfig, src: np.ndarray, tgt: np.ndarray, stage: str) -> np.ndarray:
-    # Encoder stages count at non-pad source positions, the decoder's and the logits at
-    # rosetta.parity.target_positions (SPEC §5); padded positions hold whatever masking leaves.
-    if stage == "src_embed" or stage.startswith("encoder"):
-        return src != cfg.pad_id
-    return target_positions(cfg, tgt)
-
-
 def _rel(a: np.ndarray, b: np.ndarray) -> float:
     """rosetta.parity.relative_error, NaN-aware: NaN where the other side has NaN too is a match
-    (a -inf fill's NaN rows are what we look for), any other non-finite mismatch is infinite."""
+    (a -inf fill's NaN rows are what we look for), any other non-finite mismatch is infinite.
+    rosetta.diff.compare calls every non-finite stage infinite, which is right for a report and
+    would make the -inf fill unexplainable here."""
     fa, fb = np.isfinite(a), np.isfinite(b)
     if not (fa.all() and fb.all()):
         same = (fa == fb) & (fa | (np.isnan(a) & np.isnan(b)) | (a == b))
@@ -70,8 +66,10 @@ def stage_errors(cfg: ModelConfig, src: np.ndarray, tgt: np.ndarray, ours: Stage
         if seen.shape != value.shape:
             raise InputError(f"observed stage {stage!r} has shape {seen.shape}; the model "
                              f"gives {value.shape} for this src and tgt")
-        where = _positions(cfg, src, tgt, stage)
-        if stage.endswith(".weights"):  # [B, h, Tq, Tk]: select query positions
+        # The contract positions of rosetta diff's own table (SPEC §5): padded positions hold
+        # whatever masking leaves there. Attention weights [B, h, Tq, Tk] at their query rows.
+        where = contract_positions(cfg.pad_id, src, tgt, stage)
+        if (stage_kind(stage) or "").endswith("_w"):
             a, b = np.moveaxis(value, 1, 2)[where], np.moveaxis(seen, 1, 2)[where]
         else:
             a, b = value[where], seen[where]
