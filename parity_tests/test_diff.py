@@ -435,3 +435,53 @@ def test_contract_positions_ignore_padding(tiny):
     assert first_over(compare_stages(cfg.pad_id, src, tgt, a, b, 1e-12)) is None
     b["logits"][0, 0, 0] += 1.0
     assert first_over(compare_stages(cfg.pad_id, src, tgt, a, b, 1e-12)).stage == "logits"
+
+
+# -- --diagnose, --plot, rosetta attention -------------------------------------------------------
+
+def test_diagnose_names_a_flipped_positional_encoding(tmp_path, tiny, checkpoint, capsys):
+    """A port that lays out sines and cosines Marian's way (PITFALLS 1): the diagnosis names it."""
+    cfg, params, src, tgt = tiny
+    wrong = cfg.replace(positional_encoding="sinusoidal_concat")
+    dump = from_params(wrong, params, "torch").dump(tmp_path / "pe.npz", src, tgt)
+    assert main(["diff", str(dump), str(checkpoint), "--diagnose"]) == 1
+    out = capsys.readouterr().out
+    assert "first difference at src_embed " in out
+    verdict = out.splitlines()[-1]
+    assert "positional_encoding = sinusoidal_concat" in verdict and "src_embed" in verdict
+
+
+def test_diagnose_between_two_dumps_needs_weights(tmp_path, tiny, capsys):
+    cfg, params, src, tgt = tiny
+    a = from_params(cfg, params).dump(tmp_path / "a.npz", src, tgt)
+    b = from_params(cfg.replace(scale_embeddings=False), params).dump(tmp_path / "b.npz", src, tgt)
+    assert main(["diff", str(a), str(b), "--diagnose"]) == 2
+    assert "--diagnose needs the weights of one side" in capsys.readouterr().err
+
+
+def test_plot_writes_a_png(tmp_path, tiny, checkpoint, capsys):
+    cfg, params, src, tgt = tiny
+    q = "decoder.layers.0.self_attn.q.kernel"
+    changed = {**params, q: params[q] * 2}
+    dump = from_params(cfg, changed).dump(tmp_path / "q.npz", src, tgt)
+    assert main(["diff", str(dump), str(checkpoint), "--plot", str(tmp_path / "d.png")]) == 1
+    assert "first difference at decoder.layers.0.self_attn.weights " in capsys.readouterr().out
+    assert (tmp_path / "d.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+
+
+@pytest.mark.parametrize("args", [[], ["--src", "5 6 7 2", "--tgt", "1 8 9"]])
+def test_attention_plots_one_sentence_pair(tmp_path, checkpoint, args, capsys):
+    out = tmp_path / "a.png"
+    assert main(["attention", f"{checkpoint}@jax", "--out", str(out), *args]) == 0
+    assert out.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+
+
+@pytest.mark.parametrize("args, message", [
+    (["--src", "5 6 7 2"], "give both --src and --tgt"),
+    (["--src", "5 6 700 2", "--tgt", "1 8 9"], "--src: token id 700 is outside the source vocabulary"),
+    (["--src", "5 6", "--tgt", "1 x"], "--tgt: 'x' is not a token id"),
+])
+def test_attention_refuses_bad_ids(tmp_path, checkpoint, args, message, capsys):
+    assert main(["attention", str(checkpoint), "--out", str(tmp_path / "a.png"), *args]) == 2
+    assert message in capsys.readouterr().err
+    assert not (tmp_path / "a.png").exists()

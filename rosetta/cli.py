@@ -37,7 +37,7 @@ from collections.abc import Callable
 
 from rosetta.checkpoint import load_checkpoint, save_checkpoint
 from rosetta.config import PRESETS, ModelConfig, preset
-from rosetta.errors import RosettaError
+from rosetta.errors import InputError, RosettaError
 from rosetta.generation import LENGTH_RULES
 from rosetta.inputs import parse_id_line, split_lines
 from rosetta.interop.convert import FORMATS
@@ -375,11 +375,22 @@ def cmd_attention(args: argparse.Namespace) -> int:
         else:
             import numpy as np
 
-            src = np.array([parse_id_line(args.src, 1, cfg.src_vocab_size)])
-            tgt = np.array([parse_id_line(args.tgt, 1, cfg.tgt_vocab_size)])
+            src = np.array([_flag_ids("--src", args.src, cfg.src_vocab_size, "source")])
+            tgt = np.array([_flag_ids("--tgt", args.tgt, cfg.tgt_vocab_size, "target")])
         stages = side.stages(src, tgt)
     print(f"wrote {plot_attention(args.out, stages, src, tgt)}")
     return 0
+
+
+def _flag_ids(flag: str, text: str, vocab_size: int, side: str) -> list[int]:
+    """The token ids of a --src/--tgt value, by stdin's rule (rosetta.inputs.parse_id_line)."""
+    try:
+        ids = parse_id_line(text, 1, vocab_size)
+    except InputError as e:
+        raise InputError(f"{flag}: {str(e).removeprefix('input line 1: ').replace('source', side)}") from None
+    if not ids:
+        raise InputError(f"{flag}: no token ids given")
+    return ids
 
 
 def _add_search_args(p: argparse.ArgumentParser, beam: int) -> None:
