@@ -20,7 +20,7 @@ import numpy as np
 from rosetta.config import ModelConfig
 from rosetta.diff.catalogue import BY_NAME, CATALOGUE, Entry, as_float64, build, mistaken_stages
 from rosetta.diff.compare import contract_positions
-from rosetta.diff.dump import stage_kind
+from rosetta.diff.dump import stage_kind, stage_order
 from rosetta.diff.variant import Stages, forward_stages
 from rosetta.errors import ConfigError, InputError
 from rosetta.parity import relative_error
@@ -57,11 +57,11 @@ def _rel(a: np.ndarray, b: np.ndarray) -> float:
 
 def stage_errors(cfg: ModelConfig, src: np.ndarray, tgt: np.ndarray, ours: Stages,
                  observed: Mapping[str, np.ndarray]) -> dict[str, float]:
-    """Relative error of `ours` against `observed` per common stage, in our forward order."""
+    """Relative error of `ours` against `observed` per common stage, in forward order
+    (rosetta.diff.dump.stage_order: a softmax before the projection that reads it)."""
     out = {}
-    for stage, value in ours.items():
-        if stage not in observed:
-            continue
+    for stage in sorted(set(ours) & set(observed), key=stage_order):
+        value = ours[stage]
         seen = np.asarray(observed[stage], dtype=np.float64)
         if seen.shape != value.shape:
             raise InputError(f"observed stage {stage!r} has shape {seen.shape}; the model "

@@ -254,7 +254,7 @@ def forward_stages(
     params: Params, cfg: ModelConfig, src: np.ndarray, tgt: np.ndarray,
     switches: Switches | None = None, fine: bool = False, encoder: Stages | None = None,
 ) -> Stages:
-    """Every stage of the forward pass, in forward order. `encoder`: the encoder stages of an
+    """Every stage of the forward pass (in numpy_ref's order). `encoder`: the encoder stages of an
     earlier run to reuse (a mistake that leaves the encoder alone need not recompute it)."""
     sw = Switches() if switches is None else switches
     stages: Stages = {}
