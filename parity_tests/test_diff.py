@@ -485,3 +485,68 @@ def test_attention_refuses_bad_ids(tmp_path, checkpoint, args, message, capsys):
     assert main(["attention", str(checkpoint), "--out", str(tmp_path / "a.png"), *args]) == 2
     assert message in capsys.readouterr().err
     assert not (tmp_path / "a.png").exists()
+
+
+# -- the Flax NNX recipes of docs/diff.md, on our own NNX model (jax_impl) -------------------------
+
+def _nnx_model(cfg, params):
+    from jax_impl.backend import parity_mode
+
+    return from_params(cfg, params, "jax").module, parity_mode
+
+
+def test_nnx_capture_recipe_reports_no_difference(tmp_path, tiny, checkpoint, capsys):
+    from flax import nnx
+
+    cfg, params, src, tgt = tiny
+    model, parity_mode = _nnx_model(cfg, params)
+    with parity_mode():  # docs/diff.md, as printed there
+        _, captured = nnx.capture(model, nnx.Intermediate, method_outputs=nnx.Intermediate)(src, tgt)
+    calls = {".".join(map(str, path[:-1])): value.get_value()
+             for path, value in nnx.to_flat_state(captured) if path[-1] == "__call__"}
+    ours = {"logits": "generator"}
+    for kind in ("encoder", "decoder"):
+        for i in range(2):
+            p = f"{kind}.layers.{i}"
+            attns = ("self_attn", "cross_attn") if kind == "decoder" else ("self_attn",)
+            ours |= {p: p, f"{p}.ffn": f"{p}.ffn"}
+            ours |= {f"{p}.{a}": f"{p}.{a}" for a in attns}
+            ours |= {f"{p}.{a}.weights": f"{p}.{a}.attention_dropout" for a in attns}
+    stages = {name: np.asarray(calls[path][0]) for name, path in ours.items()}
+    dump = write_dump(tmp_path / "nnx.npz", src, tgt, stages)
+    assert main(["diff", str(dump), str(checkpoint)]) == 0
+    assert "no difference at any stage" in capsys.readouterr().out
+    assert len(read_dump(dump).stages) == len(fine_names(cfg)) - 4  # all but embeddings and stacks
+
+
+def test_nnx_sow_recipe_reports_no_difference(tmp_path, tiny, checkpoint, capsys):
+    from flax import nnx
+
+    from jax_impl.model import DecoderLayer, EncoderLayer
+
+    class SowingEncoderLayer(EncoderLayer):  # "if you can edit the model": the layer sows its output
+        def __call__(self, *args, **kwargs):
+            x = super().__call__(*args, **kwargs)
+            self.sow(nnx.Intermediate, "out", x)
+            return x
+
+    class SowingDecoderLayer(DecoderLayer):
+        def __call__(self, *args, **kwargs):
+            x = super().__call__(*args, **kwargs)
+            self.sow(nnx.Intermediate, "out", x)
+            return x
+
+    cfg, params, src, tgt = tiny
+    model, parity_mode = _nnx_model(cfg, params)
+    for layer in model.encoder.layers:
+        layer.__class__ = SowingEncoderLayer
+    for layer in model.decoder.layers:
+        layer.__class__ = SowingDecoderLayer
+    with parity_mode():  # the sown values, collected as docs/diff.md says
+        _, captured = nnx.capture(model, nnx.Intermediate)(src, tgt)
+    stages = {".".join(map(str, path[:-1])): np.asarray(value.get_value()[0])
+              for path, value in nnx.to_flat_state(captured) if path[-1] == "out"}
+    assert set(stages) == {f"{k}.layers.{i}" for k in ("encoder", "decoder") for i in range(2)}
+    dump = write_dump(tmp_path / "sow.npz", src, tgt, stages)
+    assert main(["diff", str(dump), str(checkpoint)]) == 0
+    assert "no difference at any stage" in capsys.readouterr().out
