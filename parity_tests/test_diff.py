@@ -550,3 +550,34 @@ def test_nnx_sow_recipe_reports_no_difference(tmp_path, tiny, checkpoint, capsys
     dump = write_dump(tmp_path / "sow.npz", src, tgt, stages)
     assert main(["diff", str(dump), str(checkpoint)]) == 0
     assert "no difference at any stage" in capsys.readouterr().out
+
+
+def test_two_dumps_of_different_widths_are_refused(tmp_path, tiny, capsys):
+    cfg, params, src, tgt = tiny
+    a = from_params(cfg, params).dump(tmp_path / "a.npz", src, tgt)
+    narrow = preset("tiny", d_model=16, d_ff=32, num_heads=2)
+    b = from_params(narrow, init_params(narrow)).dump(tmp_path / "b.npz", src, tgt)
+    assert main(["diff", str(a), str(b)]) == 2
+    assert "stage 'src_embed' has shape (3, 6, 32) on one side and (3, 6, 16)" in capsys.readouterr().err
+
+
+def test_side_specs(tmp_path, checkpoint, capsys):
+    from rosetta.diff.sides import parse_side
+
+    side = parse_side(f"{checkpoint}@torch:float64")
+    assert (side.model.name, side.model.dtype, side.tolerance) == ("torch", "float64", 1e-12)
+    assert side.weights[0] == side.config == preset("tiny")
+    assert parse_side(str(checkpoint)).model.dtype == "float64"
+    odd = tmp_path / "a@b"  # an '@' that is not a backend belongs to the path
+    odd.mkdir()
+    at = save_checkpoint(odd / "m.safetensors", *load_tiny(checkpoint))
+    assert parse_side(str(at)).model.name == "numpy"
+    assert main(["diff", f"{checkpoint}@torch:int8", str(checkpoint)]) == 2
+    assert "backend 'torch' has no dtype 'int8'" in capsys.readouterr().err
+
+
+def load_tiny(path):
+    from rosetta import load_checkpoint
+
+    ckpt = load_checkpoint(path)
+    return ckpt.config, ckpt.params

@@ -15,6 +15,7 @@ from typing import NamedTuple
 import numpy as np
 
 from rosetta.diff.dump import stage_kind, stage_order
+from rosetta.errors import InputError
 from rosetta.parity import relative_error, target_positions
 
 
@@ -49,7 +50,8 @@ def compare_stages(pad_id: int, src: np.ndarray, tgt: np.ndarray, a: Mapping[str
     for stage in sorted(set(a) & set(b), key=stage_order):
         x, y = np.asarray(a[stage]), np.asarray(b[stage])
         if x.shape != y.shape:
-            raise ValueError(f"stage {stage!r}: shapes {x.shape} and {y.shape} differ")
+            raise InputError(f"stage {stage!r} has shape {x.shape} on one side and {y.shape} on the "
+                             f"other: models of different shapes cannot be compared")
         weights = (stage_kind(stage) or "").endswith("_w")
         where = contract_positions(pad_id, src, tgt, stage)
         x, y = _select(x, where, weights), _select(y, where, weights)
