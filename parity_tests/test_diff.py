@@ -581,3 +581,21 @@ def load_tiny(path):
 
     ckpt = load_checkpoint(path)
     return ckpt.config, ckpt.params
+
+
+@pytest.mark.parametrize("content, message", [
+    (None, "no such dump file"),
+    (b"not a zip", "not a readable .npz dump"),
+    ("npy", "not a readable .npz dump"),
+])
+def test_unreadable_dumps_are_refused(tmp_path, checkpoint, content, message, capsys):
+    path = tmp_path / "x.npz"
+    if content == "npy":
+        with open(path, "wb") as f:
+            np.save(f, np.zeros(3))
+    elif content is not None:
+        path.write_bytes(content)
+    with pytest.raises(CheckpointError, match=message):
+        read_dump(path)
+    assert main(["diff", str(path), str(checkpoint)]) == 2
+    assert message in capsys.readouterr().err

@@ -141,7 +141,10 @@ def write_dump(path: str | os.PathLike, src: object, tgt: object,
     path = Path(path)
     if path.suffix != ".npz":
         path = path.with_name(path.name + ".npz")
-    np.savez(path, src=src, tgt=tgt, **checked)
+    try:
+        np.savez(path, src=src, tgt=tgt, **checked)
+    except OSError as e:
+        raise CheckpointError(f"{path}: cannot write the dump ({e.strerror or e})") from None
     return path
 
 
@@ -150,7 +153,10 @@ def read_dump(path: str | os.PathLike) -> Dump:
     a dump may come from anywhere."""
     path = Path(path)
     try:
-        with np.load(path, allow_pickle=False) as data:
+        data = np.load(path, allow_pickle=False)
+        if not isinstance(data, np.lib.npyio.NpzFile):  # a lone .npy array under an .npz name
+            raise ValueError("a single array, not a zip of named arrays")
+        with data:
             arrays = {key: data[key] for key in data.files}
     except FileNotFoundError:
         raise CheckpointError(f"{path}: no such dump file") from None
