@@ -201,7 +201,10 @@ def measure(cfg: ModelConfig, params: Mapping[str, np.ndarray], src: np.ndarray,
     rows = []
     for m in [none] + mistakes:
         if not m.applies(cfg, src, tgt):
-            rows.append(dict(name=m.name, pitfall=m.pitfall, what=m.what, shown=False, detect=m.detect))
+            # Why not: the model already follows that convention, or the batch lacks what it needs.
+            already = m.build is not None and m.build(cfg, dict(params))[0] == cfg
+            rows.append(dict(name=m.name, pitfall=m.pitfall, what=m.what, shown=False, detect=m.detect,
+                             why="the model already does this" if already else f"needs {m.detect}"))
             continue
         started = time.perf_counter()
         ours = {dtype: m.stages(cfg, p, src, tgt) for dtype, p in weights.items()}
@@ -273,8 +276,8 @@ def markdown(result: dict) -> str:
         "(`rosetta.diff.variant`) with float32 weights and arithmetic, what a float32 port's parity "
         "test sees. *bfloat16*: that forward with the weights rounded to bfloat16 and float32 "
         "arithmetic (NumPy has no bfloat16, and the catalogue's code-level mistakes exist only in "
-        "the NumPy variant; a real bfloat16 forward also rounds activations, 6e-3 to 8e-3 on `base` "
-        f"against this page's floor). Caught: over the dtype's tolerance in `rosetta.parity.TOLERANCES` "
+        "the NumPy variant; a real bfloat16 forward also rounds the activations, so its floor differs "
+        f"from this page's `none` row). Caught: over the dtype's tolerance in `rosetta.parity.TOLERANCES` "
         f"({TOL_F32:.0e} float32, {TOL_BF16:.0e} bfloat16), or NaN. *first stage*: the first coarse "
         f"stage whose float64 relative error exceeds {FIRST_STAGE_THRESHOLD:.0e}. *gradient*: for "
         "mistakes made of config and weights alone, the relative error of the cross-entropy loss's "
@@ -297,9 +300,8 @@ def markdown(result: dict) -> str:
         lines += ["", f"Gradient tensor: `{tensor}`."]
     hidden = [r for r in result["rows"] if not r["shown"]]
     if hidden:
-        lines += ["", "Not shown by this model and batch (the entry does not apply: the model already "
-                  "uses that convention, or the batch lacks what the mistake needs):", ""]
-        lines += [f"- `{r['name']}` (needs {r['detect']}): {r['what']}" for r in hidden]
+        lines += ["", "Catalogue entries this model and batch cannot show:", ""]
+        lines += [f"- `{r['name']}` ({r['why']}): {r['what']}" for r in hidden]
     return "\n".join(lines) + "\n"
 
 
@@ -342,11 +344,15 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--docs", action="store_true", help="only re-render docs/pitfalls.md's block")
     parser.add_argument("--no-gradient", action="store_true", help="skip the PyTorch gradient column")
     args = parser.parse_args(argv)
-    if not args.docs:
-        result = run(gradient=not args.no_gradient)
-        name = f"pitfalls_{dt.date.today().isoformat()}"
-        json_path, _ = write_results(name, result, "# Measured porting pitfalls\n\n" + markdown(result))
-        print(f"wrote {json_path} and {json_path.with_suffix('.md')}")
+    if args.docs:  # the newest results file's Markdown twin is re-rendered too
+        path = newest()
+        if path is None:
+            raise SystemExit(f"no pitfalls_<date>.json in {RESULTS}: run `python -m benchmarks.pitfalls`")
+        result, name = load(path), path.stem
+    else:
+        result, name = run(gradient=not args.no_gradient), f"pitfalls_{dt.date.today().isoformat()}"
+    json_path, _ = write_results(name, result, "# Measured porting pitfalls\n\n" + markdown(result))
+    print(f"wrote {json_path} and {json_path.with_suffix('.md')}")
     update_page()
     print(f"updated {PAGE}")
 

@@ -12,8 +12,17 @@ import pytest
 
 import numpy_ref.model as ref
 from rosetta import InputError, init_params, preset
-from rosetta.diff.plots import CURVE_IN, DPI, MIN_WIDTH_IN, PANEL_IN, TITLE_IN, plot_attention, plot_diff
+from rosetta.diff import plots
+from rosetta.diff.plots import plot_attention, plot_diff
 from rosetta.parity import random_batch
+
+CURVE_HEIGHT = plots.CURVE_IN[1] + plots.LABELS_IN + plots.TITLE_IN  # plot_diff's curve, its labels, title
+
+
+def pixels(height_in: float, width_in: float) -> tuple[int, int]:
+    """The PNG's (rows, columns) for a figure of that many inches."""
+    return round(height_in * plots.DPI), round(width_in * plots.DPI)
+
 
 CFG = preset("tiny", num_encoder_layers=2, num_decoder_layers=1, num_heads=2, dropout=0.0)
 
@@ -69,8 +78,8 @@ def test_plot_attention_draws_every_layer_and_head(tmp_path, model):
     assert out == tmp_path / "attn.png" and out.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
     image = matplotlib.image.imread(out)
     rows = CFG.num_encoder_layers + 2 * CFG.num_decoder_layers  # encoder; decoder self + cross
-    assert image.shape[:2] == (round((PANEL_IN * rows + TITLE_IN) * DPI),
-                               round(max(PANEL_IN * CFG.num_heads, MIN_WIDTH_IN) * DPI))
+    assert image.shape[:2] == (round((plots.PANEL_IN * rows + plots.TITLE_IN) * plots.DPI),
+                               round(max(plots.PANEL_IN * CFG.num_heads, plots.MIN_WIDTH_IN) * plots.DPI))
     assert image[..., :3].std() > 0.05  # something is drawn, not a blank canvas
     expected_titles = {f"{kind} layer {i} head {h}" for h in range(CFG.num_heads)
                        for kind, n in (("encoder", 2), ("decoder self", 1), ("cross", 1)) for i in range(n)}
@@ -113,8 +122,8 @@ def test_plot_diff_shows_the_curve_and_the_diverging_layer(tmp_path, model):
                     src=src, tgt=tgt, drawn=drawn)
     image = matplotlib.image.imread(out)
     n_rows = 2 * CFG.num_heads  # decoder layer: self- and cross-attention, one row per head
-    assert image.shape[:2] == (round((CURVE_IN[1] + PANEL_IN * n_rows + TITLE_IN) * DPI),
-                               round(max(CURVE_IN[0], 3 * PANEL_IN) * DPI))
+    assert image.shape[:2] == pixels(CURVE_HEIGHT + plots.PANEL_IN * n_rows,
+                                     max(plots.CURVE_IN[0], 3 * plots.PANEL_IN))
     # Zero error sits at the log-scale floor; the rest is the rows' rel, in order.
     assert drawn["curve"][0] > 0 and list(drawn["curve"][1:]) == [1e-16, 0.2, 0.3]
     a = drawn["decoder self layer 0 head 1: A"]
@@ -129,7 +138,7 @@ def test_plot_diff_without_weights_draws_only_the_curve(tmp_path):
     drawn: dict[str, np.ndarray] = {}
     out = plot_diff(tmp_path / "c.png", rows, {}, {}, "src_embed", tolerance=1e-5, drawn=drawn)
     image = matplotlib.image.imread(out)
-    assert image.shape[:2] == (round((CURVE_IN[1] + TITLE_IN) * DPI), round(CURVE_IN[0] * DPI))
+    assert image.shape[:2] == pixels(CURVE_HEIGHT, plots.CURVE_IN[0])
     assert set(drawn) == {"curve"}
 
 

@@ -29,6 +29,7 @@ TITLE_IN = 0.6  # inches above the grid for the figure's title
 DPI = 80
 MIN_WIDTH_IN = 6.0  # a one- or two-head model still gets room for the figure's title
 CURVE_IN = (10.0, 4.0)  # the error curve of plot_diff: width, height in inches
+LABELS_IN = 2.4  # below the curve: its stage names (fine names run to 35 characters)
 
 _WEIGHTS = re.compile(r"^(encoder|decoder)\.layers\.(\d+)\.(self_attn|cross_attn)\.weights$")
 _LAYER = re.compile(r"^(encoder|decoder)\.layers\.(\d+)(\.|$)")
@@ -151,10 +152,12 @@ def plot_attention(
     if len(heads) != 1:
         raise InputError(f"the attention weights stages disagree on the number of heads: {sorted(heads)}")
     H = heads.pop()
-    fig = _figure(max(PANEL_IN * H, MIN_WIDTH_IN), PANEL_IN * len(found) + TITLE_IN)
+    height = PANEL_IN * len(found) + TITLE_IN
+    fig = _figure(max(PANEL_IN * H, MIN_WIDTH_IN), height)
     fig.suptitle("attention weights, sentence 0 (queries down, keys across)", fontsize=10)
-    grid = fig.add_gridspec(len(found), H, top=1 - TITLE_IN / (PANEL_IN * len(found) + TITLE_IN),
-                            hspace=0.7, wspace=0.5, left=0.06, right=0.98, bottom=0.02)
+    # Margins in inches (the last row's rotated labels need ~0.45), as fractions of the figure.
+    grid = fig.add_gridspec(len(found), H, top=1 - TITLE_IN / height, bottom=0.45 / height,
+                            hspace=0.7, wspace=0.5, left=0.06, right=0.98)
     for row, ((_, side, layer, sub), w) in enumerate(zip(found, weights, strict=True)):
         queries = (s_lab, s_len) if side == "encoder" else (t_lab, t_len)
         keys = (t_lab, t_len) if (side, sub) == ("decoder", "self_attn") else (s_lab, s_len)
@@ -194,20 +197,21 @@ def plot_diff(
     names = [s for s, *_ in parsed]
     if first_stage is not None and first_stage not in names:
         raise InputError(f"first_stage {first_stage!r} is not one of the compared stages")
-    if tolerance is not None and not (tolerance > 0 and math.isfinite(tolerance)):
-        raise InputError(f"tolerance must be a positive finite number, got {tolerance!r}")
+    if tolerance is not None and not (tolerance >= 0 and math.isfinite(tolerance)):
+        raise InputError(f"tolerance must be a finite number >= 0, got {tolerance!r}")
     pairs = _diverging_maps(stages_a, stages_b, first_stage, src, tgt, pad_id)
     H = pairs[0][2].shape[0] if pairs else 0
     n_rows = len(pairs) * H
     width = max(CURVE_IN[0], 3 * PANEL_IN)
-    fig = _figure(width, CURVE_IN[1] + PANEL_IN * n_rows + TITLE_IN)
-    total = CURVE_IN[1] + PANEL_IN * n_rows + TITLE_IN
+    total = CURVE_IN[1] + LABELS_IN + PANEL_IN * n_rows + TITLE_IN
+    fig = _figure(width, total)
     fig.suptitle(f"{labels[0]} vs {labels[1]}: relative error per stage"
                  + (f", first over tolerance: {first_stage}" if first_stage else ", none over tolerance"),
                  fontsize=10)
-    grid = fig.add_gridspec(1 + n_rows, 3, height_ratios=[CURVE_IN[1]] + [PANEL_IN] * n_rows,
-                            top=1 - TITLE_IN / total, bottom=1.6 / total if not n_rows else 0.02,
-                            hspace=0.6, wspace=0.4, left=0.08, right=0.97)
+    # Row 1 is left empty: the curve's stage names hang into it.
+    grid = fig.add_gridspec(2 + n_rows, 3, height_ratios=[CURVE_IN[1], LABELS_IN] + [PANEL_IN] * n_rows,
+                            top=1 - TITLE_IN / total, bottom=0.35 / total, hspace=0.45, wspace=0.4,
+                            left=0.08, right=0.97)
     ax = fig.add_subplot(grid[0, :])
     # log scale cannot show 0 (bit-identical stages) or NaN: draw those at a floor, say so.
     floor = 1e-18
@@ -216,7 +220,7 @@ def plot_diff(
     ax.semilogy(x, y, marker="o", markersize=3, label="||a - b|| / ||b||")
     over = [i for i, (_, _, _, o) in enumerate(parsed) if o]
     ax.semilogy(x[over], y[over], "o", color="tab:red", markersize=4, label="over tolerance")
-    if tolerance is not None:
+    if tolerance:  # a log scale has no 0: tolerance 0 (bit-identical) draws no line
         ax.axhline(tolerance, color="gray", linestyle="--", label=f"tolerance {tolerance:.0e}")
     if first_stage is not None:
         i = names.index(first_stage)
@@ -227,22 +231,22 @@ def plot_diff(
     step = max(1, len(names) // 60)  # fine stages of a big model: label every step-th stage
     ax.set_xticks(x[::step], names[::step], rotation=90, fontsize=6)
     ax.set_ylabel("relative error")
-    ax.legend(fontsize=7, loc="upper left")
+    ax.legend(fontsize=7, loc="best", framealpha=0.8)
     if drawn is not None:
         drawn["curve"] = y
     for p, (title, a, b) in enumerate(pairs):
         diff = a - b
         lim = float(np.abs(diff).max()) or 1.0
         for h in range(H):
-            r = 1 + p * H + h
+            r = 2 + p * H + h
             for c, (m, name, lo, hi, cmap) in enumerate([
                     (a[h], labels[0], 0.0, 1.0, "viridis"), (b[h], labels[1], 0.0, 1.0, "viridis"),
                     (diff[h], f"{labels[0]} - {labels[1]}", -lim, lim, "RdBu_r")]):
                 # The difference panel's colour scale is symmetric about 0, its bound in the title.
-                shown = name if c < 2 else f"{name} (|max| {lim:.1e})"
+                shown = name if c < 2 else f"{name}, |max| {lim:.1e}"
                 sub_ax = fig.add_subplot(grid[r, c])
                 sub_ax.imshow(m, vmin=lo, vmax=hi, cmap=cmap, aspect="auto", interpolation="nearest")
-                sub_ax.set_title(f"{title} head {h}: {shown}", fontsize=7)
+                sub_ax.set_title(f"{title} head {h}:\n{shown}", fontsize=7)
                 sub_ax.tick_params(labelsize=5)
                 if drawn is not None:
                     drawn[f"{title} head {h}: {name}"] = m
