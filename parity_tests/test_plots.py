@@ -166,3 +166,38 @@ def test_bad_input_is_one_input_error(tmp_path, model):
         plot_diff(tmp_path / "x.png", [("encoder.layers.0", 1.0, 1.0, True)], weights, other,
                   "encoder.layers.0")
     assert not list(tmp_path.iterdir())  # nothing half-written
+
+
+def test_plot_attention_from_the_backends_fine_stages(tmp_path, model):
+    """The real input: `stages(src, tgt, fine=True)` of the numpy backend holds the same
+    attention probabilities as the reference's own softmax, and plot_attention draws them."""
+    import rosetta
+    params, src, tgt, weights = model
+    stages = rosetta.from_params(CFG, params, "numpy").stages(src, tgt, fine=True)
+    for name, w in weights.items():
+        np.testing.assert_allclose(stages[name], w, rtol=0, atol=1e-14, err_msg=name)
+    drawn: dict[str, np.ndarray] = {}
+    plot_attention(tmp_path / "fine.png", stages, src, tgt, drawn=drawn)
+    np.testing.assert_array_equal(drawn["cross layer 0 head 0"],
+                                  stages["decoder.layers.0.cross_attn.weights"][0, 0, :4, :5])
+    assert len(drawn) == CFG.num_heads * (CFG.num_encoder_layers + 2 * CFG.num_decoder_layers)
+
+
+def test_plot_diff_of_a_real_comparison(tmp_path, model):
+    """compare_stages rows of the reference against the same model with its padding mask
+    inverted (rosetta.diff's own catalogue): the first diverging stage is in encoder layer 0,
+    and its drawn maps are the two sides' weights."""
+    from rosetta.diff.compare import compare_stages, first_over
+    from rosetta.diff.diagnose import mistaken_stages
+    params, src, tgt, weights = model
+    ours = mistaken_stages("mask_inverted", CFG, params, src, tgt, fine=True)
+    rows = compare_stages(CFG.pad_id, src, tgt, ours, weights | {"logits": ours["logits"]}, 1e-5)
+    first = first_over(rows)
+    assert first is not None and first.stage == "encoder.layers.0.self_attn.weights"
+    drawn: dict[str, np.ndarray] = {}
+    plot_diff(tmp_path / "real.png", rows, ours, weights, first.stage, tolerance=1e-5, src=src, tgt=tgt,
+              drawn=drawn)
+    name = "encoder.layers.0.self_attn.weights"
+    np.testing.assert_array_equal(drawn["encoder layer 0 head 0: A"], ours[name][0, 0, :5, :5])
+    np.testing.assert_array_equal(drawn["encoder layer 0 head 0: B"], weights[name][0, 0, :5, :5])
+    assert np.abs(drawn["encoder layer 0 head 0: A - B"]).max() > 0.1
