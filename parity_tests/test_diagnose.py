@@ -14,6 +14,8 @@ import numpy as np
 import pytest
 
 from numpy_ref import model as ref
+from rosetta.checkpoint import save_checkpoint
+from rosetta.cli import main
 from rosetta.config import preset
 from rosetta.diff.catalogue import BY_NAME, CATALOGUE, mistaken_stages
 from rosetta.diff.compare import compare_stages, first_over
@@ -127,6 +129,8 @@ def first_parting(cfg, src, tgt, ours, observed):
 def setup(name):
     cfg = config(**CONFIG_FOR.get(name, {}))
     params = WEIGHTS_FOR.get(name, lambda p: p)(perturbed(cfg))
+    # Values a float32 checkpoint holds exactly, so `rosetta diff` on a saved file sees these weights.
+    params = {k: v.astype(np.float32).astype(np.float64) for k, v in params.items()}
     src, tgt = batch(cfg)
     return cfg, params, src, tgt
 
@@ -134,7 +138,7 @@ def setup(name):
 # -- Every entry is found ------------------------------------------------------------------
 
 @pytest.mark.parametrize("name", [entry.name for entry in CATALOGUE])
-def test_diagnose_names_each_mistake_first(name, tmp_path):
+def test_diagnose_names_each_mistake_first(name, tmp_path, capsys):
     cfg, params, src, tgt = setup(name)
     assert BY_NAME[name].applies(cfg, src, tgt)
     observed = mistaken_stages(name, cfg, params, src, tgt, fine=True)
@@ -155,6 +159,13 @@ def test_diagnose_names_each_mistake_first(name, tmp_path):
     assert result.best.rel_after <= TOL < result.best.rel_before
     assert f"{expected_first} diverges" in result.report()
     assert BY_NAME[name].fix in result.report()
+    if name != "mask_fill_neg_inf":
+        # The command line a user runs: the dump against the correct checkpoint.
+        ckpt = save_checkpoint(tmp_path / "correct.safetensors", cfg, params)
+        code = main(["diff", str(tmp_path / "other.npz"), f"{ckpt}@numpy:float64", "--tolerance", str(TOL),
+                     "--diagnose"])
+        out = capsys.readouterr().out
+        assert code == 1 and f"{expected_first} diverges" in out and BY_NAME[name].fix in out, out
 
 
 def test_diagnose_works_from_coarse_stages_alone():

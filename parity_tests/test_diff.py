@@ -599,3 +599,34 @@ def test_unreadable_dumps_are_refused(tmp_path, checkpoint, content, message, ca
         read_dump(path)
     assert main(["diff", str(path), str(checkpoint)]) == 2
     assert message in capsys.readouterr().err
+
+
+class TutorialEmbedder(Embedder):
+    """The tutorials' positional loop, `for i in range(0, d, 2): pe[p, i] = sin(p / 10000 ** (2 * i
+    / d))`: i already steps by two, so `2 * i` doubles every exponent (a mistake, on purpose)."""
+
+    def forward(self, ids: torch.Tensor) -> torch.Tensor:
+        d = self.table.embedding_dim
+        pe = torch.zeros(ids.shape[1], d, dtype=torch.float64)
+        for p in range(ids.shape[1]):
+            for i in range(0, d, 2):
+                pe[p, i] = math.sin(p / 10000 ** (2 * i / d))
+                pe[p, i + 1] = math.cos(p / 10000 ** (2 * i / d))
+        return self.table(ids) * math.sqrt(d) + pe.float()
+
+
+def test_hook_recipe_dump_of_a_users_tutorial_mistake_is_diagnosed(tmp_path, capsys):
+    cfg = preset("tiny", final_norm=True)
+    params = perturbed_params(cfg)
+    ckpt = save_checkpoint(tmp_path / "m.safetensors", cfg, params)
+    torch.manual_seed(0)
+    user = UserModel(cfg.src_vocab_size, cfg.d_model, cfg.num_heads, cfg.num_encoder_layers, cfg.d_ff)
+    load_canonical(user, params)
+    user.src_embed = TutorialEmbedder(user.src_embed.table)
+    user.tgt_embed = TutorialEmbedder(user.tgt_embed.table)
+    src, tgt = random_batch(cfg, 3, 8, 6, seed=6)
+    dump = dump_with_hooks(user, tmp_path / "tutorial.npz", src, tgt)
+    assert main(["diff", str(dump), str(ckpt), "--diagnose"]) == 1
+    out = capsys.readouterr().out
+    assert "src_embed diverges" in out, out
+    assert "explained by" in out and "when i already steps by 2" in out, out  # the 2i-loop entry's fix

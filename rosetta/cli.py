@@ -321,7 +321,10 @@ def cmd_diff(args: argparse.Namespace) -> int:
     if args.plot:
         from rosetta.diff.plots import plot_diff
 
-        print(f"wrote {plot_diff(args.plot, rows, stages_a, stages_b, first.stage if first else None)}")
+        written = plot_diff(args.plot, rows, stages_a, stages_b, first.stage if first else None,
+                            tolerance=tolerance, labels=(args.a, args.b), src=src, tgt=tgt,
+                            pad_id=pad_id([a, b]))
+        print(f"wrote {written}")
     return 1 if first else 0
 
 
@@ -378,7 +381,8 @@ def cmd_attention(args: argparse.Namespace) -> int:
             src = np.array([_flag_ids("--src", args.src, cfg.src_vocab_size, "source")])
             tgt = np.array([_flag_ids("--tgt", args.tgt, cfg.tgt_vocab_size, "target")])
         stages = side.stages(src, tgt)
-    print(f"wrote {plot_attention(args.out, stages, src, tgt)}")
+    pad = side.config.pad_id if side.config is not None else 0  # a dump holds no config: pad 0
+    print(f"wrote {plot_attention(args.out, stages, src, tgt, pad_id=pad)}")
     return 0
 
 
