@@ -19,7 +19,6 @@ the optimizer and schedule are §5.3's, label smoothing and dropout §5.4's.
 
 from __future__ import annotations
 
-import contextlib
 import dataclasses
 import importlib
 import json
@@ -28,7 +27,6 @@ import math
 import shutil
 import sys
 import time
-from collections.abc import Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -41,6 +39,7 @@ from rosetta.errors import RosettaError
 from rosetta.flops import training_flops
 from rosetta.harness.batching import Batch, BatchIterator, eval_batches, restore_order
 from rosetta.harness.metrics import batch_lengths, mfu, peak_flops, real_training_flops
+from rosetta.harness.out_dir import check_out_dirs, os_errors, read_json
 from rosetta.harness.report import (
     RESULT_FORMAT,
     check_overwritable,
@@ -49,12 +48,10 @@ from rosetta.harness.report import (
     write_log,
     write_plot,
     write_summary,
-    written_by_rosetta,
 )
 from rosetta.harness.run_dir import (
     checkpoint_name,
     clean_temporaries,
-    foreign_checkpoint_entries,
     latest_checkpoint,
     out_dir_lock,
     save_checkpoint_dir,
@@ -187,99 +184,6 @@ def trainer_class(backend: str) -> type:
     return module.Trainer
 
 
-def _run_dir_state(run_dir: Path) -> str:
-    """'none', 'run' (a rosetta run: run.json) or 'foreign' (something else, non-empty)."""
-    if (run_dir / "run.json").is_file():
-        return "run"
-    if run_dir.exists() and (not run_dir.is_dir() or any(run_dir.iterdir())):
-        return "foreign"
-    return "none"
-
-
-def _read_json(path: Path) -> dict[str, Any]:
-    try:
-        return json.loads(path.read_text(encoding="utf-8"))
-    except (OSError, json.JSONDecodeError) as e:
-        raise RosettaError(f"cannot read {path}: {e}") from None
-
-
-@contextlib.contextmanager
-def _os_errors(path: Path, action: str | None = None) -> Iterator[None]:
-    """An OSError in the block (a read-only directory, a full disk, a file where a directory
-    should be) becomes one line: "cannot <action> <path>: <reason>" naming `path`, the thing
-    being written; without an action, the error's own file if it names one."""
-    try:
-        yield
-    except OSError as e:
-        reason = e.strerror or str(e)
-        if action:
-            raise RosettaError(f"cannot {action} {path}: {reason}") from None
-        raise RosettaError(f"{e.filename or path}: {reason}") from None
-
-
-# What a run directory holds besides hidden temporaries (names with ".tmp": atomic writes,
-# checkpoints being written); --overwrite deletes a run directory whole, so anything else in
-# it is someone else's.
-RUN_ENTRIES = {"run.json", "log.jsonl", "result.json", "plot.png", "tokenizer.json", "checkpoints"}
-
-
-def foreign_entries(run_dir: Path) -> list[Path]:
-    """What in `run_dir` the harness did not write: unknown names, result.json or plot.png
-    without rosetta's tag, unknown entries of checkpoints/."""
-    foreign = []
-    for entry in sorted(run_dir.iterdir()):
-        if entry.name.startswith(".") and ".tmp" in entry.name:
-            continue
-        if entry.name not in RUN_ENTRIES or (entry.name in ("result.json", "plot.png")
-                                             and not written_by_rosetta(entry)):
-            foreign.append(entry)
-    return foreign + foreign_checkpoint_entries(run_dir / "checkpoints")
-
-
-def check_out_dirs(run: RunConfig) -> list[Path]:
-    """Refuse to clobber: a fresh run needs empty backend directories (or --overwrite, which
-    deletes only what the harness wrote); --resume needs the run to be there, started with the
-    same settings; the summary files in OUT, and a resumed run's result.json and plot.png, must
-    be rosetta's to be rewritten. Returns the earlier runs that --overwrite will delete (once the
-    new run's data has loaded)."""
-    out, doomed = Path(run.out), []
-    for name in ("summary.md", "summary.json", "plot.png"):
-        check_overwritable(out / name)
-    for backend in run.backends:
-        run_dir = out / backend
-        state = _run_dir_state(run_dir)
-        if state == "foreign":
-            raise RosettaError(f"{run_dir} exists and is not a rosetta training run; choose another --out")
-        if run.resume:
-            if state != "run":
-                found = sorted(p.parent.name for p in out.glob("*/run.json"))
-                raise RosettaError(f"--resume: {run_dir} holds no run to resume (runs in {out}: "
-                                   f"{', '.join(found) or 'none'})")
-            saved = _read_json(run_dir / "run.json")
-            if saved.get("backend") != backend:
-                raise RosettaError(f"--resume: {run_dir} was trained with backend {saved.get('backend')!r}, "
-                                   f"not {backend!r}")
-            diffs = [f"{k}={saved['identity'].get(k)!r} (now {v!r})"
-                     for k, v in run.identity().items() if saved.get("identity", {}).get(k) != v]
-            if diffs:
-                raise RosettaError(f"cannot resume {run_dir} with different settings: it was started with "
-                                   f"{'; '.join(diffs)}; use the same settings, a new --out, or --overwrite")
-            for name in ("result.json", "plot.png"):
-                check_overwritable(run_dir / name)
-        elif state == "run":
-            if not run.overwrite:
-                result = run_dir / "result.json"
-                how = "finished" if result.is_file() else "unfinished"
-                raise RosettaError(f"{run_dir} already holds a {how} run; pass --resume to continue it or "
-                                   f"--overwrite to replace it")
-            foreign = foreign_entries(run_dir)
-            if foreign:
-                raise RosettaError(f"--overwrite deletes {run_dir} whole, but {foreign[0]} was not written "
-                                   f"by rosetta train; move it away first")
-            doomed.append(run_dir)
-    return doomed
-
-
 # -- Data, model, evaluation -----------------------------------------------------------------
 
 def _model_config(run: RunConfig, task: TaskData) -> ModelConfig:
@@ -374,7 +278,7 @@ class _Run:
         record = {"format": RUN_FORMAT, "backend": self.backend, "identity": self.run.identity(),
                   "model_config": self.cfg.to_dict(), "train_config": self.train_cfg.to_dict(),
                   "args": self.run.to_dict()}
-        with _os_errors(self.dir, "write the run directory"):
+        with os_errors(self.dir, "write the run directory"):
             self.dir.mkdir(parents=True, exist_ok=True)
             atomic_write_bytes(self.dir / "run.json", json.dumps(record, indent=2).encode("utf-8"))
             if self.task.tokenizer is not None:
@@ -383,7 +287,7 @@ class _Run:
         return Trainer(self.cfg, self.params0, self.train_cfg, device=self.run.device, dtype=self.run.dtype)
 
     def _resume(self, Trainer: type, ckpt_dir: Path) -> Any:
-        state = _read_json(ckpt_dir / "state.json")
+        state = read_json(ckpt_dir / "state.json")
         ckpt = load_checkpoint(ckpt_dir / "model.safetensors")
         if ckpt.config != self.cfg:
             raise RosettaError(f"cannot resume {self.dir}: its checkpoint's model config differs from this "
@@ -395,7 +299,7 @@ class _Run:
         step = int(state["step"])
         if trainer.step_count != step:
             raise RosettaError(f"{ckpt_dir}: trainer state at step {trainer.step_count}, state.json {step}")
-        with _os_errors(self.log_path, "write"):
+        with os_errors(self.log_path, "write"):
             write_log(self.log_path, [r for r in read_log(self.log_path) if r.get("step", 0) <= step])
         self.elapsed0 = float(state.get("elapsed_s", 0.0))
         self.totals = state.get("totals")
@@ -420,7 +324,7 @@ class _Run:
 
         # A full disk or a read-only directory: the checkpoints already there stay intact and
         # `latest` keeps naming the newest of them (save_checkpoint_dir removes its temporary).
-        with _os_errors(self.ckpt_root / checkpoint_name(step), "write checkpoint"):
+        with os_errors(self.ckpt_root / checkpoint_name(step), "write checkpoint"):
             return save_checkpoint_dir(self.ckpt_root, step, write, self.run.keep)
 
     # -- the loop --------------------------------------------------------------------------
@@ -430,17 +334,17 @@ class _Run:
         if trainer.step_count >= self.total_steps and (self.dir / "result.json").is_file():
             log.info("%s: already at step %d of %d: nothing to do", self.backend, trainer.step_count,
                      self.total_steps)
-            return _read_json(self.dir / "result.json")
+            return read_json(self.dir / "result.json")
         progress = _progress_bar(run, self.backend, self.total_steps, trainer.step_count)
         try:
-            with _os_errors(self.log_path, "write"), self.log_path.open("a", encoding="utf-8") as log_file:
+            with os_errors(self.log_path, "write"), self.log_path.open("a", encoding="utf-8") as log_file:
                 self._loop(trainer, log_file, progress)
         finally:
             progress.close()
         records = read_log(self.log_path)
         result = {"format": RESULT_FORMAT, "backend": self.backend, "dtype": run.dtype,
                   **summarize(records, self.totals)}
-        with _os_errors(self.dir, "write the results in"):
+        with os_errors(self.dir, "write the results in"):
             check_overwritable(self.dir / "result.json")
             atomic_write_bytes(self.dir / "result.json", json.dumps(result, indent=2).encode("utf-8"))
             write_plot(self.dir / "plot.png", {self.backend: records}, title=f"{run.task}: {self.backend}")
@@ -553,7 +457,7 @@ def train(run: RunConfig) -> dict[str, dict[str, Any]]:
     if run.resume and not out.is_dir():
         raise RosettaError(f"--resume: {out} holds no run to resume (no such directory)")
     # The lock first, so that the checks below see what no other process is changing.
-    with _os_errors(out), out_dir_lock(out):
+    with os_errors(out), out_dir_lock(out):
         doomed = check_out_dirs(run)
         task = _load_task(run)
         cfg = _model_config(run, task)
@@ -565,7 +469,7 @@ def train(run: RunConfig) -> dict[str, dict[str, Any]]:
             log.info("%s: training %s (%s) for the %s task in %s", backend, run.preset, run.dtype, run.task,
                      out / backend)
             results[backend] = _Run(run, backend, task, cfg, params0).train()
-        with _os_errors(out, "write the summary in"):
+        with os_errors(out, "write the summary in"):
             write_combined_report(out, run)
     return results
 
@@ -576,7 +480,7 @@ def write_combined_report(out: Path, run: RunConfig) -> None:
     found = sorted(p.name for p in out.iterdir() if (p / "result.json").is_file())
     for name in [b for b in run.backends if b in found] + [b for b in found if b not in run.backends]:
         run_dir = out / name
-        results[run_dir.name] = _read_json(run_dir / "result.json")
+        results[run_dir.name] = read_json(run_dir / "result.json")
         logs[run_dir.name] = read_log(run_dir / "log.jsonl")
     if results:
         write_plot(out / "plot.png", logs, title=f"{run.task}: {' vs '.join(results)}")

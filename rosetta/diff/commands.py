@@ -1,0 +1,112 @@
+"""`rosetta diff` and `rosetta attention` (docs/diff.md, docs/attention.md): the command-line side
+of rosetta.diff. rosetta/cli.py registers the flags; errors are rosetta errors (exit code 2).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import math
+
+from rosetta.errors import InputError, RosettaError
+from rosetta.inputs import parse_id_line
+
+
+def cmd_diff(args: argparse.Namespace) -> int:
+    """Both sides on one batch, stage by stage (docs/diff.md); exit 1 where they differ."""
+    from rosetta.diff.compare import compare_stages, first_over, format_rows
+    from rosetta.diff.sides import check_compatible, pad_id, parse_side, pick_batch
+
+    a, b = parse_side(args.a), parse_side(args.b)
+    check_compatible(a, b)
+    src, tgt = pick_batch([a, b], args.seed)
+    stages_a, stages_b = a.stages(src, tgt), b.stages(src, tgt)
+    tolerance = max(a.tolerance, b.tolerance) if args.tolerance is None else args.tolerance
+    rows = compare_stages(pad_id([a, b]), src, tgt, stages_a, stages_b, tolerance)
+    if not rows:
+        raise RosettaError(f"{args.a} and {args.b} have no stage in common to compare")
+    first = first_over(rows)
+    print(format_rows(rows, tolerance))
+    print(f"first difference at {first.stage} (relative error {first.rel:.3e} > {tolerance:.0e})"
+          if first else f"no difference at any stage (tolerance {tolerance:.0e})")
+    if args.json:
+        _write_diff_json(args, rows, tolerance, first)
+    if args.diagnose:
+        _diagnose(a, b, src, tgt, stages_a, stages_b, tolerance, first)
+    if args.plot:
+        from rosetta.diff.plots import plot_diff
+
+        written = plot_diff(args.plot, rows, stages_a, stages_b, first.stage if first else None,
+                            tolerance=tolerance, labels=(args.a, args.b), src=src, tgt=tgt,
+                            pad_id=pad_id([a, b]))
+        print(f"wrote {written}")
+    return 1 if first else 0
+
+
+def _write_diff_json(args: argparse.Namespace, rows: list, tolerance: float, first) -> None:
+    """--json: the rows and the verdict (schema in docs/diff.md); non-finite errors as null."""
+    def number(x: float) -> float | None:
+        return x if math.isfinite(x) else None
+
+    record = {"a": args.a, "b": args.b, "tolerance": tolerance, "differ": first is not None,
+              "first_difference": first.stage if first else None,
+              "rows": [{"stage": r.stage, "rel": number(r.rel), "max_abs": number(r.max_abs), "over": r.over}
+                       for r in rows]}
+    with open(args.json, "w", encoding="utf-8") as f:
+        json.dump(record, f, indent=1)
+        f.write("\n")
+
+
+def _diagnose(a, b, src, tgt, stages_a, stages_b, tolerance: float, first) -> None:
+    """--diagnose: the catalogue's mistakes replayed on the weights of one side (the one with
+    weights; B when both) to explain the other side's stages."""
+    if first is None:
+        print("diagnosis: nothing to explain, the sides agree")
+        return
+    from rosetta.diff.diagnose import diagnose
+
+    reference, observed = (b, stages_a) if b.weights is not None else (a, stages_b)
+    if reference.weights is None:
+        raise RosettaError("--diagnose needs the weights of one side: two dumps hold only activations")
+    cfg, params = reference.weights
+    print(diagnose(cfg, params, src, tgt, observed, tolerance=tolerance).report())
+
+
+def cmd_attention(args: argparse.Namespace) -> int:
+    """Every attention map of one side on one sentence pair, as one PNG."""
+    from rosetta.diff.plots import plot_attention
+    from rosetta.diff.sides import parse_side
+    from rosetta.parity import random_batch
+
+    side = parse_side(args.side)
+    if (args.src is None) != (args.tgt is None):
+        raise InputError("give both --src and --tgt, or neither (a random sentence pair)")
+    if side.dump is not None:
+        if args.src is not None:
+            raise InputError("a dump holds its own sentence pair: --src and --tgt are for models")
+        src, tgt = side.dump.src[:1], side.dump.tgt[:1]
+        stages = {name: value[:1] for name, value in side.dump.stages.items()}
+    else:
+        cfg = side.config
+        if args.src is None:
+            src, tgt = random_batch(cfg, batch=1, seed=args.seed)
+        else:
+            import numpy as np
+
+            src = np.array([_flag_ids("--src", args.src, cfg.src_vocab_size, "source")])
+            tgt = np.array([_flag_ids("--tgt", args.tgt, cfg.tgt_vocab_size, "target")])
+        stages = side.stages(src, tgt)
+    pad = side.config.pad_id if side.config is not None else 0  # a dump holds no config: pad 0
+    print(f"wrote {plot_attention(args.out, stages, src, tgt, pad_id=pad)}")
+    return 0
+
+
+def _flag_ids(flag: str, text: str, vocab_size: int, side: str) -> list[int]:
+    """The token ids of a --src/--tgt value, by stdin's rule (rosetta.inputs.parse_id_line)."""
+    try:
+        ids = parse_id_line(text, 1, vocab_size)
+    except InputError as e:
+        raise InputError(f"{flag}: {str(e).removeprefix('input line 1: ').replace('source', side)}") from None
+    if not ids:
+        raise InputError(f"{flag}: no token ids given")
+    return ids
