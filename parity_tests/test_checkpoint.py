@@ -23,6 +23,7 @@ import safetensors.numpy
 
 import rosetta
 from parity_tests.conftest import CONFIG_VARIANTS, variant_config
+from parity_tests.safetensors_bytes import join, split
 from rosetta import (
     PRESETS,
     CheckpointError,
@@ -251,21 +252,10 @@ def test_half_precision_file_runs_in_every_backend(tmp_path, backend, dtype, np_
 
 # -- untrusted headers: checked before anything is allocated (issue 11, 2 and 3) -----------------
 
-def _split(data: bytes) -> tuple[dict, bytes]:
-    """(header JSON, data section) of safetensors bytes, parsed here independently."""
-    n = int.from_bytes(data[:8], "little")
-    return json.loads(data[8:8 + n]), data[8 + n:]
-
-
-def _join(header: dict | str, body: bytes) -> bytes:
-    raw = (header if isinstance(header, str) else json.dumps(header)).encode()
-    return len(raw).to_bytes(8, "little") + raw + body
-
-
 def _good_file(tmp_path, cfg=None):
     cfg = cfg or preset("tiny")
     path = save_checkpoint(tmp_path / "m.safetensors", cfg, init_params(cfg))
-    return path, *_split(path.read_bytes())
+    return path, *split(path.read_bytes())
 
 
 def _refused_cheaply(path, *messages, stored=None):
@@ -300,7 +290,7 @@ def test_huge_tensor_declared_in_a_sparse_file_is_refused_cheaply(tmp_path, giga
     path, header, body = _good_file(tmp_path)
     nbytes = gigabytes * 2**30
     header["huge"] = {"dtype": "F32", "shape": [nbytes // 4], "data_offsets": [len(body), len(body) + nbytes]}
-    data = _join(header, body)
+    data = join(header, body)
     with open(path, "wb") as f:
         f.write(data)
         f.truncate(len(data) + nbytes)  # a hole: no data written, no disk used
@@ -310,7 +300,7 @@ def test_huge_tensor_declared_in_a_sparse_file_is_refused_cheaply(tmp_path, giga
 def test_huge_tensor_declared_beyond_the_end_of_the_file_is_refused_cheaply(tmp_path):
     path, header, body = _good_file(tmp_path)
     header["huge"] = {"dtype": "F32", "shape": [2**30], "data_offsets": [len(body), len(body) + 2**32]}
-    path.write_bytes(_join(header, body))
+    path.write_bytes(join(header, body))
     _refused_cheaply(path, "tensor huge ends at byte")
 
 
@@ -318,49 +308,49 @@ def _set_config(field, value):
     def edit(header, body):
         config = json.loads(header["__metadata__"]["config"])
         header["__metadata__"]["config"] = json.dumps({**config, field: value})
-        return _join(header, body)
+        return join(header, body)
     return edit
 
 
 def _header_length(value):
-    return lambda header, body: value.to_bytes(8, "little") + _join(header, body)[8:]
+    return lambda header, body: value.to_bytes(8, "little") + join(header, body)[8:]
 
 
 def _set_tensor(name, **entry):
     def edit(header, body):
         header[name] = {**header[name], **entry}
-        return _join(header, body)
+        return join(header, body)
     return edit
 
 
 def _overlap(header, body):
     a, b = "encoder.layers.0.self_attn.q.kernel", "encoder.layers.0.self_attn.k.kernel"
     header[b]["data_offsets"] = header[a]["data_offsets"]
-    return _join(header, body)
+    return join(header, body)
 
 
 def _duplicate_name(header, body):
     text = json.dumps(header)
     name = '"encoder.layers.0.ffn_norm.bias"'
     entry = json.dumps(header["encoder.layers.0.ffn_norm.bias"])
-    return _join(text[:-1] + f", {name}: {entry}" + "}", body)
+    return join(text[:-1] + f", {name}: {entry}" + "}", body)
 
 
 def _metadata_not_strings(header, body):
     header["__metadata__"]["step"] = 5
-    return _join(header, body)
+    return join(header, body)
 
 
 def _nan_in_header(header, body):
-    return _join(json.dumps(header)[:-1] + ', "x": NaN}', body)
+    return join(json.dumps(header)[:-1] + ', "x": NaN}', body)
 
 
 def _appended_bytes(header, body):
-    return _join(header, body) + b"\0" * 64
+    return join(header, body) + b"\0" * 64
 
 
 def _not_json(header, body):
-    return _join("{" + "x" * 40, body)
+    return join("{" + "x" * 40, body)
 
 
 BIAS = "encoder.layers.0.ffn.linear1.bias"  # float32 [64]: 256 bytes
@@ -399,7 +389,7 @@ def test_hostile_header_is_refused_cheaply_naming_the_problem(tmp_path, edit, me
 def test_unknown_dtype_of_an_extra_tensor_is_named(tmp_path):
     path, header, body = _good_file(tmp_path)
     header["extra.fp8"] = {"dtype": "F8_E5M2", "shape": [4], "data_offsets": [len(body), len(body) + 4]}
-    path.write_bytes(_join(header, body + b"\x01\x02\x03\x04"))
+    path.write_bytes(join(header, body + b"\x01\x02\x03\x04"))
     _refused_cheaply(path, "tensor extra.fp8 has dtype 'F8_E5M2'")
 
 
@@ -424,7 +414,7 @@ def test_flipped_data_byte_is_refused_as_corrupted(tmp_path, where):
     path, header, body = _good_file(tmp_path)
     flipped = bytearray(body)
     flipped[where] ^= 0x01  # a low mantissa bit: a finite, plausible weight
-    path.write_bytes(_join(header, bytes(flipped)))
+    path.write_bytes(join(header, bytes(flipped)))
     expected, actual = header["__metadata__"]["sha256"], hashlib.sha256(flipped).hexdigest()
     _refused_cheaply(path, "corrupted", expected[:12], actual[:12])
 
@@ -432,7 +422,7 @@ def test_flipped_data_byte_is_refused_as_corrupted(tmp_path, where):
 def test_malformed_integrity_record_is_refused(tmp_path):
     path, header, body = _good_file(tmp_path)
     header["__metadata__"]["sha256"] = "not a digest"
-    path.write_bytes(_join(header, body))
+    path.write_bytes(join(header, body))
     _refused_cheaply(path, "metadata 'sha256' is not a SHA-256 hex digest")
 
 
@@ -440,7 +430,7 @@ def test_file_without_integrity_record_still_loads(tmp_path):
     path, header, body = _good_file(tmp_path)
     del header["__metadata__"]["sha256"]
     header["__metadata__"]["step"] = "12"  # other keys are allowed and ignored (SPEC §3)
-    path.write_bytes(_join(header, body))
+    path.write_bytes(join(header, body))
     ckpt = load_checkpoint(path)
     for name, value in init_params(preset("tiny")).items():
         assert ckpt.params[name].tobytes() == value.tobytes(), name
@@ -453,14 +443,14 @@ def _trainer_state():
 
 def test_trainer_state_carries_and_checks_the_integrity_record(tmp_path):
     path = save_trainer_state(tmp_path / "s.safetensors", _trainer_state(), "torch")
-    header, body = _split(path.read_bytes())
+    header, body = split(path.read_bytes())
     assert header["__metadata__"]["sha256"] == hashlib.sha256(body).hexdigest()
     state = load_trainer_state(path, "torch")
     for key, value in _trainer_state().items():
         assert state[key].dtype == value.dtype and np.array_equal(state[key], value), key
     flipped = bytearray(body)
     flipped[-1] ^= 0x80
-    path.write_bytes(_join(header, bytes(flipped)))
+    path.write_bytes(join(header, bytes(flipped)))
     with pytest.raises(CheckpointError, match="corrupted"):
         load_trainer_state(path, "torch")
 

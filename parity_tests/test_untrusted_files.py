@@ -26,6 +26,7 @@ from hypothesis import strategies as st
 import jax_impl.model
 import rosetta
 import torch_impl.model
+from parity_tests.safetensors_bytes import join, split
 from rosetta import InputError, ModelConfig, RosettaError, from_params, init_params, preset, save_checkpoint
 from rosetta.backends import BackendModel
 from rosetta.parity import random_batch, relative_error, target_positions
@@ -101,16 +102,6 @@ def original(tmp_path_factory) -> Original:
     for backend in BACKENDS:  # import and compile once, outside the timed loads
         rosetta.load(path, backend=backend).logits(SRC, TGT)
     return Original(path.read_bytes())
-
-
-def _split(data: bytes) -> tuple[dict, bytes]:
-    n = int.from_bytes(data[:8], "little")
-    return json.loads(data[8:8 + n]), data[8 + n:]
-
-
-def _join(header: dict | str, body: bytes) -> bytes:
-    raw = (header if isinstance(header, str) else json.dumps(header)).encode()
-    return len(raw).to_bytes(8, "little") + raw + body
 
 
 def _header_end(data: bytes) -> int:
@@ -231,13 +222,13 @@ METADATA_VALUES = st.one_of(
 @given(edits=st.lists(st.tuples(st.sampled_from(METADATA_KEYS), st.none() | METADATA_VALUES),
                       min_size=1, max_size=3))
 def test_edited_metadata(tmp_path, original, edits):
-    header, body = _split(original)
+    header, body = split(original)
     for key, value in edits:  # None deletes the key
         if value is None:
             header["__metadata__"].pop(key, None)
         else:
             header["__metadata__"][key] = value
-    _check_every_backend(tmp_path, _join(header, body))
+    _check_every_backend(tmp_path, join(header, body))
 
 
 CONFIG_FIELDS = [f for f in CFG.to_dict()] + ["colour"]
@@ -311,10 +302,10 @@ def _unambiguous_json(text: str) -> bool:
 @SETTINGS
 @given(config=config_texts())
 def test_edited_config_json(tmp_path, original, config):
-    header, body = _split(original)
+    header, body = split(original)
     header["__metadata__"]["config"] = config
     # An ambiguous config must be refused; any other may load, if it is valid and fits.
-    _check_every_backend(tmp_path, _join(header, body), refusal=None if _unambiguous_json(config) else "")
+    _check_every_backend(tmp_path, join(header, body), refusal=None if _unambiguous_json(config) else "")
 
 
 # -- positional tables follow the sequences run, not max_len ------------------------------------
