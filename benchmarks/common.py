@@ -82,3 +82,12 @@ def write_results(name: str, payload: dict, markdown: str, out_dir: Path | None 
     atomic_write_bytes(json_path, (json.dumps(payload, indent=2) + "\n").encode())
     atomic_write_bytes(md_path, markdown.encode())
     return json_path, md_path
+
+
+def replace_block(page: Path, begin: str, end: str, block: str) -> None:
+    """Rewrite the part of `page` from marker `begin` to marker `end` (both kept in `block`)."""
+    text = page.read_text()
+    if begin not in text or end not in text:
+        raise SystemExit(f"{page} has no {begin} ... {end} block")
+    start, stop = text.index(begin), text.index(end) + len(end)
+    atomic_write_bytes(page, (text[:start] + block + text[stop:]).encode())

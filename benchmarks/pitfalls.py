@@ -26,8 +26,7 @@ from typing import NamedTuple
 
 import numpy as np
 
-from benchmarks.common import RESULTS, environment, write_results
-from rosetta.checkpoint import atomic_write_bytes
+from benchmarks.common import RESULTS, environment, replace_block, write_results
 from rosetta.config import ModelConfig, preset
 from rosetta.params import init_params
 from rosetta.parity import TOLERANCES, random_batch, relative_error, target_positions
@@ -332,11 +331,7 @@ def page_block(results: Path = RESULTS) -> str:
 
 
 def update_page(page: Path = PAGE, results: Path = RESULTS) -> None:
-    text = page.read_text()
-    if BEGIN not in text or END not in text:
-        raise SystemExit(f"{page} has no {BEGIN} ... {END} block")
-    start, stop = text.index(BEGIN), text.index(END) + len(END)
-    atomic_write_bytes(page, (text[:start] + page_block(results) + text[stop:]).encode())
+    replace_block(page, BEGIN, END, page_block(results))
 
 
 def main(argv: list[str] | None = None) -> None:

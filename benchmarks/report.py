@@ -18,7 +18,7 @@ import os
 import re
 from pathlib import Path
 
-from benchmarks.common import RESULTS
+from benchmarks.common import RESULTS, replace_block
 from rosetta.checkpoint import atomic_write_bytes
 
 ROOT = Path(__file__).parent.parent
@@ -193,11 +193,7 @@ def readme_block(results: Path = RESULTS) -> str:
 
 
 def update_readme(readme: Path = BENCHMARK_DOC, results: Path = RESULTS) -> None:
-    text = readme.read_text()
-    if BEGIN not in text or END not in text:
-        raise SystemExit(f"{readme} has no {BEGIN} ... {END} block")
-    start, stop = text.index(BEGIN), text.index(END) + len(END)
-    atomic_write_bytes(readme, (text[:start] + readme_block(results) + text[stop:]).encode())
+    replace_block(readme, BEGIN, END, readme_block(results))
 
 
 def main(argv: list[str] | None = None) -> None:
