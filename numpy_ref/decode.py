@@ -19,7 +19,7 @@ import numpy as np
 
 from numpy_ref import model as ref
 from rosetta.config import ModelConfig
-from rosetta.generation import NEG, Generation, length_penalty, output_limits, strip  # noqa: F401
+from rosetta.generation import NEG, Generation, length_penalty, output_limits, strip
 from rosetta.params import Params
 
 

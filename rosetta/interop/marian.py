@@ -339,7 +339,10 @@ def params_to_marian(cfg: ModelConfig, params: Mapping[str, np.ndarray]) -> dict
     check_representable(cfg)
     check_params(cfg, params)
     dtype = np.asarray(next(iter(params.values()))).dtype
-    zeros = lambda n: np.zeros(n, dtype=dtype)  # noqa: E731 - an absent bias, exactly
+
+    def zeros(n: int) -> np.ndarray:  # an absent bias, exactly
+        return np.zeros(n, dtype=dtype)
+
     out: dict[str, np.ndarray] = {}
     for theirs, (mine, kind) in module_map(cfg).items():
         if kind == "linear":
