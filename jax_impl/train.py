@@ -1,6 +1,9 @@
 """Training in JAX/Flax NNX (SPEC §4): the label-smoothed loss, Adam with the paper's schedule,
 one training step, canonical gradients for the parity tests, and `Trainer`, the adapter the
-framework-free loop (rosetta/harness/loop.py) drives.
+framework-free loop (rosetta/harness/loop.py) drives. Data-parallel training runs on JAX's own
+engine: one jitted step over a `jax.sharding.Mesh` of devices (single-process multi-device by
+default, several processes under torchrun via `jax.distributed`), with the parameters replicated
+or, with `shard=True`, sharded ZeRO-3 style (the design: rosetta/distributed.py).
 
 Mirrors torch_impl/train.py function for function; diff them to see only framework differences.
 """
@@ -16,6 +19,9 @@ import jax.numpy as jnp
 import numpy as np
 import optax
 from flax import nnx
+from jax.experimental import multihost_utils
+from jax.sharding import Mesh, NamedSharding
+from jax.sharding import PartitionSpec as P
 
 from jax_impl.backend import DTYPES, Model, parity_mode
 from jax_impl.convert import build_model, flax_name, to_params
@@ -23,24 +29,28 @@ from jax_impl.model import Transformer
 from rosetta.checkpoint import check_params
 from rosetta.config import ModelConfig
 from rosetta.device import cpu_name, max_rss_bytes
+from rosetta.distributed import LaunchEnv, launch_env, split_rows
 from rosetta.errors import RosettaError
 from rosetta.params import Params, param_shapes
 from rosetta.training import Batch, TrainConfig, check_state
 
 
-def loss_fn(logits: jax.Array, labels: jax.Array, pad_id: int,
-            label_smoothing: float) -> tuple[jax.Array, jax.Array]:
+def loss_fn(logits: jax.Array, labels: jax.Array, pad_id: int, label_smoothing: float,
+            num_tokens: jax.Array | int | None = None) -> tuple[jax.Array, jax.Array]:
     """Mean over non-pad labels of the cross entropy against q = (1-ε)·onehot(y) + ε/V, ε spread
     over all V classes, pad included (torch's and optax's definition; others differ: PITFALLS 11).
-    Returns (loss, number of non-pad labels); a batch with no labels gives loss 0."""
+    With `num_tokens` (the global batch's count) the sum is divided by it instead: a block's
+    share of the global mean (rosetta/distributed.py). Returns (loss, number of non-pad labels
+    here); a batch with no labels gives loss 0."""
     # log-softmax in float32 at least, even for bfloat16 logits.
     logp = jax.nn.log_softmax(logits.astype(jnp.promote_types(logits.dtype, jnp.float32)), axis=-1)
     nll = -jnp.take_along_axis(logp, labels[..., None], axis=-1)[..., 0]  # -log p[y]
     smooth = -logp.mean(axis=-1)  # -(1/V) Σ_v log p[v]
     per_token = (1.0 - label_smoothing) * nll + label_smoothing * smooth
     mask = labels != pad_id
-    num_tokens = mask.sum()
-    return jnp.where(mask, per_token, 0.0).sum() / jnp.maximum(num_tokens, 1), num_tokens
+    count = mask.sum()
+    denominator = count if num_tokens is None else num_tokens
+    return jnp.where(mask, per_token, 0.0).sum() / jnp.maximum(denominator, 1), count
 
 
 def schedule(d_model: int, train_cfg: TrainConfig) -> optax.Schedule:
@@ -66,18 +76,34 @@ def make_optimizer(model: Transformer, train_cfg: TrainConfig) -> nnx.Optimizer:
     return nnx.Optimizer(model, tx, wrt=nnx.Param)
 
 
-@nnx.jit(static_argnames="train_cfg")
+@nnx.jit(static_argnames=("train_cfg", "mesh"))
 def _train_step(model: Transformer, optimizer: nnx.Optimizer, rngs: nnx.Rngs, src: jax.Array,
-                tgt: jax.Array, labels: jax.Array,
-                train_cfg: TrainConfig) -> tuple[jax.Array, jax.Array, jax.Array]:
-    """`train_step`, also returning the global gradient norm before clipping (a 0-d array): the
-    harness stops a run at the first non-finite one (rosetta/harness/loop.py)."""
-    def loss_of(model: Transformer, rngs: nnx.Rngs) -> jax.Array:
-        return loss_fn(model(src, tgt, rngs=rngs), labels, model.cfg.pad_id, train_cfg.label_smoothing)[0]
+                tgt: jax.Array, labels: jax.Array, num_tokens: jax.Array | None, train_cfg: TrainConfig,
+                mesh: Mesh | None = None) -> tuple[jax.Array, jax.Array, jax.Array]:
+    """`train_step` on K micro-batches `src, tgt, labels` [K, rows, L] (K = 1: one batch), also
+    returning the global gradient norm before clipping (a 0-d array): the harness stops a run at
+    the first non-finite one (rosetta/harness/loop.py). Each micro-batch's loss is its label sum
+    over `num_tokens` (None: its own count), so the summed gradients are those of the whole
+    batch's mean loss and clipping and Adam see exactly that. On a `mesh`, XLA splits the rows
+    over the devices and inserts the gradient all-reduce (and, for sharded parameters, the
+    all-gathers); the new state is pinned to the variables' shardings, so the next call hits
+    the same compiled step."""
+    def loss_of(model: Transformer, rngs: nnx.Rngs, src: jax.Array, tgt: jax.Array,
+                labels: jax.Array) -> jax.Array:
+        return loss_fn(model(src, tgt, rngs=rngs), labels, model.cfg.pad_id, train_cfg.label_smoothing,
+                       num_tokens)[0]
 
     lr = schedule(model.cfg.d_model, train_cfg)(optimizer.step[...])  # what adam reads this update
-    loss, grads = nnx.value_and_grad(loss_of)(model, rngs)  # d/d(nnx.Param of model) only
+    value_and_grad = nnx.value_and_grad(loss_of)  # d/d(nnx.Param of model) only
+    loss, grads = value_and_grad(model, rngs, src[0], tgt[0], labels[0])
+    for k in range(1, src.shape[0]):  # a static loop: K is small, and one compile per K
+        loss_k, grads_k = value_and_grad(model, rngs, src[k], tgt[k], labels[k])
+        loss, grads = loss + loss_k, jax.tree.map(jnp.add, grads, grads_k)
     optimizer.update(model, grads)
+    if mesh is not None:
+        for node in (model, optimizer):
+            state = nnx.state(node)
+            nnx.update(node, jax.lax.with_sharding_constraint(state, nnx.get_named_sharding(state, mesh)))
     return loss, lr, optax.tree.norm(grads)
 
 
@@ -87,25 +113,31 @@ def train_step(model: Transformer, optimizer: nnx.Optimizer, rngs: nnx.Rngs, src
     nnx.Rngs(dropout=train_cfg.seed): PITFALLS 10), loss, gradients, optional global-norm
     clipping, Adam, schedule. One compiled call. Returns (loss, lr used) as 0-d arrays."""
     model.train()
-    loss, lr, _ = _train_step(model, optimizer, rngs, jnp.asarray(src), jnp.asarray(tgt), jnp.asarray(labels),
-                              train_cfg=train_cfg)
+    loss, lr, _ = _train_step(model, optimizer, rngs, jnp.asarray(src)[None], jnp.asarray(tgt)[None],
+                              jnp.asarray(labels)[None], None, train_cfg=train_cfg)
     return loss, lr
 
 
 def make_train_step(model: Transformer, optimizer: nnx.Optimizer, rngs: nnx.Rngs,
-                    train_cfg: TrainConfig) -> Callable[..., tuple[jax.Array, jax.Array, jax.Array]]:
-    """`train_step` with the model, optimizer and generator bound: step(src, tgt, labels) ->
-    (loss, lr, global gradient norm before clipping). nnx.jit walks the whole object graph in
-    Python on every call (about 50 ms per call for a 6+6-layer model on this project's CPU, as
-    long as a whole `base` step on an H100); nnx.cached_partial walks it once and reuses the
-    traversal, as Flax's guide advises. The bound model stays in train mode (its cached copy
-    was taken in train mode); the weights, Adam's state and the generator are the same
-    Variables, so every update lands in `model`, `optimizer`, `rngs`."""
+                    train_cfg: TrainConfig, mesh: Mesh | None = None
+                    ) -> Callable[..., tuple[jax.Array, jax.Array, jax.Array]]:
+    """`train_step` with the model, optimizer and generator bound: step(src, tgt, labels,
+    num_tokens=None) -> (loss, lr, global gradient norm before clipping); 2-d ids are one
+    batch, 3-d ones [K, rows, L] K micro-batches of one update (`_train_step`). nnx.jit walks
+    the whole object graph in Python on every call (about 50 ms per call for a 6+6-layer model
+    on this project's CPU, as long as a whole `base` step on an H100); nnx.cached_partial walks
+    it once and reuses the traversal, as Flax's guide advises. The bound model stays in train
+    mode (its cached copy was taken in train mode); the weights, Adam's state and the generator
+    are the same Variables, so every update lands in `model`, `optimizer`, `rngs`."""
     model.train()
     cached = nnx.cached_partial(_train_step, model, optimizer, rngs)
 
-    def step(src: jax.Array, tgt: jax.Array, labels: jax.Array) -> tuple[jax.Array, jax.Array, jax.Array]:
-        return cached(jnp.asarray(src), jnp.asarray(tgt), jnp.asarray(labels), train_cfg=train_cfg)
+    def step(src: jax.Array, tgt: jax.Array, labels: jax.Array,
+             num_tokens: jax.Array | int | None = None) -> tuple[jax.Array, jax.Array, jax.Array]:
+        src, tgt, labels = (jnp.asarray(a) for a in (src, tgt, labels))
+        if src.ndim == 2:
+            src, tgt, labels = src[None], tgt[None], labels[None]
+        return cached(src, tgt, labels, num_tokens, train_cfg=train_cfg, mesh=mesh)
 
     return step
 
@@ -139,14 +171,91 @@ def _eval_loss(model: Transformer, src: jax.Array, tgt: jax.Array, labels: jax.A
 
 
 def _device(name: str | None) -> jax.Device:
-    """'cpu', 'gpu', 'cuda' or 'cuda:1' (torch's spelling) -> that JAX device; None: the default."""
+    """'cpu', 'gpu', 'cuda' or 'cuda:1' (torch's spelling) -> that JAX device of this process;
+    None: the default."""
     if not name:
-        return jax.devices()[0]
+        return jax.local_devices()[0]
     platform, _, index = name.partition(":")
     try:
-        return jax.devices(platform)[int(index or 0)]
+        return jax.local_devices(backend=platform)[int(index or 0)]
     except (RuntimeError, ValueError, IndexError) as e:
         raise RosettaError(f"JAX has no device {name!r} here ({e})") from None
+
+
+def init_distributed(env: LaunchEnv, device: str | None = None) -> None:
+    """Join the launch (torchrun's MASTER_ADDR, RANK, WORLD_SIZE) through JAX's coordinator on
+    MASTER_PORT + 1 (MASTER_PORT is torch's). Before JAX starts its backends; once per process.
+    On CPU the collectives run over gloo; under a launcher with several processes per machine
+    each takes its own accelerator, LOCAL_RANK."""
+    if jax.distributed.is_initialized():
+        return
+    jax.config.update("jax_cpu_collectives_implementation", "gloo")  # CPU only; harmless on GPUs
+    on_cpu = (device or "").partition(":")[0] == "cpu"
+    local = [env.local_rank] if env.local_processes > 1 and device and not on_cpu else None
+    try:
+        jax.distributed.initialize(coordinator_address=f"{env.master_addr}:{env.master_port + 1}",
+                                   num_processes=env.num_processes, process_id=env.rank,
+                                   local_device_ids=local, initialization_timeout=max(1, int(env.timeout_s)))
+    except (RuntimeError, ValueError) as e:
+        raise RosettaError(f"process {env.rank} of {env.num_processes} could not join JAX's coordinator at "
+                           f"{env.master_addr}:{env.master_port + 1} (jax.distributed.initialize must run "
+                           f"before anything else in the process uses JAX): {e}") from None
+
+
+def _mesh_devices(name: str | None, num_devices: int | None) -> list[jax.Device]:
+    """The data-parallel devices, in mesh order: the first `num_devices` local devices of the
+    platform of `name` in every process (None: all of them; 'cuda:1' starts at that device and
+    alone takes only it), process by process."""
+    first = _device(name)
+    local = jax.local_devices(backend=first.platform)
+    local = local[local.index(first):]
+    if num_devices is None:
+        num_devices = 1 if name and ":" in name else len(local)
+    if isinstance(num_devices, bool) or not isinstance(num_devices, int) or num_devices < 1:
+        raise RosettaError(f"num_devices must be an integer >= 1, not {num_devices!r}")
+    if num_devices > len(local):
+        hint = ("; for more host devices set XLA_FLAGS=--xla_force_host_platform_device_count=N before "
+                "JAX starts" if first.platform == "cpu" else "")
+        seen = f"{len(local)} {first.platform} device{'' if len(local) == 1 else 's'}"
+        where = f" from {name!r} on" if name and ":" in name else ""
+        raise RosettaError(f"num_devices={num_devices}: JAX sees {seen}{where} here{hint}")
+    if jax.process_count() == 1:
+        return local[:num_devices]
+    # Every process makes the same choice; jax.devices() lists the others' devices too.
+    everyone = sorted(jax.devices(first.platform), key=lambda d: (d.process_index, d.id))
+    offset = jax.local_devices(backend=first.platform).index(first)
+    return [d for p in range(jax.process_count())
+            for d in [d for d in everyone if d.process_index == p][offset:offset + num_devices]]
+
+
+def _shard_spec(shape: tuple[int, ...], size: int) -> tuple[str | None, ...]:
+    """ZeRO-3 placement: "data" on the first axis that the mesh size divides, else replicated."""
+    for axis, n in enumerate(shape):
+        if n % size == 0:
+            return (None,) * axis + ("data",) + (None,) * (len(shape) - axis - 1)
+    return (None,) * len(shape)
+
+
+def _put(value: jax.Array, sharding: NamedSharding) -> jax.Array:
+    """`value` (the same on every process) laid out as `sharding`; across processes each one
+    builds only its own shards."""
+    if jnp.issubdtype(value.dtype, jax.dtypes.prng_key):  # typed keys travel as their raw words
+        data = _put(jax.random.key_data(value), NamedSharding(sharding.mesh, P()))
+        return jax.random.wrap_key_data(data, impl=jax.random.key_impl(value))
+    if sharding.is_fully_addressable:
+        return jax.device_put(value, sharding)
+    host = np.asarray(value)
+    return jax.make_array_from_callback(host.shape, sharding, lambda index: host[index])
+
+
+def _numpy(value: jax.Array) -> np.ndarray:
+    """A writable NumPy copy of the whole of `value`, whichever process holds which shards
+    (a collective across processes for a sharded one: every process calls it)."""
+    if jnp.issubdtype(value.dtype, jax.dtypes.prng_key):
+        value = jax.random.key_data(value)  # the raw uint32 words of the typed key
+    if value.is_fully_addressable or value.is_fully_replicated:
+        return np.array(value)
+    return np.array(multihost_utils.process_allgather(value, tiled=True))
 
 
 # -- The harness adapter ---------------------------------------------------------------------
@@ -160,24 +269,76 @@ class Trainer:
     weights and optimizer state. `parity` (default: on CPU only) pins full-precision float32
     matmuls (PITFALLS 5); on a GPU the trainer leaves JAX's default (TF32), for speed. The
     dropout generator is the trainer's own explicit `nnx.Rngs(dropout=seed)`.
+
+    Data-parallel: a Mesh with one axis "data" over `num_devices` devices of `device`'s platform
+    (None: all of them) of every process; under a launcher (torchrun; launch_env) the processes
+    first join through jax.distributed. `step` takes the global batch, the same on every process,
+    and splits its rows over the devices and `accumulate` micro-batches (rosetta/distributed.py);
+    one jitted step sums the gradients. Parameters and Adam's moments are replicated, or with
+    `shard=True` split over "data" along their first divisible axis (ZeRO-3). The dropout draws
+    are those of the global batch (threefry is partitionable), whatever the layout.
     """
 
     framework: ClassVar[str] = "jax"
     dtypes: ClassVar[tuple[str, ...]] = ("float32", "bfloat16")
 
     def __init__(self, cfg: ModelConfig, params: Mapping[str, np.ndarray], train_cfg: TrainConfig,
-                 device: str | None = None, dtype: str = "float32", parity: bool | None = None):
+                 device: str | None = None, dtype: str = "float32", parity: bool | None = None,
+                 accumulate: int = 1, shard: bool = False, num_devices: int | None = None):
         if dtype not in self.dtypes:
             raise RosettaError(f"the jax trainer computes in {', '.join(self.dtypes)}, not {dtype!r}")
+        if isinstance(accumulate, bool) or not isinstance(accumulate, int) or accumulate < 1:
+            raise RosettaError(f"accumulate (micro-batches per update) must be an integer >= 1, not "
+                               f"{accumulate!r}")
         self.cfg, self.train_cfg, self.dtype = cfg, train_cfg, dtype
-        self.device = _device(device)
+        self.accumulate, self.shard = accumulate, bool(shard)
+        env = launch_env()
+        if env.distributed:
+            init_distributed(env, device)
+        self.device = _device(device)  # this process's first device: eval, memory statistics
+        self.mesh = Mesh(np.array(_mesh_devices(device, num_devices)), ("data",))
+        self.world_size = self.mesh.size
+        self.num_processes, self.rank = jax.process_count(), jax.process_index()
+        self.is_main = self.rank == 0
         self.parity = self.device.platform == "cpu" if parity is None else parity
         with jax.default_device(self.device):
             self.model = build_model(cfg, params, DTYPES[dtype])  # abstract, then the weights set
             self.optimizer = make_optimizer(self.model, train_cfg)
+            if self.shard:
+                # Flax NNX's sharding metadata: `out_sharding` names each weight's and each Adam
+                # moment's mesh axes (by shape alone, so a moment is laid out as its weight);
+                # nnx.get_named_sharding reads it in `_place` and in the step. Set after the
+                # optimizer exists: Flax would otherwise shard the moments eagerly at creation,
+                # which needs every device to be this process's.
+                for node, kind in ((self.model, nnx.Param), (self.optimizer, nnx.Variable)):
+                    for _, variable in nnx.to_flat_state(nnx.state(node, kind)):
+                        variable.set_metadata(out_sharding=_shard_spec(variable.shape, self.world_size))
             self.rngs = nnx.Rngs(dropout=train_cfg.seed)
-            self._train_step = make_train_step(self.model, self.optimizer, self.rngs, train_cfg)
+            self._place()
+            self._train_step = make_train_step(self.model, self.optimizer, self.rngs, train_cfg, self.mesh)
         self.device_name = cpu_name() if self.device.platform == "cpu" else self.device.device_kind
+
+    def _place(self) -> None:
+        """Every variable of the model, optimizer and generator laid out on the mesh by its
+        metadata (replicated where it has none)."""
+        for node in (self.model, self.optimizer, self.rngs):
+            state = nnx.state(node)
+            nnx.update(node, jax.tree.map(_put, state, nnx.get_named_sharding(state, self.mesh)))
+
+    def _global_batch(self, batch: Batch) -> tuple[tuple[jax.Array, ...], int]:
+        """src, tgt_in, labels as [K, W·m, L] arrays, rows sharded over "data": block w·K + k of
+        `split_rows` (worker w's k-th micro-batch) is rows w·m..(w+1)·m of micro-batch k. Also m."""
+        workers, k = self.world_size, self.accumulate
+        blocks = split_rows(batch, workers * k, self.cfg.pad_id)
+        rows = blocks[0].shape[0]
+        sharding = NamedSharding(self.mesh, P(None, "data", None))
+
+        def stack(field: str) -> jax.Array:
+            ids = np.stack([getattr(b, field) for b in blocks])  # [W·K, m, L]
+            ids = ids.reshape(workers, k, rows, -1).transpose(1, 0, 2, 3).reshape(k, workers * rows, -1)
+            return _put(ids, sharding)
+
+        return (stack("src"), stack("tgt_in"), stack("labels")), rows
 
     # -- precision and placement -------------------------------------------------------------
     @contextlib.contextmanager
@@ -193,25 +354,31 @@ class Trainer:
         return int(self.optimizer.step[...])
 
     def step(self, batch: Batch) -> dict[str, Any]:
-        """One update on `batch` (§5.3); returns {step, loss, lr, grad_norm, num_src_tokens,
-        num_tgt_tokens}, grad_norm the global gradient norm before clipping. Reading the loss
-        synchronises the device, so a wall clock around this call is honest."""
+        """One update on the global `batch` (§5.3); returns {step, loss, lr, grad_norm,
+        num_src_tokens, num_tgt_tokens, world_size, worker_rows}: the global batch's loss and
+        counts, grad_norm the global gradient norm before clipping, worker_rows the rows of one
+        device's micro-batch. Reading the loss synchronises the devices, so a wall clock around
+        this call is honest."""
+        (src, tgt, labels), rows = self._global_batch(batch)
         with self._context():
-            loss, lr, grad_norm = self._train_step(batch.src, batch.tgt_in, batch.labels)
+            loss, lr, grad_norm = self._train_step(src, tgt, labels, int(batch.num_tgt_tokens))
             loss_value, norm_value = float(loss), float(grad_norm)
         return {"step": self.step_count, "loss": loss_value, "lr": float(lr), "grad_norm": norm_value,
-                "num_src_tokens": int(batch.num_src_tokens), "num_tgt_tokens": int(batch.num_tgt_tokens)}
+                "num_src_tokens": int(batch.num_src_tokens), "num_tgt_tokens": int(batch.num_tgt_tokens),
+                "world_size": self.world_size, "worker_rows": rows}
 
     def eval_loss(self, batches: Iterable[Batch]) -> float:
         """The training loss (label-smoothed) without dropout, averaged over every non-pad label
-        of `batches` (a token-weighted mean, not a mean of batch means)."""
+        of `batches` (a token-weighted mean, not a mean of batch means). Every process computes
+        the whole of it, on the mesh's layout of the weights."""
         total, count = 0.0, 0
+        replicated = NamedSharding(self.mesh, P())
         self.model.eval()
         try:
             with self._context():
                 for batch in batches:
-                    loss, n = _eval_loss(self.model, jnp.asarray(batch.src), jnp.asarray(batch.tgt_in),
-                                         jnp.asarray(batch.labels), self.train_cfg.label_smoothing)
+                    ids = (_put(np.asarray(a), replicated) for a in (batch.src, batch.tgt_in, batch.labels))
+                    loss, n = _eval_loss(self.model, *ids, self.train_cfg.label_smoothing)
                     total += float(loss) * int(n)
                     count += int(n)
         finally:
@@ -219,14 +386,21 @@ class Trainer:
         return total / max(count, 1)
 
     def params(self) -> Params:
-        """The current weights as canonical float32 NumPy copies."""
-        return to_params(self.model)
+        """The current weights as canonical float32 NumPy copies, whole on every process (a
+        collective when they are sharded across processes: every process calls it)."""
+        if self.num_processes == 1:
+            return to_params(self.model)
+        flat = {flax_name(path): _numpy(variable.get_value()).astype(np.float32)
+                for path, variable in nnx.to_flat_state(nnx.state(self.model, nnx.Param))}
+        check_params(self.cfg, flat, source="flax state")
+        return {name: flat[name] for name in param_shapes(self.cfg)}  # checkpoint order
 
     def backend_model(self) -> Model:
         """A backend model (rosetta.backends interface: generate, logits) holding a copy of the
-        current weights, on the same device and compute dtype."""
+        current weights, on this process's first device and the compute dtype."""
+        params = self.params()
         with jax.default_device(self.device):
-            return Model(self.cfg, self.params(), self.dtype)
+            return Model(self.cfg, params, self.dtype)
 
     def peak_memory_bytes(self) -> int:
         """Peak device memory in use (memory_stats, GPUs); on CPU the process's peak RSS."""
@@ -237,15 +411,13 @@ class Trainer:
     def state_dict(self) -> dict[str, np.ndarray]:
         """Everything besides the weights that an exact resume needs, as flat NumPy arrays
         (written by the harness as safetensors): the step, every optax state leaf (Adam's count
-        and moments) and the nnx.Rngs key data and count."""
+        and moments) and the nnx.Rngs key data and count. Whole on every process, whatever the
+        layout, so a resume may use another number of devices (every process calls it)."""
         state: dict[str, np.ndarray] = {"step": np.asarray(self.step_count, dtype=np.int64)}
         for path, variable in nnx.to_flat_state(nnx.state(self.optimizer)):
-            state[f"optimizer.{flax_name(path)}"] = np.array(variable.get_value())
+            state[f"optimizer.{flax_name(path)}"] = _numpy(variable.get_value())
         for path, variable in nnx.to_flat_state(nnx.state(self.rngs)):
-            value = variable.get_value()
-            if jnp.issubdtype(value.dtype, jax.dtypes.prng_key):
-                value = jax.random.key_data(value)  # the raw uint32 words of the typed key
-            state[f"rng.{flax_name(path)}"] = np.array(value)
+            state[f"rng.{flax_name(path)}"] = _numpy(variable.get_value())
         return state
 
     def _state_shapes(self) -> dict[str, tuple[int, ...]]:
@@ -253,14 +425,15 @@ class Trainer:
         return {key: value.shape for key, value in self.state_dict().items()}
 
     def load_state_dict(self, state: Mapping[str, np.ndarray]) -> None:
-        """Restore a `state_dict()` saved by a trainer of the same config; strict about keys.
-        Every leaf keeps its dtype, so the compiled step is the same one and resumes bit-exactly."""
+        """Restore a `state_dict()` saved by a trainer of the same config, on any number of
+        devices; strict about keys. Every leaf keeps its dtype and its layout on the mesh, so the
+        compiled step is the same one and resumes bit-exactly."""
         check_state(state, self._state_shapes(), "jax")
         with jax.default_device(self.device):
             flat = nnx.to_flat_state(nnx.state(self.optimizer))
             for path, variable in flat:
                 old = variable.get_value()
-                variable.set_value(jnp.array(state[f"optimizer.{flax_name(path)}"], dtype=old.dtype))
+                variable.set_value(np.array(state[f"optimizer.{flax_name(path)}"], dtype=old.dtype))
             nnx.update(self.optimizer, nnx.from_flat_state(flat))
             flat = nnx.to_flat_state(nnx.state(self.rngs))
             for path, variable in flat:
@@ -268,6 +441,7 @@ class Trainer:
                 if jnp.issubdtype(old.dtype, jax.dtypes.prng_key):
                     new = jax.random.wrap_key_data(jnp.array(saved), impl=jax.random.key_impl(old))
                 else:
-                    new = jnp.array(saved, dtype=old.dtype)
+                    new = np.array(saved, dtype=old.dtype)
                 variable.set_value(new)
             nnx.update(self.rngs, nnx.from_flat_state(flat))
+            self._place()
