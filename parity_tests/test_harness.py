@@ -150,7 +150,9 @@ def test_trainer_adapters_share_one_interface(backend):
     copy["shared_embed.embedding"][:] = 0  # params() returns copies: the trainer is unaffected
     assert np.array_equal(trainer.params()["shared_embed.embedding"], params["shared_embed.embedding"])
     metrics = trainer.step(batches[0])
-    assert set(metrics) == {"step", "loss", "lr", "grad_norm", "num_src_tokens", "num_tgt_tokens"}
+    assert set(metrics) == {"step", "loss", "lr", "grad_norm", "num_src_tokens", "num_tgt_tokens",
+                            "world_size", "worker_rows"}
+    assert (metrics["world_size"], metrics["worker_rows"]) == (1, batches[0].shape[0])
     assert metrics["step"] == trainer.step_count == 1
     assert metrics["num_tgt_tokens"] == batches[0].num_tgt_tokens
     assert metrics["loss"] == pytest.approx(totals[0][0] / totals[0][1], rel=1e-5)

@@ -213,7 +213,8 @@ def _run_config(args: argparse.Namespace):
         warmup=args.warmup, lr_factor=args.lr_factor, label_smoothing=args.label_smoothing,
         clip_norm=args.clip_norm, seed=args.seed, beam=args.beam, alpha=args.alpha,
         max_len_margin=args.margin, bleu_samples=args.bleu_samples, peak_tflops=args.peak_tflops,
-        progress=args.progress,
+        progress=args.progress, accumulate=args.accumulate, shard=args.shard, devices=args.devices,
+        nproc=args.nproc, dist_timeout=args.dist_timeout, baseline=args.baseline,
     )
 
 
@@ -225,12 +226,24 @@ class _StderrHandler(logging.Handler):
 
 
 def cmd_train(args: argparse.Namespace) -> int:
+    import os
     from pathlib import Path
 
+    from rosetta.distributed import TIMEOUT_VARIABLE, launch_env
     from rosetta.harness.loop import check_run, train
 
     run = _run_config(args)
     check_run(run)
+    os.environ[TIMEOUT_VARIABLE] = repr(run.dist_timeout)  # the trainers' collectives read it
+    env = launch_env()
+    if run.nproc > 1 and not env.distributed:  # relaunch this very command as N processes
+        from rosetta.harness.launch import launch
+
+        launch(args.argv, run.nproc)
+        summary = Path(run.out) / "summary.md"
+        if summary.is_file():
+            print(summary.read_text(encoding="utf-8"), end="")
+        return 0
     logger = logging.getLogger("rosetta.harness")  # ours only: not every library's INFO lines
     if not any(isinstance(h, _StderrHandler) for h in logger.handlers):
         handler = _StderrHandler()
@@ -244,7 +257,7 @@ def cmd_train(args: argparse.Namespace) -> int:
                           langs=run.pair.split("-"))
     train(run)
     summary = Path(run.out) / "summary.md"
-    if summary.is_file():
+    if env.is_main and summary.is_file():
         print(summary.read_text(encoding="utf-8"), end="")
     return 0
 
@@ -361,6 +374,22 @@ def _add_train_args(p: argparse.ArgumentParser) -> None:
     ev.add_argument("--peak-tflops", type=real, help="device peak TFLOP/s for MFU (default: known GPUs)")
     ev.add_argument("--progress", action=argparse.BooleanOptionalAction, default=None,
                     help="progress bar (default: when stderr is a terminal)")
+    par = p.add_argument_group("many devices (docs/distributed.md)")
+    par.add_argument("--nproc", type=integer, default=1,
+                     help="launch N processes here with torchrun, one device each (PyTorch: DDP; JAX: "
+                          "jax.distributed); under torchrun leave it out")
+    par.add_argument("--accumulate", type=integer, default=1, metavar="K",
+                     help="sum the gradients of K micro-batches per update: the update of one K-times "
+                          "larger batch (--max-tokens is the whole update's budget)")
+    par.add_argument("--shard", action="store_true",
+                     help="shard parameters and Adam state over the workers (PyTorch: FSDP2 fully_shard; "
+                          "JAX: NamedSharding over the data axis)")
+    par.add_argument("--devices", type=integer,
+                     help="JAX: local devices in the data-parallel mesh (default: all of the platform)")
+    par.add_argument("--dist-timeout", type=real, default=600.0, metavar="SECONDS",
+                     help="a collective waiting this long for a peer ends the run with an error")
+    par.add_argument("--baseline", metavar="OUT",
+                     help="a finished one-device run of the same settings: scaling efficiency against it")
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -450,12 +479,25 @@ def build_parser() -> argparse.ArgumentParser:
     return parser
 
 
+def _process() -> str:
+    """" [process R of N]" inside a launch of several processes, so that an error names its rank."""
+    from rosetta.distributed import launch_env
+
+    try:
+        env = launch_env()
+    except RosettaError:
+        return ""
+    return f" [process {env.rank} of {env.num_processes}]" if env.distributed else ""
+
+
 def main(argv: list[str] | None = None) -> int:
+    argv = sys.argv[1:] if argv is None else list(argv)
     try:
         args = build_parser().parse_args(argv)
+        args.argv = argv
         return args.func(args)
     except RosettaError as e:
-        print(f"rosetta: error: {e}", file=sys.stderr)
+        print(f"rosetta: error{_process()}: {e}", file=sys.stderr)
         return 2
     except MemoryError:  # e.g. parity --batch 1000000: a bad size, not a bug
         print("rosetta: error: out of memory; ask for a smaller batch or model", file=sys.stderr)

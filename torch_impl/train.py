@@ -1,6 +1,8 @@
 """Training in PyTorch (SPEC §4): the label-smoothed loss, Adam with the paper's schedule, one
 training step, canonical gradients for the parity tests, and `Trainer`, the adapter the
-framework-free loop (rosetta/harness/loop.py) drives.
+framework-free loop (rosetta/harness/loop.py) drives. Data-parallel training runs on torch's own
+engine: one process per device under torchrun, DistributedDataParallel, or FSDP2's `fully_shard`
+with `shard=True` (the design: rosetta/distributed.py, docs/distributed.md).
 
 Mirrors jax_impl/train.py function for function; diff them to see only framework differences.
 """
@@ -8,14 +10,21 @@ Mirrors jax_impl/train.py function for function; diff them to see only framework
 from __future__ import annotations
 
 import contextlib
-from collections.abc import Callable, Iterable, Iterator, Mapping
+import datetime
+import logging
+from collections.abc import Callable, Iterable, Iterator, Mapping, Sequence
 from typing import Any, ClassVar
 
 import numpy as np
 import torch
+import torch.distributed as dist
+from torch.distributed.fsdp import FSDPModule, fully_shard
+from torch.distributed.tensor import DTensor, distribute_tensor
+from torch.nn.parallel import DistributedDataParallel
 
 from rosetta.config import ModelConfig
 from rosetta.device import cpu_name, max_rss_bytes
+from rosetta.distributed import LaunchEnv, launch_env, rank_seed, split_rows
 from rosetta.errors import RosettaError
 from rosetta.params import Params
 from rosetta.training import Batch, TrainConfig, check_state, learning_rate
@@ -23,20 +32,24 @@ from torch_impl.backend import DTYPES, Model, default_device, float32_matmul_pre
 from torch_impl.convert import from_state_dict
 from torch_impl.model import Transformer
 
+log = logging.getLogger(__name__)
 
-def loss_fn(logits: torch.Tensor, labels: torch.Tensor, pad_id: int,
-            label_smoothing: float) -> tuple[torch.Tensor, torch.Tensor]:
+
+def loss_fn(logits: torch.Tensor, labels: torch.Tensor, pad_id: int, label_smoothing: float,
+            num_tokens: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
     """Mean over non-pad labels of the cross entropy against q = (1-ε)·onehot(y) + ε/V, ε spread
     over all V classes, pad included (torch's and optax's definition; others differ: PITFALLS 11).
-    Returns (loss, number of non-pad labels); a batch with no labels gives loss 0."""
+    `num_tokens` given (a part of a global batch: rosetta/distributed.py): the sum divided by it
+    instead. Returns (loss, number of non-pad labels); a batch with no labels gives loss 0."""
     # log-softmax in float32 at least, even for bfloat16 logits.
     logp = torch.log_softmax(logits.to(torch.promote_types(logits.dtype, torch.float32)), dim=-1)
     nll = -logp.gather(-1, labels.long()[..., None])[..., 0]  # -log p[y]
     smooth = -logp.mean(dim=-1)  # -(1/V) Σ_v log p[v]
     per_token = (1.0 - label_smoothing) * nll + label_smoothing * smooth
     mask = labels != pad_id
-    num_tokens = mask.sum()
-    return torch.where(mask, per_token, 0.0).sum() / num_tokens.clamp(min=1), num_tokens
+    count = mask.sum()
+    denominator = count.clamp(min=1) if num_tokens is None else num_tokens
+    return torch.where(mask, per_token, 0.0).sum() / denominator, count
 
 
 def schedule(d_model: int, train_cfg: TrainConfig) -> Callable[[int], float]:
@@ -59,23 +72,62 @@ def _autocast(device: torch.device, dtype: torch.dtype | None) -> contextlib.Abs
     return torch.autocast(device.type, dtype=dtype) if dtype is not None else contextlib.nullcontext()
 
 
+def _unwrap(module: torch.nn.Module) -> Transformer:
+    """The Transformer inside a DistributedDataParallel wrapper (FSDP2 shards it in place)."""
+    return module.module if isinstance(module, DistributedDataParallel) else module
+
+
 def forward_loss(module: Transformer, src: torch.Tensor, tgt: torch.Tensor, labels: torch.Tensor,
-                 label_smoothing: float, autocast: torch.dtype | None = None) -> torch.Tensor:
+                 label_smoothing: float, autocast: torch.dtype | None = None,
+                 num_tokens: torch.Tensor | None = None) -> torch.Tensor:
     """The loss of one batch, forward only: what `make_train_step(compile=True)` compiles."""
     with _autocast(src.device, autocast):  # the backward pass runs outside autocast, as torch advises
-        return loss_fn(module(src, tgt), labels, module.cfg.pad_id, label_smoothing)[0]
+        return loss_fn(module(src, tgt), labels, _unwrap(module).cfg.pad_id, label_smoothing, num_tokens)[0]
 
 
-def _train_step(module: Transformer, optimizer: torch.optim.Optimizer,
-                scheduler: torch.optim.lr_scheduler.LRScheduler, src: torch.Tensor, tgt: torch.Tensor,
-                labels: torch.Tensor, train_cfg: TrainConfig, autocast: torch.dtype | None,
-                forward: Callable[..., torch.Tensor]) -> tuple[torch.Tensor, float, torch.Tensor]:
-    """`train_step`, also returning the global gradient norm before clipping (a 0-d tensor): the
-    harness stops a run at the first non-finite one (rosetta/harness/loop.py)."""
+@contextlib.contextmanager
+def _gradient_sync(replica: torch.nn.Module, sync: bool) -> Iterator[None]:
+    """Let DDP / FSDP2 reduce gradients over workers in this backward pass only if `sync`: the
+    last micro-batch of an accumulated step reduces the sum of all of them, once."""
+    if isinstance(replica, DistributedDataParallel) and not sync:
+        with replica.no_sync():
+            yield
+    elif isinstance(replica, FSDPModule) and not sync:
+        replica.set_requires_gradient_sync(False)
+        try:
+            yield
+        finally:
+            replica.set_requires_gradient_sync(True)
+    else:
+        yield
+
+
+def _full(tensor: torch.Tensor) -> torch.Tensor:
+    """A DTensor shard gathered whole (a collective: every process calls it); others as they are."""
+    return tensor.full_tensor() if isinstance(tensor, DTensor) else tensor
+
+
+def _train_step(replica: torch.nn.Module, optimizer: torch.optim.Optimizer,
+                scheduler: torch.optim.lr_scheduler.LRScheduler,
+                micro_batches: Sequence[tuple[torch.Tensor, torch.Tensor, torch.Tensor]],
+                num_tokens: torch.Tensor | None, train_cfg: TrainConfig, autocast: torch.dtype | None,
+                forward: Callable[..., torch.Tensor],
+                world_size: int = 1) -> tuple[torch.Tensor, float, torch.Tensor]:
+    """`train_step` on this worker's micro-batches of one global batch (rosetta/distributed.py:
+    each loss is its sum over the global `num_tokens`), also returning the global gradient norm
+    before clipping (a 0-d tensor): the harness stops a run at the first non-finite one."""
+    module = _unwrap(replica)
     module.train()
     optimizer.zero_grad(set_to_none=True)
-    loss = forward(module, src, tgt, labels, train_cfg.label_smoothing, autocast)
-    loss.backward()
+    total = None
+    for k, (src, tgt, labels) in enumerate(micro_batches):
+        with _gradient_sync(replica, k == len(micro_batches) - 1):
+            loss = forward(replica, src, tgt, labels, train_cfg.label_smoothing, autocast, num_tokens)
+            # DDP and FSDP2 average gradients over the W workers; the global mean needs their sum.
+            (loss * world_size if world_size > 1 else loss).backward()
+        total = loss.detach() if total is None else total + loss.detach()
+    if world_size > 1:
+        dist.all_reduce(total)  # the global batch's loss, reported identically on every process
     if train_cfg.clip_norm is not None:
         # Scales by clip/(norm + 1e-6) where optax scales by clip/norm: ~1e-6 relative apart.
         grad_norm = torch.nn.utils.clip_grad_norm_(module.parameters(), train_cfg.clip_norm)
@@ -84,7 +136,7 @@ def _train_step(module: Transformer, optimizer: torch.optim.Optimizer,
     lr = optimizer.param_groups[0]["lr"]
     optimizer.step()
     scheduler.step()
-    return loss.detach(), lr, grad_norm.detach()
+    return total, lr, _full(grad_norm).detach()
 
 
 def train_step(module: Transformer, optimizer: torch.optim.Optimizer,
@@ -95,7 +147,8 @@ def train_step(module: Transformer, optimizer: torch.optim.Optimizer,
     optional global-norm clipping, Adam, schedule. `autocast` (e.g. torch.bfloat16) runs the
     forward pass under torch.autocast, float32 weights (JAX: the model's compute dtype).
     Returns (loss, lr used); the loss is a detached 0-d tensor (reading it synchronises)."""
-    loss, lr, _ = _train_step(module, optimizer, scheduler, src, tgt, labels, train_cfg, autocast, forward)
+    loss, lr, _ = _train_step(module, optimizer, scheduler, [(src, tgt, labels)], None, train_cfg, autocast,
+                              forward)
     return loss, lr
 
 
@@ -112,7 +165,8 @@ def make_train_step(module: Transformer, optimizer: torch.optim.Optimizer,
 
     def step(src: torch.Tensor, tgt: torch.Tensor,
              labels: torch.Tensor) -> tuple[torch.Tensor, float, torch.Tensor]:
-        return _train_step(module, optimizer, scheduler, src, tgt, labels, train_cfg, autocast, forward)
+        return _train_step(module, optimizer, scheduler, [(src, tgt, labels)], None, train_cfg, autocast,
+                           forward)
 
     return step
 
@@ -132,15 +186,36 @@ def gradients(module: Transformer, src: torch.Tensor, tgt: torch.Tensor, labels:
 
 
 
-def _device(name: str | None) -> torch.device:
-    """'cpu', 'cuda' or 'cuda:1' -> that torch device, checked; None: CUDA if available, else CPU."""
+def _device(name: str | None, env: LaunchEnv | None = None) -> torch.device:
+    """'cpu', 'cuda' or 'cuda:1' -> that torch device, checked; None: CUDA if available, else CPU.
+    Under a launcher a bare 'cuda' means this process's own GPU, cuda:LOCAL_RANK."""
     try:
         device = torch.device(name or default_device())
     except RuntimeError as e:
         raise RosettaError(f"torch has no device {name!r}: {e}") from None
     if device.type == "cuda" and not torch.cuda.is_available():
         raise RosettaError(f"torch has no device {name!r} here (no CUDA)")
+    if device.type == "cuda" and device.index is None and env is not None and env.distributed:
+        device = torch.device("cuda", env.local_rank)
     return device
+
+
+def init_distributed(env: LaunchEnv, device: torch.device) -> None:
+    """Join the launch's process group (torchrun's MASTER_ADDR/PORT, RANK, WORLD_SIZE): NCCL on
+    GPUs, gloo on CPUs. A collective that waits `env.timeout_s` for a peer ends with an error, not
+    a hang. Once per process; every trainer of the process shares the group."""
+    if dist.is_initialized():
+        return
+    if device.type == "cuda":
+        torch.cuda.set_device(device)
+    try:
+        dist.init_process_group("nccl" if device.type == "cuda" else "gloo", rank=env.rank,
+                                world_size=env.num_processes,
+                                timeout=datetime.timedelta(seconds=env.timeout_s),
+                                device_id=device if device.type == "cuda" else None)
+    except (RuntimeError, ValueError) as e:
+        raise RosettaError(f"process {env.rank} of {env.num_processes} could not join the process group at "
+                           f"{env.master_addr}:{env.master_port}: {e}") from None
 
 
 # -- The harness adapter ---------------------------------------------------------------------
@@ -155,29 +230,65 @@ class Trainer:
     float32 matmuls (PITFALLS 5); on a GPU the trainer leaves it off and allows TF32, for speed.
     The dropout generator is the trainer's own: torch's global generator is swapped in for each
     step and saved back after it, so nothing else in the process moves this trainer's stream.
+
+    Data-parallel: under a launcher (torchrun; rosetta.distributed.launch_env) the trainer joins
+    the process group and wraps the model in DistributedDataParallel, or shards it with FSDP2's
+    `fully_shard` (`shard=True`), one device per process. `accumulate` K sums the gradients of K
+    micro-batches per update. `step` takes the global batch, the same on every process, and
+    trains on this process's blocks of it (rosetta/distributed.py).
     """
 
     framework: ClassVar[str] = "torch"
     dtypes: ClassVar[tuple[str, ...]] = ("float32", "bfloat16")
 
     def __init__(self, cfg: ModelConfig, params: Mapping[str, np.ndarray], train_cfg: TrainConfig,
-                 device: str | None = None, dtype: str = "float32", parity: bool | None = None):
+                 device: str | None = None, dtype: str = "float32", parity: bool | None = None,
+                 accumulate: int = 1, shard: bool = False, num_devices: int | None = None):
         if dtype not in self.dtypes:
             raise RosettaError(f"the torch trainer computes in {', '.join(self.dtypes)}, not {dtype!r}")
+        if isinstance(accumulate, bool) or not isinstance(accumulate, int) or accumulate < 1:
+            raise RosettaError(f"accumulate must be an integer >= 1, got {accumulate!r}")
+        if num_devices not in (None, 1):
+            raise RosettaError("torch trains on one device per process: launch one process per device "
+                               "(rosetta train --nproc N, or torchrun --nproc-per-node N -m rosetta.cli "
+                               "train)")
+        env = launch_env()
+        if shard and not env.distributed:
+            raise RosettaError("--shard shards the parameters over processes: launch more than one "
+                               "(rosetta train --nproc N, or torchrun)")
         self.cfg, self.train_cfg, self.dtype = cfg, train_cfg, dtype
-        model = Model(cfg, params, dtype, device=str(_device(device)))  # meta device, then the weights
-        self.device, self.module, self.autocast = model.device, model.module, DTYPES[dtype][1]
+        self.accumulate, self.shard = accumulate, shard
+        self.world_size, self.num_processes, self.rank = env.num_processes, env.num_processes, env.rank
+        self.is_main = env.is_main
+        self.device = _device(device, env)
+        if env.distributed:
+            init_distributed(env, self.device)
+        model = Model(cfg, params, dtype, device=str(self.device))  # meta device, then the weights
+        self.module, self.autocast = model.module, DTYPES[dtype][1]
         self.parity = self.device.type == "cpu" if parity is None else parity
-        self.optimizer, self.scheduler = make_optimizer(self.module, train_cfg)
-        self._train_step = make_train_step(self.module, self.optimizer, self.scheduler, train_cfg,
-                                           self.autocast)
+        self.replica = self._replicate(env)
+        self.optimizer, self.scheduler = make_optimizer(self.module, train_cfg)  # after fully_shard
         self.device_name = (torch.cuda.get_device_name(self.device) if self.device.type == "cuda"
                             else cpu_name())
         with torch.random.fork_rng(devices=self._rng_devices()):
-            torch.manual_seed(train_cfg.seed)  # seeds the CPU and every CUDA generator
+            torch.manual_seed(rank_seed(train_cfg.seed, self.rank))  # the CPU and every CUDA generator
             self._rng = self._get_rng()
         if self.device.type == "cuda":
             torch.cuda.reset_peak_memory_stats(self.device)
+
+    def _replicate(self, env: LaunchEnv) -> torch.nn.Module:
+        """The module the forward pass runs through: itself (one process), DDP around it, or itself
+        sharded in place by FSDP2 (each layer one unit, the root the embeddings and the rest)."""
+        if self.shard:
+            for p in self.module.parameters():  # FSDP2 shards contiguous tensors only; Linear weights
+                p.data = p.data.contiguous()  # arrive as transposed views of the canonical [in, out]
+            for layer in [*self.module.encoder.layers, *self.module.decoder.layers]:
+                fully_shard(layer)
+            return fully_shard(self.module)
+        if env.distributed:
+            ids = [self.device.index] if self.device.type == "cuda" else None
+            return DistributedDataParallel(self.module, device_ids=ids)  # broadcasts rank 0's weights
+        return self.module
 
     # -- precision and randomness ------------------------------------------------------------
     def _rng_devices(self) -> list[torch.device]:
@@ -219,12 +330,17 @@ class Trainer:
         """One update on `batch` (§5.3); returns {step, loss, lr, grad_norm, num_src_tokens,
         num_tgt_tokens}, grad_norm the global gradient norm before clipping. Reading the loss
         synchronises the device, so a wall clock around this call is honest."""
+        k = self.accumulate
+        mine = split_rows(batch, self.world_size * k, self.cfg.pad_id)[self.rank * k:(self.rank + 1) * k]
+        micro = [(self._tensor(b.src), self._tensor(b.tgt_in), self._tensor(b.labels)) for b in mine]
+        num_tokens = torch.tensor(batch.num_tgt_tokens, device=self.device)
         with self._context():
-            loss, lr, grad_norm = self._train_step(self._tensor(batch.src), self._tensor(batch.tgt_in),
-                                                   self._tensor(batch.labels))
+            loss, lr, grad_norm = _train_step(self.replica, self.optimizer, self.scheduler, micro, num_tokens,
+                                              self.train_cfg, self.autocast, forward_loss, self.world_size)
             loss_value, norm_value = loss.item(), grad_norm.item()
         return {"step": self.step_count, "loss": loss_value, "lr": float(lr), "grad_norm": norm_value,
-                "num_src_tokens": int(batch.num_src_tokens), "num_tgt_tokens": int(batch.num_tgt_tokens)}
+                "num_src_tokens": int(batch.num_src_tokens), "num_tgt_tokens": int(batch.num_tgt_tokens),
+                "world_size": self.world_size, "worker_rows": int(mine[0].shape[0])}
 
     def eval_loss(self, batches: Iterable[Batch]) -> float:
         """The training loss (label-smoothed) without dropout, averaged over every non-pad label
@@ -245,8 +361,10 @@ class Trainer:
         return total / max(count, 1)
 
     def params(self) -> Params:
-        """The current weights as canonical float32 NumPy copies."""
-        return from_state_dict(self.cfg, self.module.state_dict())
+        """The current weights as canonical float32 NumPy copies (sharded: gathered whole, a
+        collective that every process calls)."""
+        state = {name: _full(value) for name, value in self.module.state_dict().items()}
+        return from_state_dict(self.cfg, state)
 
     def backend_model(self) -> Model:
         """A backend model (rosetta.backends interface: generate, logits) holding a copy of the
@@ -263,19 +381,26 @@ class Trainer:
     def state_dict(self) -> dict[str, np.ndarray]:
         """Everything besides the weights that an exact resume needs, as flat NumPy arrays
         (written by the harness as safetensors): the step, Adam's moments and step per
-        parameter, the optimizer's lr, the scheduler's counters, and the generator states."""
+        parameter, the optimizer's lr, the scheduler's counters, and the generator states: process
+        0's as `rng.<device>`, process r's as `rng.rank<r>.<device>`. Distributed: a
+        collective (moments gathered whole, generators gathered) that every process calls."""
         state: dict[str, np.ndarray] = {"step": np.asarray(self.step_count, dtype=np.int64)}
         opt = self.optimizer.state_dict()
         for index, (name, _) in enumerate(self.module.named_parameters()):
             for key, value in opt["state"].get(index, {}).items():
-                state[f"optimizer.{name}.{key}"] = value.detach().cpu().numpy().copy()
+                state[f"optimizer.{name}.{key}"] = _full(value).detach().cpu().numpy().copy()
         state["optimizer.lr"] = np.asarray(opt["param_groups"][0]["lr"], dtype=np.float64)
         sched = self.scheduler.state_dict()
         state["scheduler.last_epoch"] = np.asarray(sched["last_epoch"], dtype=np.int64)
         state["scheduler.step_count"] = np.asarray(sched["_step_count"], dtype=np.int64)
         state["scheduler.last_lr"] = np.asarray(sched["_last_lr"], dtype=np.float64)
-        for device, value in self._rng.items():
-            state[f"rng.{device}"] = value.numpy().copy()
+        every = [self._rng] * self.num_processes
+        if self.num_processes > 1:
+            dist.all_gather_object(every, self._rng)
+        for rank, rng in enumerate(every):
+            prefix = "rng." if rank == 0 else f"rng.rank{rank}."
+            for device, value in rng.items():
+                state[prefix + device] = value.numpy().copy()
         return state
 
     def _state_shapes(self, with_moments: bool) -> dict[str, tuple[int, ...]]:
@@ -290,11 +415,13 @@ class Trainer:
 
     def load_state_dict(self, state: Mapping[str, np.ndarray]) -> None:
         """Restore a `state_dict()` saved by a trainer of the same config; strict about keys."""
+        others = {key: value for key, value in state.items() if key.startswith("rng.rank")}
+        state = {key: value for key, value in state.items() if key not in others}
         check_state(state, self._state_shapes(int(np.asarray(state.get("step", 0))) > 0), "torch")
         opt = self.optimizer.state_dict()
-        for index, (name, _) in enumerate(self.module.named_parameters()):
+        for index, (name, p) in enumerate(self.module.named_parameters()):
             if f"optimizer.{name}.step" in state:
-                opt["state"][index] = {key: torch.from_numpy(np.array(state[f"optimizer.{name}.{key}"]))
+                opt["state"][index] = {key: self._like(p, state[f"optimizer.{name}.{key}"])
                                        for key in ("step", "exp_avg", "exp_avg_sq")}
         opt["param_groups"][0]["lr"] = float(state["optimizer.lr"])
         self.optimizer.load_state_dict(opt)  # moves the moments to the parameters' device
@@ -303,4 +430,24 @@ class Trainer:
                      _step_count=int(state["scheduler.step_count"]),
                      _last_lr=[float(x) for x in np.atleast_1d(state["scheduler.last_lr"])])
         self.scheduler.load_state_dict(sched)
-        self._rng = {device: torch.from_numpy(np.array(state[f"rng.{device}"])) for device in self._rng}
+        self._load_rng(state, others)
+
+    def _like(self, param: torch.Tensor, value: np.ndarray) -> torch.Tensor:
+        """A saved (whole) optimizer tensor laid out as `param`: sharded like it under FSDP2."""
+        tensor = torch.from_numpy(np.array(value))
+        if isinstance(param, DTensor) and tensor.ndim:
+            return distribute_tensor(tensor.to(param.device), param.device_mesh, param.placements)
+        return tensor
+
+    def _load_rng(self, state: Mapping[str, np.ndarray], others: Mapping[str, np.ndarray]) -> None:
+        """This process's generator: process 0's is `rng.<device>`, process r's `rng.rank<r>.<device>`.
+        A run saved with fewer processes has none for this one: it starts a fresh stream (the
+        updates stay the same; only the dropout masks differ from an uninterrupted run)."""
+        mine = f"rng.rank{self.rank}."
+        saved = state if self.rank == 0 else {"rng." + key[len(mine):]: value for key, value in others.items()
+                                              if key.startswith(mine)}
+        if self.rank == 0 or all(f"rng.{device}" in saved for device in self._rng):
+            self._rng = {device: torch.from_numpy(np.array(saved[f"rng.{device}"])) for device in self._rng}
+        else:
+            log.warning("torch: the checkpoint holds no dropout generator for process %d (saved with fewer "
+                        "processes): it draws from a fresh one", self.rank)

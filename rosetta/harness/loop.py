@@ -15,16 +15,24 @@ summary.md, a stray file in a run directory given to --overwrite): such files ar
 before training starts. A file system error (read-only, full) is one line naming the path.
 Batching is by token budget (paper §5.1, rosetta/harness/batching.py),
 the optimizer and schedule are §5.3's, label smoothing and dropout §5.4's.
+
+Many devices (docs/distributed.md): the token budget is the global batch's; every process builds
+the same global batch and its trainer trains on its own blocks (rosetta/distributed.py). Every
+process runs the same loop (the steps, the evaluations: identical on each) and calls the
+collectives (`params()`, `state_dict()`) together; only process 0 touches `out/`.
 """
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import importlib
 import json
 import logging
 import math
+import os
 import shutil
+import signal
 import sys
 import time
 from dataclasses import dataclass, field
@@ -35,6 +43,7 @@ import numpy as np
 
 from rosetta.checkpoint import atomic_write_bytes, load_checkpoint, save_checkpoint
 from rosetta.config import ModelConfig, preset
+from rosetta.distributed import LaunchEnv, launch_env
 from rosetta.errors import RosettaError
 from rosetta.flops import training_flops
 from rosetta.harness.batching import Batch, BatchIterator, eval_batches, restore_order
@@ -120,6 +129,12 @@ class RunConfig:
     bleu_samples: int | None = None
     peak_tflops: float | None = None
     progress: bool | None = None
+    accumulate: int = 1
+    shard: bool = False
+    devices: int | None = None
+    nproc: int = 1
+    dist_timeout: float = 600.0
+    baseline: str | None = None
 
     def to_dict(self) -> dict[str, Any]:
         return {k: list(v) if isinstance(v, tuple) else v for k, v in dataclasses.asdict(self).items()}
@@ -171,6 +186,14 @@ def check_run(run: RunConfig) -> None:
         raise RosettaError("--resume continues a run and --overwrite discards it: give one of them")
     if run.peak_tflops is not None and not run.peak_tflops > 0:
         raise RosettaError(f"--peak-tflops must be positive, got {run.peak_tflops!r}")
+    for name in ("accumulate", "nproc"):
+        _positive(name, getattr(run, name))
+    _positive("devices", run.devices, optional=True)
+    if not run.dist_timeout > 0:
+        raise RosettaError(f"--dist-timeout must be a positive number of seconds, got {run.dist_timeout!r}")
+    if run.baseline is not None and not (Path(run.baseline) / "summary.json").is_file():
+        raise RosettaError(f"--baseline {run.baseline}: no summary.json there (give the out directory of a "
+                           "finished run on one device)")
     run.train_config()  # TrainConfig checks its own fields (ConfigError names the field)
 
 
@@ -244,10 +267,15 @@ def evaluate(trainer: Any, task: TaskData, loss_batches: list[Batch], gen_batche
 # -- One backend -----------------------------------------------------------------------------
 
 class _Run:
-    """One backend's training run in `out/<backend>/`."""
+    """One backend's training run in `out/<backend>/`; in a launch of several processes, this
+    process's part of it (only process 0, `self.main`, writes)."""
 
-    def __init__(self, run: RunConfig, backend: str, task: TaskData, cfg: ModelConfig, params0: dict):
+    def __init__(self, run: RunConfig, backend: str, task: TaskData, cfg: ModelConfig, params0: dict,
+                 env: LaunchEnv, baseline: dict[str, Any] | None = None):
         self.run, self.backend, self.task, self.cfg = run, backend, task, cfg
+        self.env, self.main = env, env.is_main
+        # The one-device run's median tokens/s that scaling efficiency divides by (--baseline).
+        self.baseline = (baseline or {}).get(backend, {}).get("median_tgt_tokens_per_s")
         self.dir = Path(run.out) / backend
         self.ckpt_root = self.dir / "checkpoints"
         self.log_path = self.dir / "log.jsonl"
@@ -267,57 +295,76 @@ class _Run:
         self.totals: dict[str, float] | None = {"step_time_s": 0.0, "src_tokens": 0, "tgt_tokens": 0}
 
     # -- start or resume -------------------------------------------------------------------
-    def start(self) -> Any:
+    def _trainer(self, params: dict) -> Any:
+        run = self.run
         Trainer = trainer_class(self.backend)
+        return Trainer(self.cfg, params, self.train_cfg, device=run.device, dtype=run.dtype,
+                       accumulate=run.accumulate, shard=run.shard, num_devices=run.devices)
+
+    def start(self) -> Any:
         if self.run.resume:
-            clean_temporaries(self.ckpt_root)
+            if self.main:
+                clean_temporaries(self.ckpt_root)
             ckpt_dir = latest_checkpoint(self.ckpt_root)
             if ckpt_dir is not None:
-                return self._resume(Trainer, ckpt_dir)
+                return self._resume(ckpt_dir)
             log.info("%s: no checkpoint yet in %s: starting from step 0", self.backend, self.ckpt_root)
+        trainer = self._trainer(self.params0)
         record = {"format": RUN_FORMAT, "backend": self.backend, "identity": self.run.identity(),
                   "model_config": self.cfg.to_dict(), "train_config": self.train_cfg.to_dict(),
-                  "args": self.run.to_dict()}
-        with os_errors(self.dir, "write the run directory"):
-            self.dir.mkdir(parents=True, exist_ok=True)
-            atomic_write_bytes(self.dir / "run.json", json.dumps(record, indent=2).encode("utf-8"))
-            if self.task.tokenizer is not None:
-                self.task.tokenizer.save(self.dir / "tokenizer.json")
-            write_log(self.log_path, [])
-        return Trainer(self.cfg, self.params0, self.train_cfg, device=self.run.device, dtype=self.run.dtype)
+                  "args": self.run.to_dict(), **_parallel_facts(trainer)}
+        if self.main:
+            with os_errors(self.dir, "write the run directory"):
+                self.dir.mkdir(parents=True, exist_ok=True)
+                atomic_write_bytes(self.dir / "run.json", json.dumps(record, indent=2).encode("utf-8"))
+                if self.task.tokenizer is not None:
+                    self.task.tokenizer.save(self.dir / "tokenizer.json")
+                write_log(self.log_path, [])
+        return trainer
 
-    def _resume(self, Trainer: type, ckpt_dir: Path) -> Any:
+    def _resume(self, ckpt_dir: Path) -> Any:
         state = read_json(ckpt_dir / "state.json")
         ckpt = load_checkpoint(ckpt_dir / "model.safetensors")
         if ckpt.config != self.cfg:
             raise RosettaError(f"cannot resume {self.dir}: its checkpoint's model config differs from this "
                                f"command's ({ckpt_dir / 'model.safetensors'})")
-        trainer = Trainer(ckpt.config, ckpt.params, self.train_cfg, device=self.run.device,
-                          dtype=self.run.dtype)
+        trainer = self._trainer(ckpt.params)
         trainer.load_state_dict(load_trainer_state(ckpt_dir / "trainer_state.safetensors", self.backend))
         self.iterator.load_state_dict(state["data"])
         step = int(state["step"])
         if trainer.step_count != step:
             raise RosettaError(f"{ckpt_dir}: trainer state at step {trainer.step_count}, state.json {step}")
-        with os_errors(self.log_path, "write"):
-            write_log(self.log_path, [r for r in read_log(self.log_path) if r.get("step", 0) <= step])
+        saved_workers = state.get("world_size", 1)
+        if saved_workers != trainer.world_size:
+            log.warning("%s: resuming a run saved with %s data-parallel workers on %d: the global batches "
+                        "and so the updates are the same (up to rounding in the reductions); dropout masks "
+                        "are drawn differently from an uninterrupted run", self.backend, saved_workers,
+                        trainer.world_size)
+        if self.main:
+            with os_errors(self.log_path, "write"):
+                write_log(self.log_path, [r for r in read_log(self.log_path) if r.get("step", 0) <= step])
         self.elapsed0 = float(state.get("elapsed_s", 0.0))
         self.totals = state.get("totals")
         log.info("%s: resumed from %s (step %d)", self.backend, ckpt_dir, step)
         return trainer
 
     # -- checkpoints -----------------------------------------------------------------------
-    def save(self, trainer: Any, elapsed: float) -> Path:
+    def save(self, trainer: Any, elapsed: float) -> Path | None:
+        """Checkpoint the current step. Every process calls it (gathering sharded weights and
+        optimizer state is a collective); process 0 writes."""
         step = trainer.step_count
+        params, trainer_state = trainer.params(), trainer.state_dict()
+        if not self.main:
+            return None
         state = {"format": "rosetta-train-checkpoint/1", "step": step, "backend": self.backend,
                  "dtype": self.run.dtype, "data": self.iterator.state_dict(), "elapsed_s": elapsed,
-                 "totals": self.totals,
+                 "totals": self.totals, "world_size": trainer.world_size,
                  "train_config": self.train_cfg.to_dict(), "run": self.run.to_dict()}
 
         def write(tmp: Path) -> None:
-            save_checkpoint(tmp / "model.safetensors", self.cfg, trainer.params(),
+            save_checkpoint(tmp / "model.safetensors", self.cfg, params,
                             metadata={"step": str(step), "backend": self.backend})
-            save_trainer_state(tmp / "trainer_state.safetensors", trainer.state_dict(), self.backend)
+            save_trainer_state(tmp / "trainer_state.safetensors", trainer_state, self.backend)
             atomic_write_bytes(tmp / "state.json", json.dumps(state, indent=2).encode("utf-8"))
             if self.task.tokenizer is not None:
                 self.task.tokenizer.save(tmp / "tokenizer.json")
@@ -328,13 +375,17 @@ class _Run:
             return save_checkpoint_dir(self.ckpt_root, step, write, self.run.keep)
 
     # -- the loop --------------------------------------------------------------------------
-    def train(self) -> dict[str, Any]:
+    def train(self) -> dict[str, Any] | None:
+        """Train to `total_steps`; the result (None on processes other than 0)."""
         run = self.run
         trainer = self.start()
         if trainer.step_count >= self.total_steps and (self.dir / "result.json").is_file():
             log.info("%s: already at step %d of %d: nothing to do", self.backend, trainer.step_count,
                      self.total_steps)
-            return read_json(self.dir / "result.json")
+            return read_json(self.dir / "result.json") if self.main else None
+        if not self.main:
+            self._loop(trainer, None, _NoProgress())
+            return None
         progress = _progress_bar(run, self.backend, self.total_steps, trainer.step_count)
         try:
             with os_errors(self.log_path, "write"), self.log_path.open("a", encoding="utf-8") as log_file:
@@ -352,15 +403,17 @@ class _Run:
 
     def _loop(self, trainer: Any, log_file: Any, progress: Any) -> None:
         """Steps until `total_steps`: log, evaluate and checkpoint on their cadences and at the end.
-        An evaluation at step s is logged before checkpoint s, so a resume never repeats it."""
+        An evaluation at step s is logged before checkpoint s, so a resume never repeats it.
+        `log_file` None: a process other than 0, which trains and evaluates but writes nothing."""
         run = self.run
         peak = peak_flops(trainer.device_name, run.dtype, run.peak_tflops)
         seen_shapes: set[tuple[int, int]] = set()
         clock = time.perf_counter()
 
         def emit(record: dict[str, Any]) -> None:
-            log_file.write(json.dumps(record) + "\n")
-            log_file.flush()
+            if log_file is not None:
+                log_file.write(json.dumps(record) + "\n")
+                log_file.flush()
 
         while trainer.step_count < self.total_steps:
             epoch = self.iterator.epoch  # the epoch this batch belongs to
@@ -369,6 +422,7 @@ class _Run:
             metrics = trainer.step(batch)
             seconds = time.perf_counter() - start
             self._check_finite(metrics)
+            _fault_injection(self.env, metrics["step"])
             if self.totals is not None:
                 self.totals["step_time_s"] += seconds
                 self.totals["src_tokens"] += metrics["num_src_tokens"]
@@ -410,6 +464,9 @@ class _Run:
         rows, length = batch.shape
         flops_padded = training_flops(self.cfg, rows, length, length)
         seconds = max(seconds, 1e-9)
+        workers = trainer.world_size
+        peak = None if peak is None else peak * workers  # every worker's device computes
+        tokens_per_s = metrics["num_tgt_tokens"] / seconds
         return {
             "kind": "train", "backend": self.backend, "step": metrics["step"],
             "loss": metrics["loss"], "lr": metrics["lr"], "grad_norm": metrics["grad_norm"],
@@ -424,7 +481,27 @@ class _Run:
             "flops_padded": flops_padded, "mfu_padded": mfu(flops_padded, seconds, peak),
             "peak_memory_bytes": trainer.peak_memory_bytes(), "batch_shape": list(batch.shape),
             "first_of_shape": first, "device": trainer.device_name,
+            "world_size": workers, "worker_rows": metrics["worker_rows"], "accumulate": trainer.accumulate,
+            "tgt_tokens_per_s_per_worker": tokens_per_s / workers,
+            "scaling_efficiency": None if not self.baseline else tokens_per_s / (workers * self.baseline),
         }
+
+
+def _parallel_facts(trainer: Any) -> dict[str, Any]:
+    """How a run is spread over devices, for run.json and the summary."""
+    return {"world_size": trainer.world_size, "processes": trainer.num_processes,
+            "accumulate": trainer.accumulate, "shard": trainer.shard}
+
+
+FAULT_VARIABLE = "ROSETTA_TEST_KILL_AT"  # "RANK:STEP": that process kills itself after that step
+
+
+def _fault_injection(env: LaunchEnv, step: int) -> None:
+    """For the tests of rank failure only (docs/testing.md): SIGKILL this process after `step`
+    when ROSETTA_TEST_KILL_AT names it, as a crashed or OOM-killed worker dies."""
+    target = os.environ.get(FAULT_VARIABLE)
+    if target and target == f"{env.rank}:{step}":
+        os.kill(os.getpid(), signal.SIGKILL)
 
 
 class _NoProgress:
@@ -451,14 +528,21 @@ def train(run: RunConfig) -> dict[str, dict[str, Any]]:
     """Train every backend of `run` in turn on the same data, from the same initial weights, with
     the same schedule; then write the combined plot and summary. Returns each backend's result."""
     check_run(run)
+    env = launch_env()
+    if run.nproc > 1 and run.nproc != env.num_processes:
+        raise RosettaError(f"--nproc {run.nproc}: this is process {env.rank} of {env.num_processes}; --nproc "
+                           "launches its processes from the command line (rosetta train --nproc N) or give "
+                           "none under torchrun")
     out = Path(run.out)
     if out.exists() and not out.is_dir():
         raise RosettaError(f"--out {out} is a file, not a directory")
     if run.resume and not out.is_dir():
         raise RosettaError(f"--resume: {out} holds no run to resume (no such directory)")
-    # The lock first, so that the checks below see what no other process is changing.
-    with os_errors(out), out_dir_lock(out):
-        doomed = check_out_dirs(run)
+    baseline = read_json(Path(run.baseline) / "summary.json").get("backends", {}) if run.baseline else None
+    # The lock first, so that the checks below see what no other process is changing. Processes
+    # other than 0 of a launch neither check nor change `out`: they only read a checkpoint to resume.
+    with os_errors(out), (out_dir_lock(out) if env.is_main else contextlib.nullcontext()):
+        doomed = check_out_dirs(run) if env.is_main else []
         task = _load_task(run)
         cfg = _model_config(run, task)
         for run_dir in doomed:  # --overwrite, and the new run's data and config are good
@@ -468,9 +552,10 @@ def train(run: RunConfig) -> dict[str, dict[str, Any]]:
         for backend in run.backends:
             log.info("%s: training %s (%s) for the %s task in %s", backend, run.preset, run.dtype, run.task,
                      out / backend)
-            results[backend] = _Run(run, backend, task, cfg, params0).train()
-        with os_errors(out, "write the summary in"):
-            write_combined_report(out, run)
+            results[backend] = _Run(run, backend, task, cfg, params0, env, baseline).train()
+        if env.is_main:
+            with os_errors(out, "write the summary in"):
+                write_combined_report(out, run)
     return results
 
 

@@ -123,7 +123,10 @@ def summarize(records: Sequence[Record], totals: Mapping[str, float] | None = No
       are real (non-pad) ones. None where unknown (a resume from a checkpoint without counters);
     - `wall_time_s`: the training loop's wall-clock time up to its last record, evaluations and
       checkpoints included, across resumes (the time between sessions not counted);
-    - `peak_memory_bytes`: the largest peak logged (peaks only grow: the last step's)."""
+    - `peak_memory_bytes`: the largest peak logged (peaks only grow: the last step's);
+    - `world_size` (data-parallel workers: processes × devices), `accumulate`, `worker_rows` (rows of
+      one worker's micro-batch, last step), `median_tgt_tokens_per_s_per_worker`, and
+      `median_scaling_efficiency` (tokens/s ÷ (workers × the --baseline run's), None without one)."""
     train = [r for r in records if r.get("kind") == "train"]
     evals = [r for r in records if r.get("kind") == "eval"]
     timed = [r for r in train if not r.get("first_of_shape")] or train
@@ -149,6 +152,11 @@ def summarize(records: Sequence[Record], totals: Mapping[str, float] | None = No
         "tgt_tokens_total": totals.get("tgt_tokens"),
         "wall_time_s": max((r.get("elapsed_s", 0.0) for r in records), default=0.0),
         "device": train[-1].get("device") if train else None,
+        "world_size": train[-1].get("world_size", 1) if train else None,
+        "accumulate": train[-1].get("accumulate", 1) if train else None,
+        "worker_rows": train[-1].get("worker_rows") if train else None,
+        "median_tgt_tokens_per_s_per_worker": _median([r.get("tgt_tokens_per_s_per_worker") for r in timed]),
+        "median_scaling_efficiency": _median([r.get("scaling_efficiency") for r in timed]),
     }
 
 
@@ -200,6 +208,8 @@ def write_summary(out: Path, results: Mapping[str, Record], run: Record) -> None
     names = list(results)
     rows = [
         ("device", lambda r: str(r.get("device"))),
+        ("data-parallel workers × accumulated micro-batches",
+         lambda r: f"{r.get('world_size') or 1} × {r.get('accumulate') or 1}"),
         ("steps", lambda r: str(r["steps"])),
         ("final train loss (last step)", lambda r: _fmt(r["final_loss"], ".4f")),
         ("validation loss (first → last)",
@@ -208,6 +218,9 @@ def write_summary(out: Path, results: Mapping[str, Record], run: Record) -> None
         ("exact match", lambda r: _fmt(r["exact_match"], ".3f")),
         ("median target tokens/s", lambda r: _fmt(r["median_tgt_tokens_per_s"], ",.0f")),
         ("median source tokens/s", lambda r: _fmt(r["median_src_tokens_per_s"], ",.0f")),
+        ("median target tokens/s per worker",
+         lambda r: _fmt(r.get("median_tgt_tokens_per_s_per_worker"), ",.0f")),
+        ("scaling efficiency vs --baseline", lambda r: _fmt(r.get("median_scaling_efficiency"), ".1%")),
         ("median step time (ms)",
          lambda r: _fmt(None if r["median_step_time_s"] is None else 1e3 * r["median_step_time_s"], ".1f")),
         ("median model TFLOP/s", lambda r: _fmt(r["median_tflops_per_s"], ".4f")),
@@ -229,5 +242,6 @@ def write_summary(out: Path, results: Mapping[str, Record], run: Record) -> None
               "step time is the forward and backward pass and the update, wall time adds evaluations and "
               "checkpoints. Tokens are real (non-pad) ones. MFU counts matmul FLOPs of real tokens "
               "(rosetta/harness/metrics.py); – where the device's peak rate is unknown (pass --peak-tflops) "
-              "or a count is unknown.", "", SUMMARY_FOOTER]
+              "or a count is unknown. Scaling efficiency is tokens/s ÷ (workers × the one-device run's "
+              "tokens/s), – unless `--baseline` names that run.", "", SUMMARY_FOOTER]
     atomic_write_bytes(out / "summary.md", ("\n".join(lines) + "\n").encode("utf-8"))

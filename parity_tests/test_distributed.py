@@ -1,0 +1,201 @@
+"""Data-parallel training (docs/distributed.md): the framework-free split of a global batch, the
+launch environment, and PyTorch's engines (DDP, FSDP2, torchrun) against one process.
+
+Expected values come from one process training on the same global batches (no process group, no
+wrapper: an independent code path) and, for the split, from the batch itself. The launched tests
+run `torchrun` (gloo on this CPU) as a subprocess; JAX's mesh is in test_distributed_jax.py.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import numpy as np
+import pytest
+
+from parity_tests.dp_case import STEPS, TORCH_VARIANTS, TRAIN, case, compare
+from rosetta.checkpoint import load_checkpoint
+from rosetta.distributed import LaunchEnv, launch_env, rank_seed, split_rows
+from rosetta.errors import RosettaError
+from rosetta.harness.launch import torchrun_command, without_nproc
+
+ROOT = Path(__file__).resolve().parent.parent
+WEIGHTS_RTOL = 1e-5  # per tensor, max |a - b| / max |b| (the issue's bound; reduction order differs)
+LOSS_RTOL = 1e-5
+
+
+# -- The global batch, split --------------------------------------------------------------------
+
+@pytest.mark.parametrize("parts", [1, 2, 3, 4, 12, 13])
+def test_split_rows_cuts_the_padded_global_batch_into_equal_blocks(parts):
+    cfg, _, batches = case()
+    batch = batches[0]
+    blocks = split_rows(batch, parts, cfg.pad_id)
+    rows = batch.shape[0]
+    assert len(blocks) == parts and len({b.shape for b in blocks}) == 1
+    assert blocks[0].shape[0] == -(-rows // parts)  # ceil: the fewest pad rows that make it even
+    for field in ("src", "tgt_in", "labels", "indices"):
+        joined = np.concatenate([getattr(b, field) for b in blocks])
+        np.testing.assert_array_equal(joined[:rows], getattr(batch, field))  # consecutive rows, in order
+        fill = -1 if field == "indices" else cfg.pad_id
+        assert (joined[rows:] == fill).all()  # and only padding after them
+    # Every real token lands in exactly one block; the counts are the blocks' own.
+    assert sum(b.num_tgt_tokens for b in blocks) == batch.num_tgt_tokens
+    assert sum(b.num_src_tokens for b in blocks) == batch.num_src_tokens
+    assert all(b.num_tgt_tokens == int((b.labels != cfg.pad_id).sum()) for b in blocks)
+
+
+def test_split_rows_refuses_a_bad_count():
+    cfg, _, batches = case()
+    for parts in (0, -1, 1.5, True):
+        with pytest.raises(RosettaError, match="whole number"):
+            split_rows(batches[0], parts, cfg.pad_id)
+
+
+def test_launch_env_reads_torchruns_variables_and_refuses_inconsistent_ones():
+    assert launch_env({}) == LaunchEnv()
+    env = launch_env({"WORLD_SIZE": "4", "RANK": "3", "LOCAL_RANK": "1", "LOCAL_WORLD_SIZE": "2",
+                      "MASTER_ADDR": "10.0.0.1", "MASTER_PORT": "1234", "ROSETTA_DIST_TIMEOUT": "30"})
+    assert env == LaunchEnv(4, 3, 1, 2, "10.0.0.1", 1234, 30.0) and env.distributed and not env.is_main
+    for bad, name in [({"WORLD_SIZE": "2", "RANK": "2"}, "RANK=2"), ({"WORLD_SIZE": "x"}, "WORLD_SIZE"),
+                      ({"LOCAL_RANK": "1"}, "LOCAL_RANK"), ({"MASTER_PORT": "65535"}, "MASTER_PORT"),
+                      ({"ROSETTA_DIST_TIMEOUT": "nan"}, "ROSETTA_DIST_TIMEOUT"),
+                      ({"ROSETTA_DIST_TIMEOUT": "-1"}, "ROSETTA_DIST_TIMEOUT")]:
+        with pytest.raises(RosettaError, match=name):
+            launch_env(bad)
+
+
+def test_rank_seeds_keep_process_zero_and_differ_per_rank():
+    assert rank_seed(7, 0) == 7
+    assert len({rank_seed(7, r) for r in range(64)}) == 64
+    assert rank_seed(7, 1) != rank_seed(8, 1)
+
+
+def test_nproc_is_stripped_from_the_relaunched_command():
+    argv = ["train", "--nproc", "2", "--steps", "5", "--nproc=2", "--out", "x"]
+    assert without_nproc(argv) == ["train", "--steps", "5", "--out", "x"]
+    command = torchrun_command(argv, 2)
+    assert command[1:6] == ["-m", "torch.distributed.run", "--standalone", "--nproc-per-node=2", "-m"]
+
+
+# -- One process: gradient accumulation ----------------------------------------------------------
+
+def _single(accumulate: int = 1):
+    from torch_impl.train import Trainer
+
+    cfg, params, batches = case()
+    trainer = Trainer(cfg, params, TRAIN, device="cpu", accumulate=accumulate)
+    losses = [trainer.step(b)["loss"] for b in batches]
+    return losses, trainer.params()
+
+
+@pytest.fixture(scope="module")
+def single():
+    """STEPS single-process updates on the case's global batches: the expected weights and losses."""
+    return _single()
+
+
+def test_accumulating_two_micro_batches_gives_the_update_of_the_whole_batch(single):
+    cfg, _, batches = case()
+    losses, weights = _single(accumulate=2)
+    np.testing.assert_allclose(losses, single[0], rtol=LOSS_RTOL)
+    worst, through_outputs = compare(cfg, weights, single[1], batches[0])
+    assert worst <= WEIGHTS_RTOL and through_outputs <= WEIGHTS_RTOL
+
+
+def test_torch_trainer_refuses_what_one_process_cannot_do():
+    from torch_impl.train import Trainer
+
+    cfg, params, _ = case()
+    with pytest.raises(RosettaError, match="--shard shards the parameters over processes"):
+        Trainer(cfg, params, TRAIN, device="cpu", shard=True)
+    with pytest.raises(RosettaError, match="one device per process"):
+        Trainer(cfg, params, TRAIN, device="cpu", num_devices=2)
+    with pytest.raises(RosettaError, match="accumulate must be an integer >= 1"):
+        Trainer(cfg, params, TRAIN, device="cpu", accumulate=0)
+
+
+# -- Two processes under torchrun (gloo) ---------------------------------------------------------
+
+def _env() -> dict[str, str]:
+    env = {k: v for k, v in os.environ.items() if k not in ("WORLD_SIZE", "RANK", "LOCAL_RANK")}
+    env["PYTHONPATH"] = os.pathsep.join([str(ROOT), env.get("PYTHONPATH", "")])
+    return env
+
+
+@pytest.fixture(scope="module")
+def launched(tmp_path_factory):
+    """Every TORCH_VARIANTS entry trained by two processes (one torchrun launch)."""
+    out = tmp_path_factory.mktemp("dp") / "weights.npz"
+    command = torchrun_command([], 2)[:-1] + ["parity_tests.dp_case", "torch", str(out)]
+    done = subprocess.run(command, cwd=ROOT, env=_env(), capture_output=True, text=True, timeout=300)
+    assert done.returncode == 0, done.stderr[-3000:]
+    return dict(np.load(out))
+
+
+@pytest.mark.parametrize("variant", [*TORCH_VARIANTS, "fsdp2_resumed"])
+def test_two_processes_train_the_weights_of_one(variant, launched, single):
+    """DDP and FSDP2, with and without --accumulate 2, on two gloo processes: STEPS updates on the
+    global batches give one process's weights (k biases through the outputs: PITFALLS 14).
+    fsdp2_resumed: 3 sharded steps, state_dict, a new sharded trainer, 2 more."""
+    cfg, _, batches = case()
+    weights = {k.split("/", 1)[1]: v for k, v in launched.items() if k.startswith(variant + "/")}
+    worst, through_outputs = compare(cfg, weights, single[1], batches[0])
+    assert worst <= WEIGHTS_RTOL, f"{variant}: a tensor differs by {worst:.2e} relative"
+    assert through_outputs <= WEIGHTS_RTOL, f"{variant}: logits differ by {through_outputs:.2e} relative"
+    if variant in TORCH_VARIANTS:
+        assert int(launched[f"{variant}.world_size"]) == 2
+        np.testing.assert_allclose(launched[f"{variant}.loss"], single[0], rtol=LOSS_RTOL)
+
+
+# -- The harness under `rosetta train --nproc 2`: a killed rank, and the resume ---------------------
+
+TRAIN_ARGS = ["train", "--backend", "torch", "--steps", str(STEPS), "--set", "dropout=0",
+              "--max-tokens", "264", "--buckets", "24", "--eval-every", "0", "--checkpoint-every", "2",
+              "--eval-size", "8", "--bleu-samples", "4", "--warmup", "10"]
+
+
+def _rosetta(args: list[str], **env: str) -> subprocess.CompletedProcess:
+    return subprocess.run([sys.executable, "-m", "rosetta.cli", *args], cwd=ROOT, env=_env() | env,
+                          capture_output=True, text=True, timeout=300)
+
+
+def test_a_killed_rank_ends_the_launch_with_its_name_and_the_run_resumes(tmp_path):
+    out = str(tmp_path / "run")
+    # Process 1 dies (SIGKILL, as the OOM killer would) after step 3: torchrun stops process 0.
+    killed = _rosetta([*TRAIN_ARGS, "--out", out, "--nproc", "2"], ROSETTA_TEST_KILL_AT="1:3")
+    assert killed.returncode == 2
+    assert "rank      : 1" in killed.stderr and "SIGKILL" in killed.stderr  # torchrun's report names it
+    assert "rosetta: error: the launch of 2 processes failed" in killed.stderr.splitlines()[-1]
+    ckpt_root = Path(out) / "torch" / "checkpoints"
+    assert (ckpt_root / "latest").read_text().strip() == "step-00000002"
+    resumed = _rosetta([*TRAIN_ARGS, "--out", out, "--nproc", "2", "--resume"])
+    assert resumed.returncode == 0, resumed.stderr[-3000:]
+    records = [json.loads(line) for line in (Path(out) / "torch" / "log.jsonl").read_text().splitlines()]
+    train = [r for r in records if r["kind"] == "train"]
+    assert [r["step"] for r in train] == list(range(1, STEPS + 1))
+    assert {(r["world_size"], r["worker_rows"]) for r in train} == {(2, 6)}  # 11 rows padded to 12, halved
+    run = json.loads((Path(out) / "torch" / "run.json").read_text())
+    assert (run["world_size"], run["processes"], run["accumulate"]) == (2, 2, 1)
+    # The resumed run ends where one uninterrupted process ends.
+    whole = _rosetta([*TRAIN_ARGS, "--out", str(tmp_path / "whole")])
+    assert whole.returncode == 0, whole.stderr[-3000:]
+    cfg, _, batches = case()
+    got = load_checkpoint(ckpt_root / f"step-{STEPS:08d}" / "model.safetensors").params
+    want = load_checkpoint(tmp_path / "whole" / "torch" / "checkpoints" / f"step-{STEPS:08d}" /
+                           "model.safetensors").params
+    worst, through_outputs = compare(cfg, got, want, batches[0])
+    assert worst <= WEIGHTS_RTOL and through_outputs <= WEIGHTS_RTOL
+    summary = json.loads((Path(out) / "summary.json").read_text())["backends"]["torch"]
+    assert summary["world_size"] == 2 and summary["median_tgt_tokens_per_s_per_worker"] > 0
+
+
+def test_nproc_under_a_launch_of_another_size_is_refused(tmp_path):
+    done = _rosetta([*TRAIN_ARGS, "--out", str(tmp_path / "x"), "--nproc", "3"], WORLD_SIZE="2", RANK="1",
+                    LOCAL_WORLD_SIZE="2", LOCAL_RANK="1")
+    assert done.returncode == 2
+    assert done.stderr.strip().splitlines()[-1].startswith("rosetta: error [process 1 of 2]: --nproc 3")
