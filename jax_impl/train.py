@@ -96,9 +96,25 @@ def _train_step(model: Transformer, optimizer: nnx.Optimizer, rngs: nnx.Rngs, sr
     lr = schedule(model.cfg.d_model, train_cfg)(optimizer.step[...])  # what adam reads this update
     value_and_grad = nnx.value_and_grad(loss_of)  # d/d(nnx.Param of model) only
     loss, grads = value_and_grad(model, rngs, src[0], tgt[0], labels[0])
-    for k in range(1, src.shape[0]):  # a static loop: K is small, and one compile per K
-        loss_k, grads_k = value_and_grad(model, rngs, src[k], tgt[k], labels[k])
-        loss, grads = loss + loss_k, jax.tree.map(jnp.add, grads, grads_k)
+    if src.shape[0] > 1:
+        # The other micro-batches in a lax.scan, not a Python loop: XLA may not reorder it, so
+        # one micro-batch's activations are alive at a time (accumulation's point), and the
+        # compiled step does not grow with K. The body rebuilds the model and generator from
+        # states in the carry (NNX refuses variables of the enclosing trace inside the scan);
+        # the weights pass through unchanged, the generator's count moves.
+        model_def, model_state = nnx.split(model)
+        rngs_def, rngs_state = nnx.split(rngs)
+
+        def micro(carry: tuple, batch: tuple[jax.Array, ...]) -> tuple[tuple, None]:
+            loss, grads, model_state, rngs_state = carry
+            rngs_k = nnx.merge(rngs_def, rngs_state)
+            loss_k, grads_k = value_and_grad(nnx.merge(model_def, model_state), rngs_k, *batch)
+            grads = jax.tree.map(jnp.add, grads, grads_k)
+            return (loss + loss_k, grads, model_state, nnx.state(rngs_k)), None
+
+        (loss, grads, _, rngs_state), _ = jax.lax.scan(micro, (loss, grads, model_state, rngs_state),
+                                                       (src[1:], tgt[1:], labels[1:]))
+        nnx.update(rngs, rngs_state)
     optimizer.update(model, grads)
     if mesh is not None:
         for node in (model, optimizer):

@@ -20,11 +20,8 @@ from pathlib import Path
 import jax.numpy as jnp
 import numpy as np
 import pytest
-from flax import nnx
 
 import jax_impl.train as jt
-from jax_impl.backend import parity_mode
-from jax_impl.convert import build_model, to_params
 from numpy_ref.backend import Model as NumpyModel
 from rosetta.config import preset
 from rosetta.errors import RosettaError
@@ -42,7 +39,6 @@ RUNS = {
     "sharded": {"shard": True},
     "accumulate_2": {"accumulate": 2},
     "accumulate_2_one_device": {"accumulate": 2, "num_devices": 1},
-    "sharded_accumulate_2": {"shard": True, "accumulate": 2},
     # 3 updates sharded on 2 devices, then its state_dict resumed on 1 device (2 micro-batches)
     # for the last 2: both steps are compiled already (the persistent compilation cache).
     "resumed_from_sharded": {"shard": True, "resume_at": 3},
@@ -50,7 +46,7 @@ RUNS = {
 
 # Runs the trainer on the batches of data.npz as the JSON argument says; writes out.npz.
 WORKER = '''
-import json, sys
+import json, sys, time
 import numpy as np
 import jax
 from rosetta.config import ModelConfig
@@ -64,7 +60,18 @@ params = {k[6:]: data[k] for k in data.files if k.startswith("param.")}
 batches = [Batch(*(data[f"{i}.{f}"] for f in ("src", "tgt_in", "labels", "indices")),
                  int(data[f"{i}.nsrc"]), int(data[f"{i}.ntgt"])) for i in range(spec["steps"])]
 out = {}
+if spec.get("reference"):  # the expected values: jt.train_step on one device, no mesh at all
+    from flax import nnx
+    from jax_impl.backend import parity_mode
+    from jax_impl.convert import build_model, to_params
+    model = build_model(cfg, params)
+    optimizer, rngs = jt.make_optimizer(model, tc), nnx.Rngs(dropout=tc.seed)
+    with parity_mode():
+        out["reference.loss"] = np.asarray(
+            [float(jt.train_step(model, optimizer, rngs, b.src, b.tgt_in, b.labels, tc)[0]) for b in batches])
+    out.update({f"reference.param.{k}": v for k, v in to_params(model).items()})
 for name, kwargs in spec["runs"].items():
+    start = time.perf_counter()
     resume_at = kwargs.pop("resume_at", len(batches))
     trainer = jt.Trainer(cfg, params, tc, device="cpu", **kwargs)
     logs = [trainer.step(b) for b in batches[:resume_at]]
@@ -79,6 +86,7 @@ for name, kwargs in spec["runs"].items():
         out[f"{name}.param.{key}"] = value
     kernel = trainer.model.encoder.layers[0].ffn.linear1.kernel.get_value()
     out[f"{name}.kernel_spec"] = np.asarray(repr(tuple(kernel.sharding.spec)))
+    print(f"{name}: {time.perf_counter() - start:.1f} s", flush=True)
 out["devices"] = np.asarray(jax.device_count())  # after the first trainer: it starts jax.distributed
 np.savez(spec["out"], **out)  # every process: each must hold the whole weights
 '''
@@ -88,14 +96,17 @@ def relative(a: np.ndarray, b: np.ndarray) -> float:
     return float(np.max(np.abs(np.asarray(a, np.float64) - b)) / max(np.max(np.abs(b)), 1e-30))
 
 
-TWO_PROCESS_RUNS = {"replicated": {}, "sharded": {"shard": True}}
+# Across processes: replicated, and sharded with 2 micro-batches (all of it at once: each
+# configuration is one more compile in each process).
+TWO_PROCESS_RUNS = {"replicated": {}, "sharded_accumulate_2": {"shard": True, "accumulate": 2}}
 
 
 @pytest.fixture(scope="module")
 def case(tmp_path_factory: pytest.TempPathFactory) -> Iterator[dict]:
     """A tiny model without dropout, 5 batches of 9 rows (odd: 2 devices × 2 micro-batches pad
-    them to 12 with all-pad rows), and the expected weights and losses: `jt.train_step` on one
-    device, no mesh. The 2-device workers start first and run while this process computes."""
+    them to 12 with all-pad rows); every worker started at once (they run side by side), and the
+    expected weights and losses from the one-device worker: `jt.train_step`, no mesh at all.
+    The workers' XLA skips LLVM's optimisations: compiling is most of their time."""
     cfg = preset("tiny", dropout=0.0, src_vocab_size=24, tgt_vocab_size=24, num_encoder_layers=1,
                  num_decoder_layers=1)
     tc = TrainConfig(warmup_steps=10, clip_norm=1.0)  # clipping is active: gradient norms reach 3
@@ -116,9 +127,9 @@ def case(tmp_path_factory: pytest.TempPathFactory) -> Iterator[dict]:
     (directory / "worker.py").write_text(WORKER)
     spec = {"data": str(directory / "data.npz"), "cfg": cfg.to_dict(), "train": tc.to_dict(), "steps": STEPS}
 
-    def start(runs: dict, out: str, **env: str) -> subprocess.Popen:
+    def start(runs: dict, out: str, reference: bool = False, **env: str) -> subprocess.Popen:
         command = [sys.executable, str(directory / "worker.py"),
-                   json.dumps({**spec, "runs": runs, "out": str(directory / out)})]
+                   json.dumps({**spec, "runs": runs, "out": str(directory / out), "reference": reference})]
         clean = {k: v for k, v in os.environ.items()
                  if k not in ("WORLD_SIZE", "RANK", "LOCAL_RANK", "LOCAL_WORLD_SIZE", "XLA_FLAGS")}
         with open(directory / f"{out}.log", "w") as log:  # a file: a full pipe would stall the worker
@@ -127,25 +138,23 @@ def case(tmp_path_factory: pytest.TempPathFactory) -> Iterator[dict]:
         proc.log = directory / f"{out}.log"
         return proc
 
-    port = free_port_pair()
+    port, fast = free_port_pair(), "--xla_backend_optimization_level=0"
     procs = {
-        "two_devices": [start(RUNS, "two_devices.npz", XLA_FLAGS="--xla_force_host_platform_device_count=2",
-                              JAX_COMPILATION_CACHE_DIR=str(directory / "cache"))],
+        "one_device": [start({"one_device": {}}, "one_device.npz", reference=True, XLA_FLAGS=fast)],
+        "two_devices": [start(RUNS, "two_devices.npz", JAX_COMPILATION_CACHE_DIR=str(directory / "cache"),
+                              XLA_FLAGS=f"{fast} --xla_force_host_platform_device_count=2")],
         # torchrun's environment: 2 processes with one CPU device each.
-        "two_processes": [start(TWO_PROCESS_RUNS, f"rank{rank}.npz", WORLD_SIZE="2", RANK=str(rank),
-                                LOCAL_RANK=str(rank), MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port),
-                                ROSETTA_DIST_TIMEOUT="120") for rank in range(2)],
+        "two_processes": [start(TWO_PROCESS_RUNS, f"rank{rank}.npz", XLA_FLAGS=fast, WORLD_SIZE="2",
+                                RANK=str(rank), LOCAL_RANK=str(rank), MASTER_ADDR="127.0.0.1",
+                                MASTER_PORT=str(port), ROSETTA_DIST_TIMEOUT="120") for rank in range(2)],
     }
+    case = {"cfg": cfg, "tc": tc, "batches": batches, "params": params, "dir": directory, "procs": procs}
     try:
-        model = build_model(cfg, params)
-        optimizer, rngs = jt.make_optimizer(model, tc), nnx.Rngs(dropout=tc.seed)
-        losses = []
-        with parity_mode():
-            for b in batches:
-                loss, _ = jt.train_step(model, optimizer, rngs, b.src, b.tgt_in, b.labels, tc)
-                losses.append(float(loss))
-        yield {"cfg": cfg, "tc": tc, "batches": batches, "params": params, "expected": to_params(model),
-               "losses": np.asarray(losses), "dir": directory, "procs": procs}
+        finish(case, "one_device")
+        one = dict(np.load(directory / "one_device.npz"))
+        case.update(one_device=one, losses=one["reference.loss"],
+                    expected={k[16:]: v for k, v in one.items() if k.startswith("reference.param.")})
+        yield case
     finally:
         for proc in (p for group in procs.values() for p in group):
             if proc.poll() is None:
@@ -206,15 +215,14 @@ def free_port_pair() -> int:
 
 def test_single_device_trainer_is_the_plain_step_bit_for_bit(case: dict) -> None:
     """One device, no accumulation, no sharding: the trainer's mesh and global-count loss change
-    nothing, to the bit."""
-    trainer = jt.Trainer(case["cfg"], case["params"], case["tc"], device="cpu")
-    assert (trainer.world_size, trainer.num_processes, trainer.rank, trainer.is_main) == (1, 1, 0, True)
-    logs = [trainer.step(b) for b in case["batches"]]
-    assert [log["loss"] for log in logs] == case["losses"].tolist()
-    assert {log["world_size"] for log in logs} == {1}
-    assert [log["worker_rows"] for log in logs] == [b.shape[0] for b in case["batches"]]
-    for key, value in trainer.params().items():
-        np.testing.assert_array_equal(value, case["expected"][key], err_msg=key)
+    nothing, to the bit (the same process compiled both)."""
+    out = case["one_device"]
+    assert int(out["devices"]) == 1
+    np.testing.assert_array_equal(out["one_device.loss"], case["losses"])
+    assert out["one_device.world_size"].tolist() == [1] * STEPS
+    assert out["one_device.worker_rows"].tolist() == [b.shape[0] for b in case["batches"]]
+    for key, value in case["expected"].items():
+        np.testing.assert_array_equal(out[f"one_device.param.{key}"], value, err_msg=key)
 
 
 @pytest.mark.parametrize("name", list(RUNS))
@@ -236,8 +244,8 @@ def test_sharded_weights_are_split_over_the_mesh(two_devices: dict) -> None:
 
 def test_two_processes_train_as_one(case: dict) -> None:
     """Under torchrun's environment, 2 processes with one CPU device each join through
-    jax.distributed (gloo collectives): replicated and sharded across the processes, both end
-    with the single-device weights, whole on each process."""
+    jax.distributed (gloo collectives): replicated, and sharded across the processes with 2
+    micro-batches, both end with the single-device weights, whole on each process."""
     finish(case, "two_processes")
     for rank in range(2):
         out = dict(np.load(case["dir"] / f"rank{rank}.npz"))
@@ -245,7 +253,8 @@ def test_two_processes_train_as_one(case: dict) -> None:
         for name in TWO_PROCESS_RUNS:
             assert_same_training(case, out, name)
             assert out[f"{name}.world_size"].tolist() == [2] * STEPS
-        assert str(out["sharded.kernel_spec"]) == "('data',)"
+        assert out["sharded_accumulate_2.worker_rows"].tolist() == [3] * STEPS  # 9 rows -> 12 = 2 × 2 × 3
+        assert str(out["sharded_accumulate_2.kernel_spec"]) == "('data',)"
 
 
 @pytest.mark.parametrize("kwargs, message", [
