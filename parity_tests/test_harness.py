@@ -45,9 +45,10 @@ TRAIN_KEYS = {
     "tgt_tokens_padded", "step_time_s", "src_tokens_per_s", "tgt_tokens_per_s", "src_tokens_per_s_padded",
     "tgt_tokens_per_s_padded", "flops", "tflops_per_s", "mfu", "flops_padded", "mfu_padded",
     "peak_memory_bytes", "batch_shape", "first_of_shape", "device", "elapsed_s", "grad_norm",
+    "world_size", "worker_rows", "accumulate", "tgt_tokens_per_s_per_worker", "scaling_efficiency",
 }
 EVAL_KEYS = {"kind", "backend", "step", "val_loss", "bleu", "exact_match", "bleu_sentences", "sample",
-             "eval_time_s", "elapsed_s"}
+             "eval_time_s", "elapsed_s", "tgt_tokens_total"}
 
 
 # The two frameworks round float32 differently (~1e-7 relative in one step's loss). Adam (ε = 1e-9)

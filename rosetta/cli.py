@@ -215,6 +215,7 @@ def _run_config(args: argparse.Namespace):
         max_len_margin=args.margin, bleu_samples=args.bleu_samples, peak_tflops=args.peak_tflops,
         progress=args.progress, accumulate=args.accumulate, shard=args.shard, devices=args.devices,
         nproc=args.nproc, dist_timeout=args.dist_timeout, baseline=args.baseline,
+        time_budget=args.time_budget, target_bleu=args.target_bleu,
     )
 
 
@@ -225,6 +226,23 @@ class _StderrHandler(logging.Handler):
         print(self.format(record), file=sys.stderr)
 
 
+def _apply_recipe(args: argparse.Namespace) -> argparse.Namespace:
+    """`--recipe NAME`: the recipe's settings in place of the defaults of the flags not given."""
+    from rosetta.harness.recipes import recipe
+
+    settings = recipe(args.recipe)
+    if any(a == "--steps" or a.startswith("--steps=") for a in args.argv):
+        settings.pop("epochs", None)  # --steps on the command line sets the length instead
+    overrides = settings.pop("overrides", {})
+    parser = build_parser()
+    parser.train_parser.set_defaults(**settings)  # the recipe's values replace the flags' defaults
+    fresh = parser.parse_args(args.argv)
+    fresh.argv = args.argv
+    # Recipe overrides first, so that a --set on the command line wins.
+    fresh.set = [f"{k}={v}" for k, v in overrides.items()] + list(fresh.set)
+    return fresh
+
+
 def cmd_train(args: argparse.Namespace) -> int:
     import os
     from pathlib import Path
@@ -232,6 +250,8 @@ def cmd_train(args: argparse.Namespace) -> int:
     from rosetta.distributed import TIMEOUT_VARIABLE, launch_env
     from rosetta.harness.loop import check_run, train
 
+    if args.recipe:
+        args = _apply_recipe(args)
     run = _run_config(args)
     check_run(run)
     os.environ[TIMEOUT_VARIABLE] = repr(run.dist_timeout)  # the trainers' collectives read it
@@ -328,6 +348,7 @@ def _add_search_args(p: argparse.ArgumentParser, beam: int) -> None:
 
 
 def _add_train_args(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--recipe", help="start from a named recipe's settings (multi30k); flags override them")
     p.add_argument("--backend", nargs="+", default=["torch"], metavar="NAME",
                    help="torch and/or jax; several train one after the other in OUT/<backend>/")
     p.add_argument("--preset", default="tiny", help=f"model preset: {', '.join(sorted(PRESETS))}")
@@ -374,6 +395,11 @@ def _add_train_args(p: argparse.ArgumentParser) -> None:
     ev.add_argument("--peak-tflops", type=real, help="device peak TFLOP/s for MFU (default: known GPUs)")
     ev.add_argument("--progress", action=argparse.BooleanOptionalAction, default=None,
                     help="progress bar (default: when stderr is a terminal)")
+    ev.add_argument("--time-budget", type=real, metavar="MINUTES",
+                    help="stop cleanly once the training loop has run this long (across resumes): "
+                         "evaluation and checkpoint after the last step; --resume continues")
+    ev.add_argument("--target-bleu", type=real, metavar="BLEU",
+                    help="stop at the first evaluation whose validation BLEU reaches this")
     par = p.add_argument_group("many devices (docs/distributed.md)")
     par.add_argument("--nproc", type=integer, default=1,
                      help="launch N processes here with torchrun, one device each (PyTorch: DDP; JAX: "
@@ -427,6 +453,7 @@ def build_parser() -> argparse.ArgumentParser:
     p = cmds.add_parser("train", help="train torch and/or jax on the same data (synthetic copy by default)")
     _add_train_args(p)
     p.set_defaults(func=cmd_train)
+    parser.train_parser = p  # type: ignore[attr-defined]  # --recipe sets its defaults (_apply_recipe)
 
     p = cmds.add_parser("translate", help="translate stdin (a sentence a line) with a trained run")
     p.add_argument("--run", help="a `rosetta train` output directory (its newest checkpoint)")

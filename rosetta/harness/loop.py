@@ -135,6 +135,8 @@ class RunConfig:
     nproc: int = 1
     dist_timeout: float = 600.0
     baseline: str | None = None
+    time_budget: float | None = None
+    target_bleu: float | None = None
 
     def to_dict(self) -> dict[str, Any]:
         return {k: list(v) if isinstance(v, tuple) else v for k, v in dataclasses.asdict(self).items()}
@@ -191,6 +193,10 @@ def check_run(run: RunConfig) -> None:
     _positive("devices", run.devices, optional=True)
     if not run.dist_timeout > 0:
         raise RosettaError(f"--dist-timeout must be a positive number of seconds, got {run.dist_timeout!r}")
+    if run.time_budget is not None and not (run.time_budget > 0 and math.isfinite(run.time_budget)):
+        raise RosettaError(f"--time-budget must be a positive number of minutes, got {run.time_budget!r}")
+    if run.target_bleu is not None and not 0 < run.target_bleu <= 100:
+        raise RosettaError(f"--target-bleu must be a BLEU score in (0, 100], got {run.target_bleu!r}")
     if run.baseline is not None and not (Path(run.baseline) / "summary.json").is_file():
         raise RosettaError(f"--baseline {run.baseline}: no summary.json there (give the out directory of a "
                            "finished run on one device)")
@@ -293,6 +299,7 @@ class _Run:
         # only); saved with each checkpoint so that a resume continues them. None: unknown (a
         # checkpoint written before these were kept).
         self.totals: dict[str, float] | None = {"step_time_s": 0.0, "src_tokens": 0, "tgt_tokens": 0}
+        self.stopped = "steps"  # or "time_budget", "target_bleu": what ended the loop (_loop)
 
     # -- start or resume -------------------------------------------------------------------
     def _trainer(self, params: dict) -> Any:
@@ -394,7 +401,7 @@ class _Run:
             progress.close()
         records = read_log(self.log_path)
         result = {"format": RESULT_FORMAT, "backend": self.backend, "dtype": run.dtype,
-                  **summarize(records, self.totals)}
+                  "stopped_by": self.stopped, **summarize(records, self.totals, run.target_bleu)}
         with os_errors(self.dir, "write the results in"):
             check_overwritable(self.dir / "result.json")
             atomic_write_bytes(self.dir / "result.json", json.dumps(result, indent=2).encode("utf-8"))
@@ -415,7 +422,8 @@ class _Run:
                 log_file.write(json.dumps(record) + "\n")
                 log_file.flush()
 
-        while trainer.step_count < self.total_steps:
+        stop = None  # why the loop ends before total_steps: "time_budget" or "target_bleu"
+        while trainer.step_count < self.total_steps and stop is None:
             epoch = self.iterator.epoch  # the epoch this batch belongs to
             batch = next(self.iterator)
             start = time.perf_counter()
@@ -427,7 +435,10 @@ class _Run:
                 self.totals["step_time_s"] += seconds
                 self.totals["src_tokens"] += metrics["num_src_tokens"]
                 self.totals["tgt_tokens"] += metrics["num_tgt_tokens"]
-            step, last = metrics["step"], metrics["step"] == self.total_steps
+            elapsed = self.elapsed0 + time.perf_counter() - clock
+            if run.time_budget is not None and trainer.any_process(elapsed >= 60 * run.time_budget):
+                stop = "time_budget"  # this step is the last: its evaluation and checkpoint follow
+            step, last = metrics["step"], metrics["step"] == self.total_steps or stop is not None
             first = batch.shape not in seen_shapes
             seen_shapes.add(batch.shape)
             record = self._train_record(trainer, batch, metrics, seconds, peak, first)
@@ -439,9 +450,18 @@ class _Run:
             if (run.eval_every and step % run.eval_every == 0) or last:
                 result = evaluate(trainer, self.task, self.loss_batches, self.gen_batches, self.num_gen, run)
                 emit({"kind": "eval", "backend": self.backend, "step": step, **result,
+                      "tgt_tokens_total": (self.totals or {}).get("tgt_tokens"),
                       "elapsed_s": self.elapsed0 + time.perf_counter() - clock})
+                if run.target_bleu is not None and trainer.any_process(result["bleu"] >= run.target_bleu):
+                    stop, last = stop or "target_bleu", True  # stop at the first evaluation at the target
             if (run.checkpoint_every and step % run.checkpoint_every == 0) or last:
                 self.save(trainer, self.elapsed0 + time.perf_counter() - clock)
+        if stop is not None:
+            log.info("%s: stopped at step %d of %d (%s); --resume continues the run", self.backend,
+                     trainer.step_count, self.total_steps,
+                     f"--time-budget {run.time_budget:g} min" if stop == "time_budget"
+                     else f"validation BLEU reached --target-bleu {run.target_bleu:g}")
+        self.stopped = stop or "steps"
 
     def _check_finite(self, metrics: dict[str, Any]) -> None:
         """Stop at the first non-finite loss or gradient norm. That step's update has already

@@ -109,7 +109,8 @@ def _median(values: Sequence[float | None]) -> float | None:
     return statistics.median(kept) if kept else None
 
 
-def summarize(records: Sequence[Record], totals: Mapping[str, float] | None = None) -> Record:
+def summarize(records: Sequence[Record], totals: Mapping[str, float] | None = None,
+              target_bleu: float | None = None) -> Record:
     """One framework's run in numbers, each saying what it covers:
 
     - `steps`, `final_loss`: the last step and its training loss (the last step is always logged);
@@ -126,12 +127,17 @@ def summarize(records: Sequence[Record], totals: Mapping[str, float] | None = No
     - `peak_memory_bytes`: the largest peak logged (peaks only grow: the last step's);
     - `world_size` (data-parallel workers: processes × devices), `accumulate`, `worker_rows` (rows of
       one worker's micro-batch, last step), `median_tgt_tokens_per_s_per_worker`, and
-      `median_scaling_efficiency` (tokens/s ÷ (workers × the --baseline run's), None without one)."""
+      `median_scaling_efficiency` (tokens/s ÷ (workers × the --baseline run's), None without one);
+    - `evaluations`: every evaluation's step, wall time, target tokens trained so far, BLEU and
+      validation loss; `time_to_target`: the first of them at or above `target_bleu` (None if none)."""
     train = [r for r in records if r.get("kind") == "train"]
     evals = [r for r in records if r.get("kind") == "eval"]
     timed = [r for r in train if not r.get("first_of_shape")] or train
     last_eval = evals[-1] if evals else {}
     totals = totals or {}
+    curve = [{"step": r["step"], "elapsed_s": r.get("elapsed_s"), "tgt_tokens_total": r.get("tgt_tokens_total"),
+              "bleu": r.get("bleu"), "val_loss": r.get("val_loss")} for r in evals]
+    reached = [e for e in curve if target_bleu is not None and e["bleu"] is not None and e["bleu"] >= target_bleu]
     return {
         "steps": train[-1]["step"] if train else 0,
         "final_loss": train[-1]["loss"] if train else None,
@@ -157,6 +163,9 @@ def summarize(records: Sequence[Record], totals: Mapping[str, float] | None = No
         "worker_rows": train[-1].get("worker_rows") if train else None,
         "median_tgt_tokens_per_s_per_worker": _median([r.get("tgt_tokens_per_s_per_worker") for r in timed]),
         "median_scaling_efficiency": _median([r.get("scaling_efficiency") for r in timed]),
+        "target_bleu": target_bleu,
+        "time_to_target": reached[0] if reached else None,
+        "evaluations": curve,
     }
 
 
@@ -232,6 +241,10 @@ def write_summary(out: Path, results: Mapping[str, Record], run: Record) -> None
         ("peak memory (MiB)",
          lambda r: _fmt(None if r["peak_memory_bytes"] is None else r["peak_memory_bytes"] / 2**20, ",.0f")),
         ("wall time of the training loop (s)", lambda r: _fmt(r["wall_time_s"], ".1f")),
+        ("stopped by", lambda r: str(r.get("stopped_by", "steps"))),
+        ("minutes to the target BLEU (step)",
+         lambda r: "–" if not r.get("time_to_target") else
+         f"{r['time_to_target']['elapsed_s'] / 60:.1f} ({r['time_to_target']['step']})"),
     ]
     lines = [f"# Training summary: task {run.get('task')}, preset {run.get('preset')}, "
              f"dtype {run.get('dtype')}", "",
