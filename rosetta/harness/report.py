@@ -135,9 +135,10 @@ def summarize(records: Sequence[Record], totals: Mapping[str, float] | None = No
     timed = [r for r in train if not r.get("first_of_shape")] or train
     last_eval = evals[-1] if evals else {}
     totals = totals or {}
-    curve = [{"step": r["step"], "elapsed_s": r.get("elapsed_s"), "tgt_tokens_total": r.get("tgt_tokens_total"),
-              "bleu": r.get("bleu"), "val_loss": r.get("val_loss")} for r in evals]
-    reached = [e for e in curve if target_bleu is not None and e["bleu"] is not None and e["bleu"] >= target_bleu]
+    curve = [{"step": r["step"], "elapsed_s": r.get("elapsed_s"), "bleu": r.get("bleu"),
+              "tgt_tokens_total": r.get("tgt_tokens_total"), "val_loss": r.get("val_loss")} for r in evals]
+    reached = [e for e in curve
+               if target_bleu is not None and e["bleu"] is not None and e["bleu"] >= target_bleu]
     return {
         "steps": train[-1]["step"] if train else 0,
         "final_loss": train[-1]["loss"] if train else None,
