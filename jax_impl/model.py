@@ -18,6 +18,7 @@ import jax.numpy as jnp
 from flax import nnx
 
 from rosetta.config import ModelConfig
+from rosetta.errors import InputError
 from rosetta.params import embedding_names
 from rosetta.positional import positional_encoding
 
@@ -59,7 +60,60 @@ def target_mask(tgt: jax.Array, pad_id: int) -> jax.Array:
     return causal[None, None, :, :] & valid[:, None, None, :]
 
 
+def segment_mask(q_segments: jax.Array, k_segments: jax.Array, causal: bool = False) -> jax.Array:
+    """[B, 1, Tq, Tk] for packed rows (docs/packing.md; Flax WMT's segmentation masks): a query
+    attends only to keys of its own segment, never to padding (segment 0); causal too for decoder
+    self-attention. A padding query has no key left: uniform weights (SPEC §2)."""
+    mask = (q_segments[:, :, None] == k_segments[:, None, :]) & (k_segments[:, None, :] != 0)
+    if causal:
+        mask = mask & jnp.tril(jnp.ones(mask.shape[1:], dtype=bool))
+    return mask[:, None]
+
+
+def check_packing(src: jax.Array, tgt: jax.Array, src_segments, tgt_segments, src_positions,
+                  tgt_positions) -> bool:
+    """True for a packed batch: all four arrays given, each shaped like its ids. None of them:
+    not packed. Anything else is an InputError. (Position ranges are checked by numpy_ref only:
+    here that would wait for the device.)"""
+    arrays = dict(src_segments=src_segments, tgt_segments=tgt_segments, src_positions=src_positions,
+                  tgt_positions=tgt_positions)
+    given = [name for name, a in arrays.items() if a is not None]
+    if not given:
+        return False
+    if len(given) < 4:
+        raise InputError(f"packing needs all of src_segments, tgt_segments, src_positions and "
+                         f"tgt_positions; got only {', '.join(given)}")
+    for name, a in arrays.items():
+        ids = src if name.startswith("src") else tgt
+        if tuple(a.shape) != tuple(ids.shape):
+            raise InputError(f"{name} has shape {tuple(a.shape)}, expected {tuple(ids.shape)} (as the ids)")
+    return True
+
+
 # -- Sublayers -----------------------------------------------------------------------------
+
+def fused_attention(q: jax.Array, k: jax.Array, v: jax.Array, mask: jax.Array) -> jax.Array:
+    """softmax(q k^T / sqrt(dh), masked) v for q (B, h, Tq, dh), k, v (B, h, Tk, dh) and a
+    boolean mask broadcastable to (B, h, Tq, Tk), in one jax.nn.dot_product_attention call: cuDNN's
+    fused kernel on a GPU for 16-bit types, XLA's implementation elsewhere. Returns (B, Tq, h, dh)."""
+    q, k, v = (x.transpose(0, 2, 1, 3) for x in (q, k, v))  # BTNH, its layout
+    mask = jnp.broadcast_to(mask, (q.shape[0], mask.shape[1], q.shape[1], k.shape[1]))
+    # SPEC §2: a query with no key left gets uniform weights, i.e. the mean of the values. XLA's
+    # path fills masked scores with -0.7 * finfo.max and would agree; cuDNN's kernels need not
+    # (zeros or NaN, and NaN in gradients), so such a row attends to every key and its output is
+    # replaced below, whichever path ran.
+    no_key = ~mask.any(axis=-1, keepdims=True)  # (B, h or 1, Tq, 1)
+    mask = mask | no_key
+    y = None
+    if jax.default_backend() == "gpu" and q.dtype in (jnp.bfloat16, jnp.float16):
+        try:
+            y = jax.nn.dot_product_attention(q, k, v, mask=mask, implementation="cudnn")
+        except Exception:  # noqa: BLE001 - a shape or GPU cuDNN cannot take: XLA's path below
+            y = None
+    if y is None:
+        y = jax.nn.dot_product_attention(q, k, v, mask=mask, implementation="xla")
+    return jnp.where(no_key.transpose(0, 2, 1, 3), v.mean(axis=1, keepdims=True), y)
+
 
 class MultiHeadAttention(nnx.Module):
     """Multi-head scaled dot-product attention, §3.2.1-3.2.2, eq. 1."""
@@ -85,7 +139,11 @@ class MultiHeadAttention(nnx.Module):
         (the softmax, before attention dropout) go into it."""
         B, Tq, d = x_q.shape
         q = self.split_heads(self.q(x_q))
-        # Scores and softmax in float32 even for bfloat16 compute, as fused kernels do.
+        dropout_off = self.attention_dropout.rate == 0 or self.attention_dropout.deterministic
+        if record is None and dropout_off:
+            return self.o(fused_attention(q, k.astype(q.dtype), v.astype(q.dtype), mask).reshape(B, Tq, d))
+        # The explicit path: its probabilities are recorded, or dropped out (the fused call has
+        # no attention dropout). Scores and softmax in float32 even for bfloat16, as fused kernels do.
         scores = (q @ k.astype(q.dtype).transpose(0, 1, 3, 2)).astype(jnp.float32) / math.sqrt(q.shape[-1])
         # Masked scores are replaced by the most negative finite value: uniform weights, not
         # NaN, where every key is masked (SPEC §2, PITFALLS 4).
@@ -290,24 +348,31 @@ class Transformer(nnx.Module):
         return getattr(self, embedding_names(self.cfg).tgt.split(".")[0])
 
     def embed(self, table: nnx.Embed, ids: jax.Array, offset: int | jax.Array = 0,
-              rngs: nnx.Rngs | None = None, rows: int | None = None) -> jax.Array:
+              rngs: nnx.Rngs | None = None, rows: int | None = None,
+              positions: jax.Array | None = None) -> jax.Array:
         """Dropout(E[x] * sqrt(d_model) + PE[pos]), §3.4-3.5 and §5.4. `rows`: how many positions
         the caller will use in all (decode_step: the cache length; a traced offset needs it),
-        offset + length if None."""
+        offset + length if None. `positions` [B, T]: given per token (packed rows restart them
+        at 0 per segment)."""
         x = table(ids)
         if self.cfg.scale_embeddings:
             x = x * math.sqrt(self.cfg.d_model)
         pe = self.position_table(offset + ids.shape[1] if rows is None else rows)
-        positions = jax.lax.dynamic_slice_in_dim(pe, offset, ids.shape[1])
-        return self.dropout(x + positions.astype(x.dtype), rngs=rngs)
+        pe = jax.lax.dynamic_slice_in_dim(pe, offset, ids.shape[1]) if positions is None else pe[positions]
+        return self.dropout(x + pe.astype(x.dtype), rngs=rngs)
 
-    def encode(self, src: jax.Array, stages: Stages | None = None,
-               rngs: nnx.Rngs | None = None, fine: bool = False) -> jax.Array:
-        """The encoder stack: src [B, S] -> memory [B, S, d]; `fine` adds the sublayer stages."""
+    def encode(self, src: jax.Array, stages: Stages | None = None, rngs: nnx.Rngs | None = None,
+               fine: bool = False, src_segments: jax.Array | None = None,
+               src_positions: jax.Array | None = None) -> jax.Array:
+        """The encoder stack: src [B, S] -> memory [B, S, d]; `fine` adds the sublayer stages.
+        Packed rows give `src_segments` and `src_positions` [B, S] (docs/packing.md)."""
         stages = {} if stages is None else stages
         record = stages if fine else None
-        x = stages["src_embed"] = self.embed(self.src_table, src, rngs=rngs)
-        mask = source_mask(src, self.cfg.pad_id)
+        x = stages["src_embed"] = self.embed(self.src_table, src, rngs=rngs, positions=src_positions)
+        if src_segments is None:
+            mask = source_mask(src, self.cfg.pad_id)
+        else:
+            mask = segment_mask(src_segments, src_segments)
         for i, layer in enumerate(self.encoder.layers):
             x = stages[f"encoder.layers.{i}"] = layer(x, mask, rngs, record, f"encoder.layers.{i}")
         if self.encoder.final_norm is not None:
@@ -316,13 +381,20 @@ class Transformer(nnx.Module):
         return x
 
     def decode(self, tgt: jax.Array, memory: jax.Array, src: jax.Array,
-               stages: Stages | None = None, rngs: nnx.Rngs | None = None, fine: bool = False) -> jax.Array:
+               stages: Stages | None = None, rngs: nnx.Rngs | None = None, fine: bool = False,
+               tgt_segments: jax.Array | None = None, tgt_positions: jax.Array | None = None,
+               src_segments: jax.Array | None = None) -> jax.Array:
         """The decoder stack: tgt [B, T] (starting with the start token) -> hidden [B, T, d];
-        `fine` adds the sublayer stages."""
+        `fine` adds the sublayer stages. Packed rows give `tgt_segments`, `tgt_positions` [B, T]
+        and the `src_segments` [B, S] of the memory (docs/packing.md)."""
         stages = {} if stages is None else stages
         record = stages if fine else None
-        x = stages["tgt_embed"] = self.embed(self.tgt_table, tgt, rngs=rngs)
-        self_mask, cross_mask = target_mask(tgt, self.cfg.pad_id), source_mask(src, self.cfg.pad_id)
+        x = stages["tgt_embed"] = self.embed(self.tgt_table, tgt, rngs=rngs, positions=tgt_positions)
+        if tgt_segments is None:
+            self_mask, cross_mask = target_mask(tgt, self.cfg.pad_id), source_mask(src, self.cfg.pad_id)
+        else:  # segments decide padding: the start token of every segment is real, even if == pad_id
+            self_mask = segment_mask(tgt_segments, tgt_segments, causal=True)
+            cross_mask = segment_mask(tgt_segments, src_segments)
         for i, layer in enumerate(self.decoder.layers):
             x = stages[f"decoder.layers.{i}"] = layer(x, memory, self_mask, cross_mask, rngs, record,
                                                       f"decoder.layers.{i}")
@@ -359,11 +431,15 @@ class Transformer(nnx.Module):
         return self.generator(x, self.tgt_table)[:, 0], new_cache
 
     def __call__(self, src: jax.Array, tgt: jax.Array, stages: Stages | None = None,
-                 rngs: nnx.Rngs | None = None, fine: bool = False) -> jax.Array:
+                 rngs: nnx.Rngs | None = None, fine: bool = False, src_segments: jax.Array | None = None,
+                 tgt_segments: jax.Array | None = None, src_positions: jax.Array | None = None,
+                 tgt_positions: jax.Array | None = None) -> jax.Array:
         """Logits [B, T, V] for source ids [B, S] and decoder input ids [B, T]; `stages` receives
-        the coarse stages, and with `fine` the sublayer outputs and attention weights too."""
+        the coarse stages, and with `fine` the sublayer outputs and attention weights too. Packed
+        rows (several pairs per row) give all four segment/position arrays (docs/packing.md)."""
         stages = {} if stages is None else stages
-        memory = self.encode(src, stages, rngs, fine)
-        logits = stages["logits"] = self.generator(self.decode(tgt, memory, src, stages, rngs, fine),
-                                                   self.tgt_table)
+        check_packing(src, tgt, src_segments, tgt_segments, src_positions, tgt_positions)
+        memory = self.encode(src, stages, rngs, fine, src_segments, src_positions)
+        hidden = self.decode(tgt, memory, src, stages, rngs, fine, tgt_segments, tgt_positions, src_segments)
+        logits = stages["logits"] = self.generator(hidden, self.tgt_table)
         return logits

@@ -15,6 +15,7 @@ import math
 import numpy as np
 
 from rosetta.config import ModelConfig
+from rosetta.errors import InputError
 from rosetta.params import Params, embedding_names
 from rosetta.positional import positional_encoding
 
@@ -76,6 +77,37 @@ def target_mask(tgt: np.ndarray, pad_id: int) -> np.ndarray:
     valid[:, 0] = True
     causal = np.tril(np.ones((tgt.shape[1], tgt.shape[1]), dtype=bool))
     return causal[None, None, :, :] & valid[:, None, None, :]
+
+
+def segment_mask(q_segments: np.ndarray, k_segments: np.ndarray, causal: bool = False) -> np.ndarray:
+    """[B, 1, Tq, Tk] for packed rows (docs/packing.md; Flax WMT's segmentation masks): a query
+    attends only to keys of its own segment, never to padding (segment 0); causal too for decoder
+    self-attention. A padding query has no key left: uniform weights (SPEC §2)."""
+    mask = (q_segments[:, :, None] == k_segments[:, None, :]) & (k_segments[:, None, :] != 0)
+    if causal:
+        mask &= np.tril(np.ones(mask.shape[1:], dtype=bool))
+    return mask[:, None]
+
+
+def check_packing(src: np.ndarray, tgt: np.ndarray, src_segments, tgt_segments, src_positions,
+                  tgt_positions) -> bool:
+    """True for a packed batch: all four arrays given, each shaped like its ids, positions in
+    [0, row length). None of them: not packed. Anything else is an InputError."""
+    arrays = dict(src_segments=src_segments, tgt_segments=tgt_segments, src_positions=src_positions,
+                  tgt_positions=tgt_positions)
+    given = [name for name, a in arrays.items() if a is not None]
+    if not given:
+        return False
+    if len(given) < 4:
+        raise InputError(f"packing needs all of src_segments, tgt_segments, src_positions and "
+                         f"tgt_positions; got only {', '.join(given)}")
+    for name, a in arrays.items():
+        ids = src if name.startswith("src") else tgt
+        if np.shape(a) != ids.shape:
+            raise InputError(f"{name} has shape {np.shape(a)}, expected {ids.shape} (as the ids)")
+        if name.endswith("positions") and (np.min(a) < 0 or np.max(a) >= ids.shape[1]):
+            raise InputError(f"{name} must lie in [0, {ids.shape[1]}): positions restart at 0 per segment")
+    return True
 
 
 # -- Sublayers -----------------------------------------------------------------------------
@@ -156,22 +188,32 @@ def decoder_layer(
                     cfg)
 
 
-def embed(table: np.ndarray, ids: np.ndarray, cfg: ModelConfig, offset: int = 0) -> np.ndarray:
-    """E[x] * sqrt(d_model) + PE[pos], §3.4-3.5; positions count from `offset`."""
+def embed(table: np.ndarray, ids: np.ndarray, cfg: ModelConfig, offset: int = 0,
+          positions: np.ndarray | None = None) -> np.ndarray:
+    """E[x] * sqrt(d_model) + PE[pos], §3.4-3.5; positions count from `offset`, or are given
+    per token [B, T] (packed rows: they restart at 0 in every segment)."""
     x = table[ids]
     if cfg.scale_embeddings:
         x = x * math.sqrt(cfg.d_model)
-    table = positional_encoding(cfg.positional_encoding, ids.shape[1], cfg.d_model, offset)
+    if positions is None:
+        table = positional_encoding(cfg.positional_encoding, ids.shape[1], cfg.d_model, offset)
+    else:
+        table = positional_encoding(cfg.positional_encoding, ids.shape[1], cfg.d_model)[positions]
     return x + table.astype(x.dtype)  # or float32 models would silently compute in float64
 
 
 def encode(params: Params, cfg: ModelConfig, src: np.ndarray, stages: Stages | None = None,
-           fine: bool = False):
-    """The encoder stack: src [B, S] -> memory [B, S, d]; `fine` adds the sublayer stages."""
+           fine: bool = False, src_segments: np.ndarray | None = None,
+           src_positions: np.ndarray | None = None):
+    """The encoder stack: src [B, S] -> memory [B, S, d]; `fine` adds the sublayer stages.
+    Packed rows give `src_segments` and `src_positions` [B, S] (docs/packing.md)."""
     stages = {} if stages is None else stages
     record = stages if fine else None
-    x = stages["src_embed"] = embed(params[embedding_names(cfg).src], src, cfg)
-    mask = source_mask(src, cfg.pad_id)
+    x = stages["src_embed"] = embed(params[embedding_names(cfg).src], src, cfg, positions=src_positions)
+    if src_segments is None:
+        mask = source_mask(src, cfg.pad_id)
+    else:
+        mask = segment_mask(src_segments, src_segments)
     for i in range(cfg.num_encoder_layers):
         name = f"encoder.layers.{i}"
         x = stages[name] = encoder_layer(sub(params, name), x, mask, cfg, record, name)
@@ -183,14 +225,20 @@ def encode(params: Params, cfg: ModelConfig, src: np.ndarray, stages: Stages | N
 
 def decode(
     params: Params, cfg: ModelConfig, tgt: np.ndarray, memory: np.ndarray, src: np.ndarray,
-    stages: Stages | None = None, fine: bool = False,
+    stages: Stages | None = None, fine: bool = False, tgt_segments: np.ndarray | None = None,
+    tgt_positions: np.ndarray | None = None, src_segments: np.ndarray | None = None,
 ) -> np.ndarray:
     """The decoder stack: tgt [B, T] (starting with the start token) -> hidden [B, T, d];
-    `fine` adds the sublayer stages."""
+    `fine` adds the sublayer stages. Packed rows give `tgt_segments`, `tgt_positions` [B, T]
+    and the `src_segments` [B, S] of the memory (docs/packing.md)."""
     stages = {} if stages is None else stages
     record = stages if fine else None
-    x = stages["tgt_embed"] = embed(params[embedding_names(cfg).tgt], tgt, cfg)
-    self_mask, cross_mask = target_mask(tgt, cfg.pad_id), source_mask(src, cfg.pad_id)
+    x = stages["tgt_embed"] = embed(params[embedding_names(cfg).tgt], tgt, cfg, positions=tgt_positions)
+    if tgt_segments is None:
+        self_mask, cross_mask = target_mask(tgt, cfg.pad_id), source_mask(src, cfg.pad_id)
+    else:  # segments decide padding: the start token of every segment is real, even if == pad_id
+        self_mask = segment_mask(tgt_segments, tgt_segments, causal=True)
+        cross_mask = segment_mask(tgt_segments, src_segments)
     for i in range(cfg.num_decoder_layers):
         name = f"decoder.layers.{i}"
         x = stages[name] = decoder_layer(sub(params, name), x, memory, self_mask, cross_mask, cfg,
@@ -211,12 +259,16 @@ def generator(params: Params, cfg: ModelConfig, hidden: np.ndarray) -> np.ndarra
 
 def forward(
     params: Params, cfg: ModelConfig, src: np.ndarray, tgt: np.ndarray,
-    stages: Stages | None = None, fine: bool = False,
+    stages: Stages | None = None, fine: bool = False, src_segments: np.ndarray | None = None,
+    tgt_segments: np.ndarray | None = None, src_positions: np.ndarray | None = None,
+    tgt_positions: np.ndarray | None = None,
 ) -> np.ndarray:
     """Logits [B, T, V] for source ids [B, S] and decoder input ids [B, T]; `stages` receives
-    the coarse stages, and with `fine` the sublayer outputs and attention weights too."""
+    the coarse stages, and with `fine` the sublayer outputs and attention weights too. Packed
+    rows (several pairs per row) give all four segment/position arrays (docs/packing.md)."""
     stages = {} if stages is None else stages
-    memory = encode(params, cfg, src, stages, fine)
-    hidden = decode(params, cfg, tgt, memory, src, stages, fine)
+    check_packing(src, tgt, src_segments, tgt_segments, src_positions, tgt_positions)
+    memory = encode(params, cfg, src, stages, fine, src_segments, src_positions)
+    hidden = decode(params, cfg, tgt, memory, src, stages, fine, tgt_segments, tgt_positions, src_segments)
     logits = stages["logits"] = generator(params, cfg, hidden)
     return logits

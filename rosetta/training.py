@@ -103,6 +103,11 @@ class Batch:
     `[y1..yn, eos, pad...]`. `indices[r]`: the position of row r's pair in the list given to
     the batcher, or -1 for a row that is all padding. `num_src_tokens` / `num_tgt_tokens`:
     non-pad entries of `src` / `labels` (the latter is the loss denominator of SPEC §4).
+
+    Packed batches (docs/packing.md: several pairs per row) also hold `src_segments`,
+    `tgt_segments` (segment ids 1..n per row, 0 on padding; a pair's source and target share
+    one) and `src_positions`, `tgt_positions` (restarting at 0 per segment), all `[rows, L]`,
+    and `indices` is `[rows, L]`: `indices[r, k]` the pair of segment k + 1 of row r, or -1.
     """
 
     src: np.ndarray
@@ -111,6 +116,20 @@ class Batch:
     indices: np.ndarray
     num_src_tokens: int
     num_tgt_tokens: int
+    src_segments: np.ndarray | None = None
+    tgt_segments: np.ndarray | None = None
+    src_positions: np.ndarray | None = None
+    tgt_positions: np.ndarray | None = None
+
+    @property
+    def packed(self) -> bool:
+        return self.src_segments is not None
+
+    def packing(self) -> dict[str, np.ndarray]:
+        """The model's packing keyword arguments (`forward(src, tgt_in, **batch.packing())` after
+        conversion to the backend's arrays); empty for an unpacked batch."""
+        names = ("src_segments", "tgt_segments", "src_positions", "tgt_positions")
+        return {name: getattr(self, name) for name in names} if self.packed else {}
 
     @property
     def num_examples(self) -> int:

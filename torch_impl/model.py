@@ -17,6 +17,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from rosetta.config import ModelConfig
+from rosetta.errors import InputError
 from rosetta.params import embedding_names
 from rosetta.positional import positional_encoding
 
@@ -57,6 +58,36 @@ def target_mask(tgt: torch.Tensor, pad_id: int) -> torch.Tensor:
     valid[:, 0] = True
     causal = torch.ones(tgt.shape[1], tgt.shape[1], dtype=torch.bool, device=tgt.device).tril()
     return causal[None, None, :, :] & valid[:, None, None, :]
+
+
+def segment_mask(q_segments: torch.Tensor, k_segments: torch.Tensor, causal: bool = False) -> torch.Tensor:
+    """[B, 1, Tq, Tk] for packed rows (docs/packing.md; Flax WMT's segmentation masks): a query
+    attends only to keys of its own segment, never to padding (segment 0); causal too for decoder
+    self-attention. A padding query has no key left: uniform weights (SPEC §2)."""
+    mask = (q_segments[:, :, None] == k_segments[:, None, :]) & (k_segments[:, None, :] != 0)
+    if causal:
+        mask = mask & torch.ones(mask.shape[1:], dtype=torch.bool, device=mask.device).tril()
+    return mask[:, None]
+
+
+def check_packing(src: torch.Tensor, tgt: torch.Tensor, src_segments, tgt_segments, src_positions,
+                  tgt_positions) -> bool:
+    """True for a packed batch: all four arrays given, each shaped like its ids. None of them:
+    not packed. Anything else is an InputError. (Position ranges are checked by numpy_ref only:
+    here that would wait for the device.)"""
+    arrays = dict(src_segments=src_segments, tgt_segments=tgt_segments, src_positions=src_positions,
+                  tgt_positions=tgt_positions)
+    given = [name for name, a in arrays.items() if a is not None]
+    if not given:
+        return False
+    if len(given) < 4:
+        raise InputError(f"packing needs all of src_segments, tgt_segments, src_positions and "
+                         f"tgt_positions; got only {', '.join(given)}")
+    for name, a in arrays.items():
+        ids = src if name.startswith("src") else tgt
+        if tuple(a.shape) != tuple(ids.shape):
+            raise InputError(f"{name} has shape {tuple(a.shape)}, expected {tuple(ids.shape)} (as the ids)")
+    return True
 
 
 # -- Sublayers -----------------------------------------------------------------------------
@@ -279,22 +310,29 @@ class Transformer(nn.Module):
         return self.positions
 
     def embed(self, table: nn.Embedding, ids: torch.Tensor, offset: int = 0,
-              rows: int | None = None) -> torch.Tensor:
+              rows: int | None = None, positions: torch.Tensor | None = None) -> torch.Tensor:
         """Dropout(E[x] * sqrt(d_model) + PE[pos]), §3.4-3.5 and §5.4. `rows`: how many positions
-        the caller will use in all (decode_step: the cache length), offset + length if None."""
+        the caller will use in all (decode_step: the cache length), offset + length if None.
+        `positions` [B, T]: given per token (packed rows restart them at 0 per segment)."""
         x = table(ids)
         if self.cfg.scale_embeddings:
             x = x * math.sqrt(self.cfg.d_model)
         pe = self.position_table(offset + ids.shape[1] if rows is None else rows)
-        positions = pe[offset: offset + ids.shape[1]]
-        return self.dropout(x + positions.to(x.dtype))
+        pe = pe[offset: offset + ids.shape[1]] if positions is None else pe[positions]
+        return self.dropout(x + pe.to(x.dtype))
 
-    def encode(self, src: torch.Tensor, stages: Stages | None = None, fine: bool = False) -> torch.Tensor:
-        """The encoder stack: src [B, S] -> memory [B, S, d]; `fine` adds the sublayer stages."""
+    def encode(self, src: torch.Tensor, stages: Stages | None = None, fine: bool = False,
+               src_segments: torch.Tensor | None = None,
+               src_positions: torch.Tensor | None = None) -> torch.Tensor:
+        """The encoder stack: src [B, S] -> memory [B, S, d]; `fine` adds the sublayer stages.
+        Packed rows give `src_segments` and `src_positions` [B, S] (docs/packing.md)."""
         stages = {} if stages is None else stages
         record = stages if fine else None
-        x = stages["src_embed"] = self.embed(self.src_table, src)
-        mask = source_mask(src, self.cfg.pad_id)
+        x = stages["src_embed"] = self.embed(self.src_table, src, positions=src_positions)
+        if src_segments is None:
+            mask = source_mask(src, self.cfg.pad_id)
+        else:
+            mask = segment_mask(src_segments, src_segments)
         for i, layer in enumerate(self.encoder.layers):
             x = stages[f"encoder.layers.{i}"] = layer(x, mask, record, f"encoder.layers.{i}")
         if self.encoder.final_norm is not None:
@@ -303,13 +341,20 @@ class Transformer(nn.Module):
         return x
 
     def decode(self, tgt: torch.Tensor, memory: torch.Tensor, src: torch.Tensor,
-               stages: Stages | None = None, fine: bool = False) -> torch.Tensor:
+               stages: Stages | None = None, fine: bool = False, tgt_segments: torch.Tensor | None = None,
+               tgt_positions: torch.Tensor | None = None,
+               src_segments: torch.Tensor | None = None) -> torch.Tensor:
         """The decoder stack: tgt [B, T] (starting with the start token) -> hidden [B, T, d];
-        `fine` adds the sublayer stages."""
+        `fine` adds the sublayer stages. Packed rows give `tgt_segments`, `tgt_positions` [B, T]
+        and the `src_segments` [B, S] of the memory (docs/packing.md)."""
         stages = {} if stages is None else stages
         record = stages if fine else None
-        x = stages["tgt_embed"] = self.embed(self.tgt_table, tgt)
-        self_mask, cross_mask = target_mask(tgt, self.cfg.pad_id), source_mask(src, self.cfg.pad_id)
+        x = stages["tgt_embed"] = self.embed(self.tgt_table, tgt, positions=tgt_positions)
+        if tgt_segments is None:
+            self_mask, cross_mask = target_mask(tgt, self.cfg.pad_id), source_mask(src, self.cfg.pad_id)
+        else:  # segments decide padding: the start token of every segment is real, even if == pad_id
+            self_mask = segment_mask(tgt_segments, tgt_segments, causal=True)
+            cross_mask = segment_mask(tgt_segments, src_segments)
         for i, layer in enumerate(self.decoder.layers):
             x = stages[f"decoder.layers.{i}"] = layer(x, memory, self_mask, cross_mask, record,
                                                       f"decoder.layers.{i}")
@@ -342,12 +387,16 @@ class Transformer(nn.Module):
             x = self.decoder.final_norm(x)
         return self.generator(x, self.tgt_table)[:, 0]
 
-    def forward(self, src: torch.Tensor, tgt: torch.Tensor,
-                stages: Stages | None = None, fine: bool = False) -> torch.Tensor:
+    def forward(self, src: torch.Tensor, tgt: torch.Tensor, stages: Stages | None = None,
+                fine: bool = False, src_segments: torch.Tensor | None = None,
+                tgt_segments: torch.Tensor | None = None, src_positions: torch.Tensor | None = None,
+                tgt_positions: torch.Tensor | None = None) -> torch.Tensor:
         """Logits [B, T, V] for source ids [B, S] and decoder input ids [B, T]; `stages` receives
-        the coarse stages, and with `fine` the sublayer outputs and attention weights too."""
+        the coarse stages, and with `fine` the sublayer outputs and attention weights too. Packed
+        rows (several pairs per row) give all four segment/position arrays (docs/packing.md)."""
         stages = {} if stages is None else stages
-        memory = self.encode(src, stages, fine)
-        logits = stages["logits"] = self.generator(self.decode(tgt, memory, src, stages, fine),
-                                                   self.tgt_table)
+        check_packing(src, tgt, src_segments, tgt_segments, src_positions, tgt_positions)
+        memory = self.encode(src, stages, fine, src_segments, src_positions)
+        hidden = self.decode(tgt, memory, src, stages, fine, tgt_segments, tgt_positions, src_segments)
+        logits = stages["logits"] = self.generator(hidden, self.tgt_table)
         return logits

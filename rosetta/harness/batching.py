@@ -21,6 +21,14 @@ tokens and 25000 target tokens." Here:
   batches of all buckets shuffled together, from a generator seeded by `(seed, epoch)`.
   `state_dict()` is `{epoch, index, ...}`, so a fresh iterator over the same pairs with the
   same seed continues exactly where a saved one stopped.
+* Packing (`packing=True`, docs/packing.md), as Flax's WMT example trains: one row length
+  `L` (`pack_length`, default the largest bucket) and `max_tokens // L` rows per batch, so
+  every batch has the same shape. Per epoch the pairs are shuffled from `(seed, epoch)` and
+  packed greedily in that order: a pair goes into the current row if both its source and its
+  `tgt_in` still fit, else it starts the next row. Segment ids 1..n number a row's pairs (a
+  pair's source and target share one; 0 is padding), positions restart at 0 in each segment,
+  and each segment's `tgt_in` starts with bos and its labels end with eos. The number of
+  batches can differ a little between epochs; `batches_per_epoch` is epoch 0's.
 
 NumPy only; batches hold int64 arrays that every backend converts itself.
 """
@@ -80,6 +88,8 @@ class BatchIterator:
         bos_id: int = 1,
         eos_id: int = 2,
         src_eos: bool = True,
+        packing: bool = False,
+        pack_length: int | None = None,
     ) -> None:
         self.max_tokens = _check_int("max_tokens", max_tokens, 1)
         self.max_len = _check_int("max_len", max_len, 1)
@@ -92,6 +102,13 @@ class BatchIterator:
         self.shuffle = bool(shuffle)
         self.src_eos = bool(src_eos)
         self.buckets = self._check_buckets(default_buckets(self.max_len) if buckets is None else buckets)
+        self.pack_length: int | None = None
+        if packing:  # one "bucket": the row length every pair is packed into
+            length = self.buckets[-1] if pack_length is None else _check_int("pack_length", pack_length, 1)
+            self.buckets = self._check_buckets([length])
+            self.pack_length = self.buckets[0]
+        elif pack_length is not None:
+            raise DataError("pack_length is given but packing is off: pass packing=True")
         if self.max_tokens < self.buckets[-1]:
             raise DataError(
                 f"max_tokens ({max_tokens}) must be at least the largest bucket length "
@@ -102,7 +119,9 @@ class BatchIterator:
         self.epoch = 0
         self.index = 0
         self._plan_epoch: int | None = None
-        self._plan: list[tuple[int, np.ndarray]] = []
+        self._plan: list[tuple[int, Any]] = []
+        if self.pack_length is not None:
+            self.batches_per_epoch = len(self.epoch_plan(0))
 
     @classmethod
     def from_config(cls, pairs: Sequence[TokenPair], cfg: Any, **kwargs: Any) -> BatchIterator:
@@ -173,10 +192,13 @@ class BatchIterator:
                 f"epoch {self.epoch}, index {self.index})")
 
     # -- order -----------------------------------------------------------------------------
-    def epoch_plan(self, epoch: int) -> list[tuple[int, np.ndarray]]:
-        """The batches of `epoch` in order, as `(bucket length, pair indices)`: a pure
-        function of the pairs, the seed and `epoch`."""
+    def epoch_plan(self, epoch: int) -> list[tuple[int, Any]]:
+        """The batches of `epoch` in order, as `(bucket length, pair indices)`, or when packing
+        `(pack_length, [pair indices of each row])`: a pure function of the pairs, the seed
+        and `epoch`."""
         rng = np.random.default_rng([self.seed, _check_int("epoch", epoch, 0)])
+        if self.pack_length is not None:
+            return self._packed_plan(rng)
         plan = []
         for b, members in self.members.items():
             order = rng.permutation(members) if self.shuffle else members
@@ -185,6 +207,51 @@ class BatchIterator:
         if self.shuffle:
             plan = [plan[k] for k in rng.permutation(len(plan))]
         return plan
+
+    def _packed_plan(self, rng: np.random.Generator) -> list[tuple[int, list[list[int]]]]:
+        """Greedy packing in shuffled order (module docstring), cut into batches of rows."""
+        length = self.pack_length
+        members = self.members[length]
+        order = rng.permutation(members) if self.shuffle else members
+        rows: list[list[int]] = [[]]
+        used_src = used_tgt = 0
+        for i in order.tolist():
+            n_src, n_tgt = len(self._src[i]), len(self._tgt[i]) + 1  # tgt_in: bos + target
+            if rows[-1] and (used_src + n_src > length or used_tgt + n_tgt > length):
+                rows.append([])
+                used_src = used_tgt = 0
+            rows[-1].append(i)
+            used_src, used_tgt = used_src + n_src, used_tgt + n_tgt
+        per_batch = self.rows[length]
+        return [(length, rows[start:start + per_batch]) for start in range(0, len(rows), per_batch)]
+
+    def make_packed_batch(self, length: int, rows: Sequence[Sequence[int]]) -> Batch:
+        """The packed batch of row length `length` whose row r holds the pairs `rows[r]` one
+        after the other (at most `max_tokens // length` rows; the remaining ones are padding)."""
+        num_rows = self.rows[length]
+        if len(rows) > num_rows:
+            raise DataError(f"{len(rows)} packed rows do not fit a batch of {num_rows} rows")
+        src, tgt_in, labels, src_seg, tgt_seg, src_pos, tgt_pos = (
+            np.full((num_rows, length), self.pad_id if k < 3 else 0, dtype=np.int64) for k in range(7))
+        index = np.full((num_rows, length), -1, dtype=np.int64)
+        n_src = n_tgt = 0
+        for r, row in enumerate(rows):
+            at_src = at_tgt = 0
+            for k, i in enumerate(row):
+                s, t = self._src[i], self._tgt[i]
+                n = len(t)
+                if at_src + len(s) > length or at_tgt + n + 1 > length:
+                    raise DataError(f"pair {i} does not fit row {r} of length {length}")
+                ss, ts = slice(at_src, at_src + len(s)), slice(at_tgt, at_tgt + n + 1)
+                src[r, ss], src_seg[r, ss], src_pos[r, ss] = s, k + 1, np.arange(len(s))
+                tgt_in[r, ts] = np.concatenate([[self.bos_id], t])
+                labels[r, ts] = np.concatenate([t, [self.eos_id]])
+                tgt_seg[r, ts], tgt_pos[r, ts] = k + 1, np.arange(n + 1)
+                index[r, k] = i
+                at_src, at_tgt = at_src + len(s), at_tgt + n + 1
+                n_src += len(s)
+                n_tgt += n + 1
+        return Batch(src, tgt_in, labels, index, n_src, n_tgt, src_seg, tgt_seg, src_pos, tgt_pos)
 
     def make_batch(self, length: int, indices: Sequence[int]) -> Batch:
         """The padded batch of bucket `length` holding the pairs `indices` (at most
@@ -221,8 +288,10 @@ class BatchIterator:
             self._plan, self._plan_epoch = self.epoch_plan(self.epoch), self.epoch
         length, indices = self._plan[self.index]
         self.index += 1
-        if self.index == self.batches_per_epoch:
+        if self.index == len(self._plan):
             self.epoch, self.index = self.epoch + 1, 0
+        if self.pack_length is not None:
+            return self.make_packed_batch(length, indices)
         return self.make_batch(length, indices)
 
     def epoch_batches(self) -> Iterator[Batch]:
@@ -232,10 +301,21 @@ class BatchIterator:
             yield next(self)
 
     # -- resume ----------------------------------------------------------------------------
+    def _epoch_length(self, epoch: int) -> int:
+        """Batches in `epoch`: the same for every epoch unless packing."""
+        if self.pack_length is None:
+            return self.batches_per_epoch
+        if self._plan_epoch != epoch:
+            self._plan, self._plan_epoch = self.epoch_plan(epoch), epoch
+        return len(self._plan)
+
     def state_dict(self) -> dict[str, int]:
         """The position, JSON-able: the next batch is batch `index` of epoch `epoch`."""
-        return {"epoch": self.epoch, "index": self.index, "seed": self.seed,
-                "batches_per_epoch": self.batches_per_epoch}
+        state = {"epoch": self.epoch, "index": self.index, "seed": self.seed,
+                 "batches_per_epoch": self._epoch_length(self.epoch)}
+        if self.pack_length is not None:
+            state["pack_length"] = self.pack_length
+        return state
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
         """Continue from a `state_dict()` saved by an iterator over the same pairs and seed."""
@@ -247,12 +327,18 @@ class BatchIterator:
             ) from None
         if "seed" in state and int(state["seed"]) != self.seed:
             raise DataError(f"state was saved with seed {state['seed']}, this iterator has seed {self.seed}")
-        if "batches_per_epoch" in state and int(state["batches_per_epoch"]) != self.batches_per_epoch:
+        if state.get("pack_length") != self.pack_length:
+            raise DataError(f"state was saved with pack_length {state.get('pack_length')}, this iterator "
+                            f"has {self.pack_length} (None: no packing)")
+        if epoch < 0:
+            raise DataError(f"state position epoch {epoch}, index {index} is out of range")
+        length = self._epoch_length(epoch)
+        if "batches_per_epoch" in state and int(state["batches_per_epoch"]) != length:
             raise DataError(
                 f"state was saved with {state['batches_per_epoch']} batches per epoch, this iterator "
-                f"has {self.batches_per_epoch}: not the same pairs or batching settings"
+                f"has {length}: not the same pairs or batching settings"
             )
-        if epoch < 0 or not 0 <= index < self.batches_per_epoch:
+        if not 0 <= index < length:
             raise DataError(f"state position epoch {epoch}, index {index} is out of range")
         self.epoch, self.index = epoch, index
 
