@@ -88,3 +88,36 @@ def test_recorded_gpu_results_show_what_issue_7_asks():
             row = train[preset_name, "bfloat16", impl]
             assert row["ratio_vs_peer"] >= 1.0 and 0 < row["mfu"] < 1
     assert load(newest("cpu"))["wall_s"] < 600
+
+
+def test_scaling_benchmark_smoke(tmp_path, monkeypatch):
+    """benchmarks/scaling.py end to end: tiny, 1 and 2 workers, 2 timed steps, both frameworks
+    (PyTorch at 2 under torchrun, JAX on 2 host devices), one bucket (one JAX compilation per N).
+    One thread per torch process: two OpenMP threads on a busy 2-core machine spin for seconds a
+    step. Nothing is judged by speed; the files, the rows and the arithmetic are."""
+    import json
+
+    from benchmarks import scaling
+
+    monkeypatch.setenv("OMP_NUM_THREADS", "1")
+    scaling.main(["--framework", "torch", "jax", "--workers", "1", "2", "--preset", "tiny", "--steps", "2",
+                  "--warmup-steps", "0", "--per-worker-tokens", "480", "--buckets", "48",
+                  "--out-dir", str(tmp_path)])
+    name = scaling.results_name(scaling.device_name())
+    json_path, md_path = tmp_path / f"{name}.json", tmp_path / f"{name}.md"
+    assert json_path.exists() and md_path.exists()
+    result = json.loads(json_path.read_text())
+    assert result["environment"]["commit"] and result["settings"]["steps"] == 2
+    rows = {(r["framework"], r["workers"]): r for r in result["rows"]}
+    assert set(rows) == {(f, n) for f in ("torch", "jax") for n in (1, 2)}
+    for row in rows.values():  # a number, or the reason there is none
+        assert (row["status"] == "measured" and row["tokens_per_s"] > 0 and row["median_step_s"] > 0
+                or row["status"] == "not measured" and row["reason"])
+    for framework in ("torch", "jax"):
+        assert rows[framework, 1]["efficiency"] == 1
+        assert rows[framework, 2]["worker_rows"] == rows[framework, 1]["worker_rows"]  # weak scaling
+    text = md_path.read_text()
+    assert "| jax | 2 |" in text and "| torch | 1 |" in text
+    if not result["gpus"]:  # a CPU runs every N, and says what its numbers mean
+        assert all(row["status"] == "measured" for row in rows.values())
+        assert scaling.CPU_NOTE in text
