@@ -31,7 +31,8 @@ worker's share shrinking as N grows (and with it, per-step work per worker again
 Full batches only (each bucket's partly filled last batch of an epoch is skipped). Sentence pairs
 (at least 20,000, or as many as the global token budget) are synthetic with Multi30k-like
 lengths (`pairs`): source lengths log-normal with median ~14 tokens, 4 to 40, target lengths the
-source's times a log-normal ratio around 1, ids uniform over the vocabulary; the same pairs, seed and batching at every N.
+source's times a log-normal ratio around 1, ids uniform over the vocabulary; the same pairs, seed
+and batching at every N.
 
 Results: benchmarks/results/scaling_<device>_<date>.{json,md} (benchmarks.common: the machine,
 commit, versions and every setting; `--out-dir` elsewhere). Nothing here is committed from a
