@@ -198,7 +198,7 @@ def _device(name: str | None) -> jax.Device:
         raise RosettaError(f"JAX has no device {name!r} here ({e})") from None
 
 
-def init_distributed(env: LaunchEnv, device: str | None = None) -> None:
+def init_distributed(env: LaunchEnv) -> None:
     """Join the launch (torchrun's MASTER_ADDR, RANK, WORLD_SIZE) through JAX's coordinator on
     MASTER_PORT + 1 (MASTER_PORT is torch's). Before JAX starts its backends; once per process.
     On CPU the collectives run over gloo; under a launcher with several processes per machine
@@ -206,8 +206,8 @@ def init_distributed(env: LaunchEnv, device: str | None = None) -> None:
     if jax.distributed.is_initialized():
         return
     jax.config.update("jax_cpu_collectives_implementation", "gloo")  # CPU only; harmless on GPUs
-    on_cpu = (device or "").partition(":")[0] == "cpu"
-    local = [env.local_rank] if env.local_processes > 1 and device and not on_cpu else None
+    # Several processes on one machine: one accelerator each (the CPU client ignores this).
+    local = [env.local_rank] if env.local_processes > 1 else None
     try:
         jax.distributed.initialize(coordinator_address=f"{env.master_addr}:{env.master_port + 1}",
                                    num_processes=env.num_processes, process_id=env.rank,
@@ -310,7 +310,7 @@ class Trainer:
         self.accumulate, self.shard = accumulate, bool(shard)
         env = launch_env()
         if env.distributed:
-            init_distributed(env, device)
+            init_distributed(env)
         self.device = _device(device)  # this process's first device: eval, memory statistics
         self.mesh = Mesh(np.array(_mesh_devices(device, num_devices)), ("data",))
         self.world_size = self.mesh.size
