@@ -383,6 +383,13 @@ class Trainer:
                 "num_src_tokens": int(batch.num_src_tokens), "num_tgt_tokens": int(batch.num_tgt_tokens),
                 "world_size": self.world_size, "worker_rows": rows}
 
+    def any_process(self, flag: bool) -> bool:
+        """Whether `flag` holds on any process of the launch (a collective; alone: `flag`), so that
+        every process stops at the same step (a time budget read from each one's own clock)."""
+        if self.num_processes == 1:
+            return bool(flag)
+        return bool(np.asarray(multihost_utils.process_allgather(np.asarray(bool(flag)))).any())
+
     def eval_loss(self, batches: Iterable[Batch]) -> float:
         """The training loss (label-smoothed) without dropout, averaged over every non-pad label
         of `batches` (a token-weighted mean, not a mean of batch means). Every process computes

@@ -67,10 +67,26 @@ def test_time_budget_stops_cleanly_and_the_run_resumes_to_the_same_weights(whole
     assert all(np.array_equal(got[k], want[k]) for k in want)  # an exact resume
 
 
+def test_average_last_writes_and_evaluates_the_mean_of_the_last_checkpoints(tmp_path):
+    run = RunConfig(out=str(tmp_path), average_last=2, **{**RUN, "steps": 10})
+    result = train(run)["torch"]
+    ckpts = tmp_path / "torch" / "checkpoints"
+    a, b = (load_checkpoint(ckpts / f"step-{s:08d}" / "model.safetensors").params for s in (5, 10))
+    averaged = load_checkpoint(tmp_path / "torch" / "averaged.safetensors").params
+    for name in a:  # the float64 mean, rounded once to float32
+        want = ((a[name].astype(np.float64) + b[name].astype(np.float64)) / 2).astype(np.float32)
+        np.testing.assert_array_equal(averaged[name], want)
+    record = _log(tmp_path)[-1]
+    assert record["kind"] == "eval_average" and record["checkpoints"] == ["step-00000005", "step-00000010"]
+    assert result["bleu_average"] == record["bleu"]
+
+
 @pytest.mark.parametrize("field, value, message", [("time_budget", 0.0, "--time-budget"),
                                                    ("time_budget", float("inf"), "--time-budget"),
                                                    ("target_bleu", 101.0, "--target-bleu"),
-                                                   ("target_bleu", 0.0, "--target-bleu")])
+                                                   ("target_bleu", 0.0, "--target-bleu"),
+                                                   ("average_last", 1, "--average-last"),
+                                                   ("average_last", 4, "--keep >= 4")])
 def test_bad_budgets_and_targets_are_refused(field, value, message):
     with pytest.raises(RosettaError, match=message):
         check_run(RunConfig(**{field: value}))

@@ -215,7 +215,7 @@ def _run_config(args: argparse.Namespace):
         max_len_margin=args.margin, bleu_samples=args.bleu_samples, peak_tflops=args.peak_tflops,
         progress=args.progress, accumulate=args.accumulate, shard=args.shard, devices=args.devices,
         nproc=args.nproc, dist_timeout=args.dist_timeout, baseline=args.baseline,
-        time_budget=args.time_budget, target_bleu=args.target_bleu,
+        time_budget=args.time_budget, target_bleu=args.target_bleu, average_last=args.average_last,
     )
 
 
@@ -400,6 +400,9 @@ def _add_train_args(p: argparse.ArgumentParser) -> None:
                          "evaluation and checkpoint after the last step; --resume continues")
     ev.add_argument("--target-bleu", type=real, metavar="BLEU",
                     help="stop at the first evaluation whose validation BLEU reaches this")
+    ev.add_argument("--average-last", type=integer, metavar="N",
+                    help="at the end, average the last N checkpoints (paper §6.1; --keep >= N) into "
+                         "averaged.safetensors and evaluate it")
     par = p.add_argument_group("many devices (docs/distributed.md)")
     par.add_argument("--nproc", type=integer, default=1,
                      help="launch N processes here with torchrun, one device each (PyTorch: DDP; JAX: "
@@ -503,6 +506,9 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--tgt", help='decoder input ids, start token first, e.g. "1 8 9"')
     p.add_argument("--seed", type=non_negative_int, default=0, help="the random sentence pair")
     p.set_defaults(func=diff_commands.cmd_attention)
+    from rosetta.harness.commands import add_parsers  # it imports this module's argument types
+
+    add_parsers(cmds)  # average, evaluate
     return parser
 
 

@@ -137,6 +137,7 @@ class RunConfig:
     baseline: str | None = None
     time_budget: float | None = None
     target_bleu: float | None = None
+    average_last: int | None = None
 
     def to_dict(self) -> dict[str, Any]:
         return {k: list(v) if isinstance(v, tuple) else v for k, v in dataclasses.asdict(self).items()}
@@ -191,6 +192,10 @@ def check_run(run: RunConfig) -> None:
     for name in ("accumulate", "nproc"):
         _positive(name, getattr(run, name))
     _positive("devices", run.devices, optional=True)
+    _positive("average_last", run.average_last, minimum=2, optional=True)
+    if run.average_last is not None and run.average_last > run.keep:
+        raise RosettaError(f"--average-last {run.average_last} needs that many checkpoints kept: give --keep "
+                           f">= {run.average_last} (now {run.keep})")
     if not run.dist_timeout > 0:
         raise RosettaError(f"--dist-timeout must be a positive number of seconds, got {run.dist_timeout!r}")
     if run.time_budget is not None and not (run.time_budget > 0 and math.isfinite(run.time_budget)):
@@ -249,13 +254,20 @@ def evaluate(trainer: Any, task: TaskData, loss_batches: list[Batch], gen_batche
              num_gen: int, run: RunConfig) -> dict[str, Any]:
     """Validation loss, and BLEU (sacrebleu) of `model.generate` through the backend interface:
     greedy by default, beam search with `run.beam` > 1; exact-match accuracy for synthetic tasks."""
+    start = time.perf_counter()
+    val_loss = trainer.eval_loss(loss_batches)
+    scores = translation_scores(trainer.backend_model(), task, gen_batches, num_gen, run)
+    return {"val_loss": val_loss, **scores, "eval_time_s": time.perf_counter() - start}
+
+
+def translation_scores(model: Any, task: TaskData, gen_batches: list[Batch], num_gen: int,
+                       run: RunConfig) -> dict[str, Any]:
+    """BLEU (sacrebleu) of `model.generate` (a backend model) on the first `num_gen` evaluation
+    pairs, exact-match accuracy for synthetic tasks, and one sample."""
     try:
         import sacrebleu
     except ImportError:
         raise RosettaError("BLEU needs sacrebleu: pip install 'rosetta-transformer[train]'") from None
-    start = time.perf_counter()
-    val_loss = trainer.eval_loss(loss_batches)
-    model = trainer.backend_model()
     outputs = [model.generate(b.src, run.beam, run.alpha, run.max_len_margin).tokens for b in gen_batches]
     hyp_ids = restore_order(gen_batches, outputs, num_gen)
     kept = [i for i, h in enumerate(hyp_ids) if h is not None]  # pairs too long for the buckets drop out
@@ -266,8 +278,7 @@ def evaluate(trainer: Any, task: TaskData, loss_batches: list[Batch], gen_batche
     exact = (float(np.mean([list(hyp_ids[i]) == list(task.eval_pairs[i][1]) for i in kept]))
              if task.synthetic and kept else None)
     sample = {"hyp": hyps[0], "ref": refs[0]} if kept else None
-    return {"val_loss": val_loss, "bleu": bleu, "exact_match": exact, "bleu_sentences": len(kept),
-            "sample": sample, "eval_time_s": time.perf_counter() - start}
+    return {"bleu": bleu, "exact_match": exact, "bleu_sentences": len(kept), "sample": sample}
 
 
 # -- One backend -----------------------------------------------------------------------------
@@ -456,12 +467,31 @@ class _Run:
                     stop, last = stop or "target_bleu", True  # stop at the first evaluation at the target
             if (run.checkpoint_every and step % run.checkpoint_every == 0) or last:
                 self.save(trainer, self.elapsed0 + time.perf_counter() - clock)
+        if run.average_last and self.main:
+            emit(self._evaluate_average(trainer))
         if stop is not None:
             log.info("%s: stopped at step %d of %d (%s); --resume continues the run", self.backend,
                      trainer.step_count, self.total_steps,
                      f"--time-budget {run.time_budget:g} min" if stop == "time_budget"
                      else f"validation BLEU reached --target-bleu {run.target_bleu:g}")
         self.stopped = stop or "steps"
+
+    def _evaluate_average(self, trainer: Any) -> dict[str, Any]:
+        """The average of the last `--average-last` checkpoints (paper §6.1), written beside them as
+        averaged.safetensors and evaluated like a checkpoint (BLEU of the backend's decoding)."""
+        from rosetta.average import resolve_checkpoints, write_average
+        from rosetta.backends import from_params
+
+        paths = resolve_checkpoints([self.dir], self.run.average_last).paths
+        with os_errors(self.dir, "write the averaged checkpoint in"):
+            out = write_average(paths, self.dir / "averaged.safetensors")
+        ckpt = load_checkpoint(out)
+        model = from_params(ckpt.config, ckpt.params, self.backend, self.run.dtype)
+        start = time.perf_counter()
+        scores = translation_scores(model, self.task, self.gen_batches, self.num_gen, self.run)
+        return {"kind": "eval_average", "backend": self.backend, "step": trainer.step_count,
+                "checkpoints": [p.parent.name for p in paths], **scores,
+                "eval_time_s": time.perf_counter() - start}
 
     def _check_finite(self, metrics: dict[str, Any]) -> None:
         """Stop at the first non-finite loss or gradient norm. That step's update has already

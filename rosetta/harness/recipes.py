@@ -20,7 +20,7 @@ RECIPES: dict[str, dict[str, Any]] = {
     "multi30k": dict(
         task="multi30k", pair="de-en", preset="small", overrides={"dropout": 0.1}, vocab_size=8000,
         max_tokens=4096, warmup=800, lr_factor=0.5, label_smoothing=0.1, epochs=30, eval_every=500,
-        beam=4, alpha=0.6, checkpoint_every=500, keep=5,
+        beam=4, alpha=0.6, checkpoint_every=500, keep=5, average_last=5,
     ),
 }
 
