@@ -79,7 +79,8 @@ def make_optimizer(model: Transformer, train_cfg: TrainConfig) -> nnx.Optimizer:
 @nnx.jit(static_argnames=("train_cfg", "mesh"))
 def _train_step(model: Transformer, optimizer: nnx.Optimizer, rngs: nnx.Rngs, src: jax.Array,
                 tgt: jax.Array, labels: jax.Array, num_tokens: jax.Array | None, train_cfg: TrainConfig,
-                mesh: Mesh | None = None) -> tuple[jax.Array, jax.Array, jax.Array]:
+                mesh: Mesh | None = None, packing: dict[str, jax.Array] | None = None
+                ) -> tuple[jax.Array, jax.Array, jax.Array]:
     """`train_step` on K micro-batches `src, tgt, labels` [K, rows, L] (K = 1: one batch), also
     returning the global gradient norm before clipping (a 0-d array): the harness stops a run at
     the first non-finite one (rosetta/harness/loop.py). Each micro-batch's loss is its label sum
@@ -87,15 +88,19 @@ def _train_step(model: Transformer, optimizer: nnx.Optimizer, rngs: nnx.Rngs, sr
     batch's mean loss and clipping and Adam see exactly that. On a `mesh`, XLA splits the rows
     over the devices and inserts the gradient all-reduce (and, for sharded parameters, the
     all-gathers); the new state is pinned to the variables' shardings, so the next call hits
-    the same compiled step."""
+    the same compiled step. `packing`: a packed batch's segment and position arrays [K, rows, L]
+    (docs/packing.md)."""
+    packing = packing or {}
+
     def loss_of(model: Transformer, rngs: nnx.Rngs, src: jax.Array, tgt: jax.Array,
-                labels: jax.Array) -> jax.Array:
-        return loss_fn(model(src, tgt, rngs=rngs), labels, model.cfg.pad_id, train_cfg.label_smoothing,
-                       num_tokens)[0]
+                labels: jax.Array, packing: dict[str, jax.Array]) -> jax.Array:
+        return loss_fn(model(src, tgt, rngs=rngs, **packing), labels, model.cfg.pad_id,
+                       train_cfg.label_smoothing, num_tokens)[0]
 
     lr = schedule(model.cfg.d_model, train_cfg)(optimizer.step[...])  # what adam reads this update
     value_and_grad = nnx.value_and_grad(loss_of)  # d/d(nnx.Param of model) only
-    loss, grads = value_and_grad(model, rngs, src[0], tgt[0], labels[0])
+    first = jax.tree.map(lambda a: a[0], packing)
+    loss, grads = value_and_grad(model, rngs, src[0], tgt[0], labels[0], first)
     if src.shape[0] > 1:
         # The other micro-batches in a lax.scan, not a Python loop: XLA may not reorder it, so
         # one micro-batch's activations are alive at a time (accumulation's point), and the
@@ -113,7 +118,8 @@ def _train_step(model: Transformer, optimizer: nnx.Optimizer, rngs: nnx.Rngs, sr
             return (loss + loss_k, grads, model_state, nnx.state(rngs_k)), None
 
         (loss, grads, _, rngs_state), _ = jax.lax.scan(micro, (loss, grads, model_state, rngs_state),
-                                                       (src[1:], tgt[1:], labels[1:]))
+                                                       (src[1:], tgt[1:], labels[1:],
+                                                        jax.tree.map(lambda a: a[1:], packing)))
         nnx.update(rngs, rngs_state)
     optimizer.update(model, grads)
     if mesh is not None:
@@ -148,12 +154,14 @@ def make_train_step(model: Transformer, optimizer: nnx.Optimizer, rngs: nnx.Rngs
     model.train()
     cached = nnx.cached_partial(_train_step, model, optimizer, rngs)
 
-    def step(src: jax.Array, tgt: jax.Array, labels: jax.Array,
-             num_tokens: jax.Array | int | None = None) -> tuple[jax.Array, jax.Array, jax.Array]:
+    def step(src: jax.Array, tgt: jax.Array, labels: jax.Array, num_tokens: jax.Array | int | None = None,
+             packing: dict[str, jax.Array] | None = None) -> tuple[jax.Array, jax.Array, jax.Array]:
         src, tgt, labels = (jnp.asarray(a) for a in (src, tgt, labels))
+        packing = {name: jnp.asarray(a) for name, a in (packing or {}).items()}
         if src.ndim == 2:
             src, tgt, labels = src[None], tgt[None], labels[None]
-        return cached(src, tgt, labels, num_tokens, train_cfg=train_cfg, mesh=mesh)
+            packing = {name: a[None] for name, a in packing.items()}
+        return cached(src, tgt, labels, num_tokens, train_cfg=train_cfg, mesh=mesh, packing=packing)
 
     return step
 
@@ -341,9 +349,10 @@ class Trainer:
             state = nnx.state(node)
             nnx.update(node, jax.tree.map(_put, state, nnx.get_named_sharding(state, self.mesh)))
 
-    def _global_batch(self, batch: Batch) -> tuple[tuple[jax.Array, ...], int]:
+    def _global_batch(self, batch: Batch) -> tuple[tuple[jax.Array, ...], dict[str, jax.Array], int]:
         """src, tgt_in, labels as [K, W·m, L] arrays, rows sharded over "data": block w·K + k of
-        `split_rows` (worker w's k-th micro-batch) is rows w·m..(w+1)·m of micro-batch k. Also m."""
+        `split_rows` (worker w's k-th micro-batch) is rows w·m..(w+1)·m of micro-batch k. Also a
+        packed batch's segment and position arrays laid out alike, and m."""
         workers, k = self.world_size, self.accumulate
         blocks = split_rows(batch, workers * k, self.cfg.pad_id)
         rows = blocks[0].shape[0]
@@ -354,7 +363,8 @@ class Trainer:
             ids = ids.reshape(workers, k, rows, -1).transpose(1, 0, 2, 3).reshape(k, workers * rows, -1)
             return _put(ids, sharding)
 
-        return (stack("src"), stack("tgt_in"), stack("labels")), rows
+        packing = {name: stack(name) for name in batch.packing()}
+        return (stack("src"), stack("tgt_in"), stack("labels")), packing, rows
 
     # -- precision and placement -------------------------------------------------------------
     @contextlib.contextmanager
@@ -375,9 +385,9 @@ class Trainer:
         counts, grad_norm the global gradient norm before clipping, worker_rows the rows of one
         device's micro-batch. Reading the loss synchronises the devices, so a wall clock around
         this call is honest."""
-        (src, tgt, labels), rows = self._global_batch(batch)
+        (src, tgt, labels), packing, rows = self._global_batch(batch)
         with self._context():
-            loss, lr, grad_norm = self._train_step(src, tgt, labels, int(batch.num_tgt_tokens))
+            loss, lr, grad_norm = self._train_step(src, tgt, labels, int(batch.num_tgt_tokens), packing)
             loss_value, norm_value = float(loss), float(grad_norm)
         return {"step": self.step_count, "loss": loss_value, "lr": float(lr), "grad_norm": norm_value,
                 "num_src_tokens": int(batch.num_src_tokens), "num_tgt_tokens": int(batch.num_tgt_tokens),

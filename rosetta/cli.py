@@ -216,6 +216,7 @@ def _run_config(args: argparse.Namespace):
         progress=args.progress, accumulate=args.accumulate, shard=args.shard, devices=args.devices,
         nproc=args.nproc, dist_timeout=args.dist_timeout, baseline=args.baseline,
         time_budget=args.time_budget, target_bleu=args.target_bleu, average_last=args.average_last,
+        batching=args.batching,
     )
 
 
@@ -371,6 +372,9 @@ def _add_train_args(p: argparse.ArgumentParser) -> None:
     data.add_argument("--synthetic-max-len", type=integer, default=16, help="longest synthetic sequence")
     data.add_argument("--max-tokens", type=integer, default=4096, help="tokens per batch (paper §5.1: 25000)")
     data.add_argument("--buckets", help="bucket lengths, e.g. 16,32,64 (default 8,16,...,max_len)")
+    data.add_argument("--batching", default="bucketed",
+                      help="bucketed (pairs of similar length per batch, §5.1) or packed (several pairs per "
+                           "row, rows of the largest bucket's length: docs/packing.md)")
     length = p.add_argument_group("schedule").add_mutually_exclusive_group()
     length.add_argument("--steps", type=integer, help="optimizer steps in all (default 1000)")
     length.add_argument("--epochs", type=integer, help="or: passes over the training data")

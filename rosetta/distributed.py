@@ -113,10 +113,12 @@ def split_rows(batch: Batch, parts: int, pad_id: int) -> list[Batch]:
 
     src, tgt_in, labels = pad(batch.src, pad_id), pad(batch.tgt_in, pad_id), pad(batch.labels, pad_id)
     indices = pad(batch.indices, -1)
+    packing = {name: pad(a, 0) for name, a in batch.packing().items()}  # segment 0: padding
     step = padded // parts
     blocks = []
     for p in range(parts):
         rows_p = slice(p * step, (p + 1) * step)
         blocks.append(Batch(src[rows_p], tgt_in[rows_p], labels[rows_p], indices[rows_p],
-                            int((src[rows_p] != pad_id).sum()), int((labels[rows_p] != pad_id).sum())))
+                            int((src[rows_p] != pad_id).sum()), int((labels[rows_p] != pad_id).sum()),
+                            **{name: a[rows_p] for name, a in packing.items()}))
     return blocks

@@ -79,10 +79,13 @@ def _unwrap(module: torch.nn.Module) -> Transformer:
 
 def forward_loss(module: Transformer, src: torch.Tensor, tgt: torch.Tensor, labels: torch.Tensor,
                  label_smoothing: float, autocast: torch.dtype | None = None,
-                 num_tokens: torch.Tensor | None = None) -> torch.Tensor:
-    """The loss of one batch, forward only: what `make_train_step(compile=True)` compiles."""
+                 num_tokens: torch.Tensor | None = None,
+                 packing: Mapping[str, torch.Tensor] | None = None) -> torch.Tensor:
+    """The loss of one batch, forward only: what `make_train_step(compile=True)` compiles.
+    `packing`: a packed batch's segment and position arrays (docs/packing.md)."""
     with _autocast(src.device, autocast):  # the backward pass runs outside autocast, as torch advises
-        return loss_fn(module(src, tgt), labels, _unwrap(module).cfg.pad_id, label_smoothing, num_tokens)[0]
+        logits = module(src, tgt, **(packing or {}))
+        return loss_fn(logits, labels, _unwrap(module).cfg.pad_id, label_smoothing, num_tokens)[0]
 
 
 @contextlib.contextmanager
@@ -109,7 +112,7 @@ def _full(tensor: torch.Tensor) -> torch.Tensor:
 
 def _train_step(replica: torch.nn.Module, optimizer: torch.optim.Optimizer,
                 scheduler: torch.optim.lr_scheduler.LRScheduler,
-                micro_batches: Sequence[tuple[torch.Tensor, torch.Tensor, torch.Tensor]],
+                micro_batches: Sequence[tuple[torch.Tensor, ...]],
                 num_tokens: torch.Tensor | None, train_cfg: TrainConfig, autocast: torch.dtype | None,
                 forward: Callable[..., torch.Tensor],
                 world_size: int = 1) -> tuple[torch.Tensor, float, torch.Tensor]:
@@ -120,9 +123,10 @@ def _train_step(replica: torch.nn.Module, optimizer: torch.optim.Optimizer,
     module.train()
     optimizer.zero_grad(set_to_none=True)
     total = None
-    for k, (src, tgt, labels) in enumerate(micro_batches):
+    for k, (src, tgt, labels, *packing) in enumerate(micro_batches):  # packing: one optional dict
         with _gradient_sync(replica, k == len(micro_batches) - 1):
-            loss = forward(replica, src, tgt, labels, train_cfg.label_smoothing, autocast, num_tokens)
+            loss = forward(replica, src, tgt, labels, train_cfg.label_smoothing, autocast, num_tokens,
+                           *packing)
             # DDP and FSDP2 average gradients over the W workers; the global mean needs their sum.
             (loss * world_size if world_size > 1 else loss).backward()
         total = loss.detach() if total is None else total + loss.detach()
@@ -332,7 +336,8 @@ class Trainer:
         synchronises the device, so a wall clock around this call is honest."""
         k = self.accumulate
         mine = split_rows(batch, self.world_size * k, self.cfg.pad_id)[self.rank * k:(self.rank + 1) * k]
-        micro = [(self._tensor(b.src), self._tensor(b.tgt_in), self._tensor(b.labels)) for b in mine]
+        micro = [(self._tensor(b.src), self._tensor(b.tgt_in), self._tensor(b.labels),
+                  {name: self._tensor(a) for name, a in b.packing().items()}) for b in mine]
         num_tokens = torch.tensor(batch.num_tgt_tokens, device=self.device)
         with self._context():
             loss, lr, grad_norm = _train_step(self.replica, self.optimizer, self.scheduler, micro, num_tokens,

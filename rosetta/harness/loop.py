@@ -80,8 +80,9 @@ DEFAULT_STEPS = 1000
 # weights and schedule); the rest (steps, evaluation, checkpoint and logging cadence) may change.
 IDENTITY_FIELDS: tuple[str, ...] = (
     "preset", "overrides", "task", "pair", "vocab_size", "train_size", "synthetic_max_len", "max_tokens",
-    "buckets", "dtype", "warmup", "lr_factor", "label_smoothing", "clip_norm", "seed",
+    "buckets", "dtype", "warmup", "lr_factor", "label_smoothing", "clip_norm", "seed", "batching",
 )
+BATCHINGS = ("bucketed", "packed")  # --batching: by length buckets (§5.1), or packed rows (docs/packing.md)
 
 
 class DivergedError(RosettaError):
@@ -138,6 +139,7 @@ class RunConfig:
     time_budget: float | None = None
     target_bleu: float | None = None
     average_last: int | None = None
+    batching: str = "bucketed"
 
     def to_dict(self) -> dict[str, Any]:
         return {k: list(v) if isinstance(v, tuple) else v for k, v in dataclasses.asdict(self).items()}
@@ -183,6 +185,8 @@ def check_run(run: RunConfig) -> None:
     check_real(run.alpha, "--alpha", minimum=0.0)  # the rule model.generate applies at evaluation
     for name in ("eval_every", "checkpoint_every", "max_len_margin"):
         _positive(name, getattr(run, name), minimum=0)
+    if run.batching not in BATCHINGS:
+        raise RosettaError(f"--batching must be one of {', '.join(BATCHINGS)}, got {run.batching!r}")
     if run.dtype not in ("float32", "bfloat16"):
         raise RosettaError(f"--dtype must be float32 or bfloat16, got {run.dtype!r}")
     if run.resume and run.overwrite:
@@ -298,7 +302,8 @@ class _Run:
         self.log_path = self.dir / "log.jsonl"
         self.train_cfg = run.train_config()
         batching = _batching(run, cfg)
-        self.iterator = BatchIterator(task.train_pairs, max_tokens=run.max_tokens, seed=run.seed, **batching)
+        self.iterator = BatchIterator(task.train_pairs, max_tokens=run.max_tokens, seed=run.seed,
+                                      packing=run.batching == "packed", **batching)
         self.total_steps = run.steps or (run.epochs * self.iterator.batches_per_epoch if run.epochs
                                          else DEFAULT_STEPS)
         self.loss_batches, _ = eval_batches(task.eval_pairs, max_tokens=run.max_tokens, **batching)

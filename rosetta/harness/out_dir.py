@@ -91,8 +91,11 @@ def check_out_dirs(run: RunConfig) -> list[Path]:
             if saved.get("backend") != backend:
                 raise RosettaError(f"--resume: {run_dir} was trained with backend {saved.get('backend')!r}, "
                                    f"not {backend!r}")
-            diffs = [f"{k}={saved['identity'].get(k)!r} (now {v!r})"
-                     for k, v in run.identity().items() if saved.get("identity", {}).get(k) != v]
+            # A setting added after a run was started reads as its default (e.g. batching).
+            defaults = type(run)().identity()
+            identity = defaults | saved.get("identity", {})
+            diffs = [f"{k}={identity.get(k)!r} (now {v!r})" for k, v in run.identity().items()
+                     if identity.get(k) != v]
             if diffs:
                 raise RosettaError(f"cannot resume {run_dir} with different settings: it was started with "
                                    f"{'; '.join(diffs)}; use the same settings, a new --out, or --overwrite")
