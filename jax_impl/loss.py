@@ -1,0 +1,134 @@
+"""The output projection and the label-smoothed cross-entropy (SPEC §4) in chunks of tokens, with
+their own backward: no [tokens, V] float32 array is ever alive for the whole batch, only one
+[chunk, V] block at a time. Same loss and gradients as jax_impl/train.py's
+`loss_fn(hidden @ W + b, ...)`; the math and the choice of chunk: docs/loss.md.
+
+Maintained kernels that do this (Liger-Kernel's fused linear cross-entropy, Apple's Cut
+Cross-Entropy) are PyTorch/Triton only; JAX has none we could install, so this custom_vjp over a
+lax.map (forward) and a lax.scan (backward) of chunks is the one used.
+
+Mirrors torch_impl/loss.py; diff them to see only framework differences.
+"""
+
+from __future__ import annotations
+
+from functools import partial
+
+import jax
+import jax.numpy as jnp
+
+from rosetta.errors import RosettaError
+
+# Tokens per chunk: the [chunk, V] float32 logits block is 4·chunk·V bytes (1024 × 32k: 128 MiB).
+DEFAULT_CHUNK = 1024
+
+
+def _chunk_logits(h: jax.Array, weight: jax.Array, bias: jax.Array | None, dtype: jnp.dtype) -> jax.Array:
+    """Logits [n, V] = h W (+ b) of one chunk, computed in `dtype` (float32 at least, §3.4)."""
+    # Deliberate: the operands are cast up, not only the result, so bfloat16 hidden states give
+    # float32 logits (the plain path rounds them to bfloat16 first); on a GPU this trades the
+    # bfloat16 matmul's speed for accuracy.
+    logits = h.astype(dtype) @ weight.astype(dtype)
+    return logits if bias is None else logits + bias.astype(dtype)
+
+
+def _chunks(hidden: jax.Array, labels: jax.Array, pad_id: int, chunk: int) -> tuple[jax.Array, jax.Array]:
+    """[N, d], [N] -> [n, chunk, d], [n, chunk]: the last chunk filled up with pad labels (masked
+    out), because lax.map and lax.scan need equal chunks where torch slices a shorter last one."""
+    fill = -hidden.shape[0] % chunk
+    hidden = jnp.pad(hidden, ((0, fill), (0, 0)))
+    labels = jnp.pad(labels, (0, fill), constant_values=pad_id)
+    return hidden.reshape(-1, chunk, hidden.shape[-1]), labels.reshape(-1, chunk)
+
+
+@partial(jax.custom_vjp, nondiff_argnums=(5, 6, 7))
+def chunked_cross_entropy(hidden: jax.Array, weight: jax.Array, bias: jax.Array | None, labels: jax.Array,
+                          denominator: jax.Array, pad_id: int, label_smoothing: float,
+                          chunk: int) -> jax.Array:
+    """Σ over non-pad tokens of the cross-entropy against q = (1-ε)·onehot(y) + ε/V, divided by
+    `denominator`; forward and backward both walk the tokens `chunk` at a time."""
+    return _forward(hidden, weight, bias, labels, denominator, pad_id, label_smoothing, chunk)[0]
+
+
+def _forward(hidden, weight, bias, labels, denominator, pad_id, label_smoothing, chunk):
+    dtype = jnp.promote_types(hidden.dtype, jnp.float32)
+
+    def one(args: tuple[jax.Array, jax.Array]) -> tuple[jax.Array, jax.Array]:
+        h, y = args
+        logits = _chunk_logits(h, weight, bias, dtype)
+        lse = jax.nn.logsumexp(logits, axis=-1)
+        nll = lse - jnp.take_along_axis(logits, y[:, None], axis=-1)[:, 0]  # -log p[y]
+        smooth = lse - logits.mean(axis=-1)  # -(1/V) Σ_v log p[v]: ε over all V (PITFALLS 11)
+        per_token = (1.0 - label_smoothing) * nll + label_smoothing * smooth
+        return jnp.where(y != pad_id, per_token, 0.0).sum(), lse
+
+    sums, lse = jax.lax.map(one, _chunks(hidden, labels, pad_id, chunk))  # lse [n, chunk]: O(N)
+    total = sums.sum() / jnp.asarray(denominator).astype(dtype)
+    return total, (hidden, weight, bias, labels, lse, denominator)
+
+
+def _backward(pad_id, label_smoothing, chunk, residuals, grad_out):
+    """d loss / d logits = mask · (softmax - q) / denominator, recomputed chunk by chunk from
+    the saved logsumexp; then through logits = h W + b."""
+    hidden, weight, bias, labels, lse, denominator = residuals
+    eps, (d, V) = label_smoothing, weight.shape
+    dtype = lse.dtype
+    scale = grad_out.astype(dtype) / jnp.asarray(denominator).astype(dtype)
+    w = weight.astype(dtype)
+
+    def step(carry: tuple[jax.Array, jax.Array], args: tuple[jax.Array, ...]):
+        grad_w, grad_b = carry
+        h, y, lse_c = args
+        h = h.astype(dtype)
+        logits = _chunk_logits(h, weight, bias, dtype)
+        g = jnp.exp(logits - lse_c[:, None]) - eps / V  # softmax - ε/V
+        g = g - (1.0 - eps) * jax.nn.one_hot(y, V, dtype=dtype)  # - (1-ε)·onehot(y)
+        g = g * jnp.where(y != pad_id, scale, 0.0)[:, None]
+        return (grad_w + h.T @ g, grad_b + g.sum(axis=0)), (g @ w.T).astype(hidden.dtype)
+
+    hs, ys = _chunks(hidden, labels, pad_id, chunk)
+    zeros = (jnp.zeros((d, V), dtype), jnp.zeros((V,), dtype))
+    (grad_w, grad_b), grad_h = jax.lax.scan(step, zeros, (hs, ys, lse))
+    grad_h = grad_h.reshape(-1, d)[:hidden.shape[0]]
+    grad_b = None if bias is None else grad_b.astype(bias.dtype)
+    return grad_h, grad_w.astype(weight.dtype), grad_b, None, None
+
+
+chunked_cross_entropy.defvjp(_forward, _backward)
+
+
+def chunked_loss(hidden: jax.Array, weight: jax.Array, bias: jax.Array | None, labels: jax.Array,
+                 pad_id: int, label_smoothing: float, num_tokens: jax.Array | int | None = None,
+                 chunk: int = DEFAULT_CHUNK) -> tuple[jax.Array, jax.Array]:
+    """train.loss_fn(hidden @ weight + bias, labels, ...) without the [tokens, V] logits:
+    hidden [B, T, d] or [N, d] (the decoder's output after its final norm), weight the canonical
+    [d, V] kernel (the target table's transpose when tied, §3.4), bias [V] or None, labels
+    hidden's leading shape. Returns (loss, number of non-pad labels); the loss is the masked sum
+    over that number, or over `num_tokens` when given (a part of a global batch:
+    rosetta/distributed.py); a batch with no labels gives loss 0."""
+    if hidden.ndim < 1 or tuple(labels.shape) != tuple(hidden.shape[:-1]):
+        raise RosettaError(f"chunked_loss: labels {tuple(labels.shape)} must be hidden's "
+                           f"{tuple(hidden.shape)} leading shape")
+    if weight.ndim != 2 or weight.shape[0] != hidden.shape[-1]:
+        raise RosettaError(f"chunked_loss: weight {tuple(weight.shape)} must be [d, V] with "
+                           f"d = {hidden.shape[-1]} (hidden's last dimension)")
+    if bias is not None and tuple(bias.shape) != (weight.shape[1],):
+        raise RosettaError(f"chunked_loss: bias {tuple(bias.shape)} must be [V] = ({weight.shape[1]},)")
+    if isinstance(chunk, bool) or not isinstance(chunk, int) or chunk < 1:
+        raise RosettaError(f"chunked_loss: chunk must be a positive int, not {chunk!r}")
+    if not jnp.issubdtype(labels.dtype, jnp.integer):
+        raise RosettaError(f"chunked_loss: labels must be integer ids, not {labels.dtype}")
+    h, y = hidden.reshape(-1, hidden.shape[-1]), labels.reshape(-1)
+    chunk = min(chunk, max(h.shape[0], 1))  # no filler beyond one chunk's worth of tokens
+    count = (y != pad_id).sum()
+    denominator = jnp.maximum(count if num_tokens is None else num_tokens, 1)
+    loss = chunked_cross_entropy(h, weight, bias, y, denominator, pad_id, float(label_smoothing), chunk)
+    return loss, count
+
+
+def generator_params(model) -> tuple[jax.Array, jax.Array | None]:
+    """(kernel [d, V], bias [V] or None) of a Transformer's Generator: the target embedding
+    table's transpose when tied (§3.4), as jax_impl/model.py's Generator.__call__ picks it."""
+    generator = model.generator
+    kernel = model.tgt_table.embedding[...].T if generator.kernel is None else generator.kernel[...]
+    return kernel, None if generator.bias is None else generator.bias[...]
