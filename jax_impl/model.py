@@ -433,13 +433,16 @@ class Transformer(nnx.Module):
     def __call__(self, src: jax.Array, tgt: jax.Array, stages: Stages | None = None,
                  rngs: nnx.Rngs | None = None, fine: bool = False, src_segments: jax.Array | None = None,
                  tgt_segments: jax.Array | None = None, src_positions: jax.Array | None = None,
-                 tgt_positions: jax.Array | None = None) -> jax.Array:
+                 tgt_positions: jax.Array | None = None, hidden: bool = False) -> jax.Array:
         """Logits [B, T, V] for source ids [B, S] and decoder input ids [B, T]; `stages` receives
         the coarse stages, and with `fine` the sublayer outputs and attention weights too. Packed
-        rows (several pairs per row) give all four segment/position arrays (docs/packing.md)."""
+        rows (several pairs per row) give all four segment/position arrays (docs/packing.md).
+        `hidden`: the decoder's output [B, T, d] instead, for the chunked loss (jax_impl/loss.py)."""
         stages = {} if stages is None else stages
         check_packing(src, tgt, src_segments, tgt_segments, src_positions, tgt_positions)
         memory = self.encode(src, stages, rngs, fine, src_segments, src_positions)
-        hidden = self.decode(tgt, memory, src, stages, rngs, fine, tgt_segments, tgt_positions, src_segments)
-        logits = stages["logits"] = self.generator(hidden, self.tgt_table)
+        out = self.decode(tgt, memory, src, stages, rngs, fine, tgt_segments, tgt_positions, src_segments)
+        if hidden:
+            return out
+        logits = stages["logits"] = self.generator(out, self.tgt_table)
         return logits

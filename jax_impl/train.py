@@ -25,6 +25,7 @@ from jax.sharding import PartitionSpec as P
 
 from jax_impl.backend import DTYPES, Model, parity_mode
 from jax_impl.convert import build_model, flax_name, to_params
+from jax_impl.loss import chunked_loss, generator_params
 from jax_impl.model import Transformer
 from rosetta.checkpoint import check_params
 from rosetta.config import ModelConfig
@@ -76,11 +77,14 @@ def make_optimizer(model: Transformer, train_cfg: TrainConfig) -> nnx.Optimizer:
     return nnx.Optimizer(model, tx, wrt=nnx.Param)
 
 
-@nnx.jit(static_argnames=("train_cfg", "mesh"))
+LOSSES = ("plain", "chunked")  # chunked: no [tokens, V] logits (jax_impl/loss.py, docs/loss.md)
+
+
+@nnx.jit(static_argnames=("train_cfg", "mesh", "loss"))
 def _train_step(model: Transformer, optimizer: nnx.Optimizer, rngs: nnx.Rngs, src: jax.Array,
                 tgt: jax.Array, labels: jax.Array, num_tokens: jax.Array | None, train_cfg: TrainConfig,
-                mesh: Mesh | None = None, packing: dict[str, jax.Array] | None = None
-                ) -> tuple[jax.Array, jax.Array, jax.Array]:
+                mesh: Mesh | None = None, packing: dict[str, jax.Array] | None = None,
+                loss: str = "plain") -> tuple[jax.Array, jax.Array, jax.Array]:
     """`train_step` on K micro-batches `src, tgt, labels` [K, rows, L] (K = 1: one batch), also
     returning the global gradient norm before clipping (a 0-d array): the harness stops a run at
     the first non-finite one (rosetta/harness/loop.py). Each micro-batch's loss is its label sum
@@ -92,10 +96,15 @@ def _train_step(model: Transformer, optimizer: nnx.Optimizer, rngs: nnx.Rngs, sr
     (docs/packing.md)."""
     packing = packing or {}
 
+    chunked = loss == "chunked"
+
     def loss_of(model: Transformer, rngs: nnx.Rngs, src: jax.Array, tgt: jax.Array,
                 labels: jax.Array, packing: dict[str, jax.Array]) -> jax.Array:
-        return loss_fn(model(src, tgt, rngs=rngs, **packing), labels, model.cfg.pad_id,
-                       train_cfg.label_smoothing, num_tokens)[0]
+        out = model(src, tgt, rngs=rngs, hidden=chunked, **packing)
+        if chunked:
+            return chunked_loss(out, *generator_params(model), labels, model.cfg.pad_id,
+                                train_cfg.label_smoothing, num_tokens)[0]
+        return loss_fn(out, labels, model.cfg.pad_id, train_cfg.label_smoothing, num_tokens)[0]
 
     lr = schedule(model.cfg.d_model, train_cfg)(optimizer.step[...])  # what adam reads this update
     value_and_grad = nnx.value_and_grad(loss_of)  # d/d(nnx.Param of model) only
@@ -141,7 +150,7 @@ def train_step(model: Transformer, optimizer: nnx.Optimizer, rngs: nnx.Rngs, src
 
 
 def make_train_step(model: Transformer, optimizer: nnx.Optimizer, rngs: nnx.Rngs,
-                    train_cfg: TrainConfig, mesh: Mesh | None = None
+                    train_cfg: TrainConfig, mesh: Mesh | None = None, loss: str = "plain"
                     ) -> Callable[..., tuple[jax.Array, jax.Array, jax.Array]]:
     """`train_step` with the model, optimizer and generator bound: step(src, tgt, labels,
     num_tokens=None) -> (loss, lr, global gradient norm before clipping); 2-d ids are one
@@ -161,7 +170,8 @@ def make_train_step(model: Transformer, optimizer: nnx.Optimizer, rngs: nnx.Rngs
         if src.ndim == 2:
             src, tgt, labels = src[None], tgt[None], labels[None]
             packing = {name: a[None] for name, a in packing.items()}
-        return cached(src, tgt, labels, num_tokens, train_cfg=train_cfg, mesh=mesh, packing=packing)
+        return cached(src, tgt, labels, num_tokens, train_cfg=train_cfg, mesh=mesh, packing=packing,
+                      loss=loss)
 
     return step
 
@@ -308,9 +318,12 @@ class Trainer:
 
     def __init__(self, cfg: ModelConfig, params: Mapping[str, np.ndarray], train_cfg: TrainConfig,
                  device: str | None = None, dtype: str = "float32", parity: bool | None = None,
-                 accumulate: int = 1, shard: bool = False, num_devices: int | None = None):
+                 accumulate: int = 1, shard: bool = False, num_devices: int | None = None,
+                 loss: str = "plain"):
         if dtype not in self.dtypes:
             raise RosettaError(f"the jax trainer computes in {', '.join(self.dtypes)}, not {dtype!r}")
+        if loss not in LOSSES:
+            raise RosettaError(f"loss must be one of {', '.join(LOSSES)}, got {loss!r}")
         if isinstance(accumulate, bool) or not isinstance(accumulate, int) or accumulate < 1:
             raise RosettaError(f"accumulate (micro-batches per update) must be an integer >= 1, not "
                                f"{accumulate!r}")
@@ -339,7 +352,8 @@ class Trainer:
                         variable.set_metadata(out_sharding=_shard_spec(variable.shape, self.world_size))
             self.rngs = nnx.Rngs(dropout=train_cfg.seed)
             self._place()
-            self._train_step = make_train_step(self.model, self.optimizer, self.rngs, train_cfg, self.mesh)
+            self._train_step = make_train_step(self.model, self.optimizer, self.rngs, train_cfg, self.mesh,
+                                               loss)
         self.device_name = cpu_name() if self.device.platform == "cpu" else self.device.device_kind
 
     def _place(self) -> None:

@@ -83,3 +83,21 @@ def test_packed_harness_runs_agree_across_frameworks_and_resume_exactly(tmp_path
     got = load_checkpoint(out / "torch" / "checkpoints" / name / "model.safetensors").params
     want = load_checkpoint(tmp_path / "both" / "torch" / "checkpoints" / name / "model.safetensors").params
     assert all(np.array_equal(got[k], want[k]) for k in want)
+
+
+@pytest.mark.parametrize("backend", ["torch", "jax"])
+def test_chunked_loss_trains_the_weights_of_the_plain_loss(backend):
+    """Three updates with --loss chunked (torch_impl/loss.py, jax_impl/loss.py) give the plain loss's
+    losses and weights (float32 rounding only; k biases through the logits, PITFALLS 14)."""
+    from parity_tests.dp_case import compare
+
+    cfg = preset("tiny", **NO_DROPOUT)
+    params = init_params(cfg, seed=0)
+    pairs, batches = _packed_batches(cfg)
+    runs = {}
+    for loss in ("plain", "chunked"):
+        trainer = trainer_class(backend)(cfg, params, TrainConfig(warmup_steps=10), device="cpu", loss=loss)
+        runs[loss] = ([trainer.step(b)["loss"] for b in batches * 2][:3], trainer.params())
+    np.testing.assert_allclose(runs["chunked"][0], runs["plain"][0], rtol=1e-6)
+    worst, through_outputs = compare(cfg, runs["chunked"][1], runs["plain"][1], batches[0])
+    assert worst <= 1e-5 and through_outputs <= 1e-5

@@ -216,7 +216,7 @@ def _run_config(args: argparse.Namespace):
         progress=args.progress, accumulate=args.accumulate, shard=args.shard, devices=args.devices,
         nproc=args.nproc, dist_timeout=args.dist_timeout, baseline=args.baseline,
         time_budget=args.time_budget, target_bleu=args.target_bleu, average_last=args.average_last,
-        batching=args.batching,
+        batching=args.batching, loss=args.loss,
     )
 
 
@@ -383,6 +383,9 @@ def _add_train_args(p: argparse.ArgumentParser) -> None:
     opt.add_argument("--lr-factor", type=real, default=1.0, help="factor on eq. 3's learning rate")
     opt.add_argument("--label-smoothing", type=real, default=0.1)
     opt.add_argument("--clip-norm", type=real, help="global gradient-norm clipping (default none)")
+    opt.add_argument("--loss", default="plain",
+                     help="plain (logits, then the loss) or chunked (the output projection and the loss "
+                          "chunk by chunk: no [tokens, vocabulary] logits, docs/loss.md)")
     opt.add_argument("--dtype", default="float32", help="compute dtype: float32 or bfloat16")
     opt.add_argument("--device", help="framework device, e.g. cpu or cuda (default: the framework's)")
     ev = p.add_argument_group("evaluation, checkpoints, logging")

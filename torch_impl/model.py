@@ -390,13 +390,16 @@ class Transformer(nn.Module):
     def forward(self, src: torch.Tensor, tgt: torch.Tensor, stages: Stages | None = None,
                 fine: bool = False, src_segments: torch.Tensor | None = None,
                 tgt_segments: torch.Tensor | None = None, src_positions: torch.Tensor | None = None,
-                tgt_positions: torch.Tensor | None = None) -> torch.Tensor:
+                tgt_positions: torch.Tensor | None = None, hidden: bool = False) -> torch.Tensor:
         """Logits [B, T, V] for source ids [B, S] and decoder input ids [B, T]; `stages` receives
         the coarse stages, and with `fine` the sublayer outputs and attention weights too. Packed
-        rows (several pairs per row) give all four segment/position arrays (docs/packing.md)."""
+        rows (several pairs per row) give all four segment/position arrays (docs/packing.md).
+        `hidden`: the decoder's output [B, T, d] instead, for the chunked loss (torch_impl/loss.py)."""
         stages = {} if stages is None else stages
         check_packing(src, tgt, src_segments, tgt_segments, src_positions, tgt_positions)
         memory = self.encode(src, stages, fine, src_segments, src_positions)
-        hidden = self.decode(tgt, memory, src, stages, fine, tgt_segments, tgt_positions, src_segments)
-        logits = stages["logits"] = self.generator(hidden, self.tgt_table)
+        out = self.decode(tgt, memory, src, stages, fine, tgt_segments, tgt_positions, src_segments)
+        if hidden:
+            return out
+        logits = stages["logits"] = self.generator(out, self.tgt_table)
         return logits

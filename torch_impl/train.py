@@ -30,6 +30,7 @@ from rosetta.params import Params
 from rosetta.training import Batch, TrainConfig, check_state, learning_rate
 from torch_impl.backend import DTYPES, Model, default_device, float32_matmul_precision, parity_mode
 from torch_impl.convert import from_state_dict
+from torch_impl.loss import chunked_loss, generator_params
 from torch_impl.model import Transformer
 
 log = logging.getLogger(__name__)
@@ -86,6 +87,23 @@ def forward_loss(module: Transformer, src: torch.Tensor, tgt: torch.Tensor, labe
     with _autocast(src.device, autocast):  # the backward pass runs outside autocast, as torch advises
         logits = module(src, tgt, **(packing or {}))
         return loss_fn(logits, labels, _unwrap(module).cfg.pad_id, label_smoothing, num_tokens)[0]
+
+
+def chunked_forward_loss(module: Transformer, src: torch.Tensor, tgt: torch.Tensor, labels: torch.Tensor,
+                         label_smoothing: float, autocast: torch.dtype | None = None,
+                         num_tokens: torch.Tensor | None = None,
+                         packing: Mapping[str, torch.Tensor] | None = None) -> torch.Tensor:
+    """`forward_loss` without the [tokens, V] float32 logits: the decoder's output, then the output
+    projection and the loss chunk by chunk with their own backward (torch_impl/loss.py, docs/loss.md).
+    The tied table is used outside the wrapper's forward; its one gradient still reaches DDP's hook."""
+    with _autocast(src.device, autocast):
+        hidden = module(src, tgt, hidden=True, **(packing or {}))
+    model = _unwrap(module)
+    weight, bias = generator_params(model)
+    return chunked_loss(hidden, weight, bias, labels, model.cfg.pad_id, label_smoothing, num_tokens)[0]
+
+
+LOSSES: dict[str, Callable[..., torch.Tensor]] = {"plain": forward_loss, "chunked": chunked_forward_loss}
 
 
 @contextlib.contextmanager
@@ -247,9 +265,15 @@ class Trainer:
 
     def __init__(self, cfg: ModelConfig, params: Mapping[str, np.ndarray], train_cfg: TrainConfig,
                  device: str | None = None, dtype: str = "float32", parity: bool | None = None,
-                 accumulate: int = 1, shard: bool = False, num_devices: int | None = None):
+                 accumulate: int = 1, shard: bool = False, num_devices: int | None = None,
+                 loss: str = "plain"):
         if dtype not in self.dtypes:
             raise RosettaError(f"the torch trainer computes in {', '.join(self.dtypes)}, not {dtype!r}")
+        if loss not in LOSSES:
+            raise RosettaError(f"loss must be one of {', '.join(LOSSES)}, got {loss!r}")
+        if loss == "chunked" and shard:  # FSDP2 reshards the tied table once the forward pass ends
+            raise RosettaError("--loss chunked does not combine with --shard yet: use one of them")
+        self.forward = LOSSES[loss]
         if isinstance(accumulate, bool) or not isinstance(accumulate, int) or accumulate < 1:
             raise RosettaError(f"accumulate must be an integer >= 1, got {accumulate!r}")
         if num_devices not in (None, 1):
@@ -341,7 +365,7 @@ class Trainer:
         num_tokens = torch.tensor(batch.num_tgt_tokens, device=self.device)
         with self._context():
             loss, lr, grad_norm = _train_step(self.replica, self.optimizer, self.scheduler, micro, num_tokens,
-                                              self.train_cfg, self.autocast, forward_loss, self.world_size)
+                                              self.train_cfg, self.autocast, self.forward, self.world_size)
             loss_value, norm_value = loss.item(), grad_norm.item()
         return {"step": self.step_count, "loss": loss_value, "lr": float(lr), "grad_norm": norm_value,
                 "num_src_tokens": int(batch.num_src_tokens), "num_tgt_tokens": int(batch.num_tgt_tokens),

@@ -82,6 +82,7 @@ IDENTITY_FIELDS: tuple[str, ...] = (
     "preset", "overrides", "task", "pair", "vocab_size", "train_size", "synthetic_max_len", "max_tokens",
     "buckets", "dtype", "warmup", "lr_factor", "label_smoothing", "clip_norm", "seed", "batching",
 )
+LOSSES = ("plain", "chunked")  # --loss: logits then the loss, or chunked without the logits (docs/loss.md)
 BATCHINGS = ("bucketed", "packed")  # --batching: by length buckets (§5.1), or packed rows (docs/packing.md)
 
 
@@ -140,6 +141,7 @@ class RunConfig:
     target_bleu: float | None = None
     average_last: int | None = None
     batching: str = "bucketed"
+    loss: str = "plain"
 
     def to_dict(self) -> dict[str, Any]:
         return {k: list(v) if isinstance(v, tuple) else v for k, v in dataclasses.asdict(self).items()}
@@ -185,6 +187,8 @@ def check_run(run: RunConfig) -> None:
     check_real(run.alpha, "--alpha", minimum=0.0)  # the rule model.generate applies at evaluation
     for name in ("eval_every", "checkpoint_every", "max_len_margin"):
         _positive(name, getattr(run, name), minimum=0)
+    if run.loss not in LOSSES:
+        raise RosettaError(f"--loss must be one of {', '.join(LOSSES)}, got {run.loss!r}")
     if run.batching not in BATCHINGS:
         raise RosettaError(f"--batching must be one of {', '.join(BATCHINGS)}, got {run.batching!r}")
     if run.dtype not in ("float32", "bfloat16"):
@@ -322,7 +326,7 @@ class _Run:
         run = self.run
         Trainer = trainer_class(self.backend)
         return Trainer(self.cfg, params, self.train_cfg, device=run.device, dtype=run.dtype,
-                       accumulate=run.accumulate, shard=run.shard, num_devices=run.devices)
+                       accumulate=run.accumulate, shard=run.shard, num_devices=run.devices, loss=run.loss)
 
     def start(self) -> Any:
         if self.run.resume:
