@@ -26,8 +26,11 @@ demo: $(STAMP)
 	$(BIN)/rosetta train --backend torch jax --task copy --steps 400 --warmup 100 \
 		--eval-every 200 --out runs/demo --overwrite
 
+# Two pytest workers (pytest-xdist): the suite is one process per core on this project's 2-core
+# machines. On a GPU give `make test TEST_WORKERS=0` (one process: JAX preallocates GPU memory).
+TEST_WORKERS ?= 2
 test: $(STAMP)
-	$(BIN)/python -m pytest -q
+	$(BIN)/python -m pytest -q -n $(TEST_WORKERS)
 
 lint: $(STAMP)
 	$(BIN)/ruff check .
