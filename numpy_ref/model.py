@@ -15,7 +15,7 @@ import math
 import numpy as np
 
 from rosetta.config import ModelConfig
-from rosetta.errors import InputError
+from rosetta.inputs import check_packing
 from rosetta.params import Params, embedding_names
 from rosetta.positional import positional_encoding
 
@@ -87,27 +87,6 @@ def segment_mask(q_segments: np.ndarray, k_segments: np.ndarray, causal: bool = 
     if causal:
         mask &= np.tril(np.ones(mask.shape[1:], dtype=bool))
     return mask[:, None]
-
-
-def check_packing(src: np.ndarray, tgt: np.ndarray, src_segments, tgt_segments, src_positions,
-                  tgt_positions) -> bool:
-    """True for a packed batch: all four arrays given, each shaped like its ids, positions in
-    [0, row length). None of them: not packed. Anything else is an InputError."""
-    arrays = dict(src_segments=src_segments, tgt_segments=tgt_segments, src_positions=src_positions,
-                  tgt_positions=tgt_positions)
-    given = [name for name, a in arrays.items() if a is not None]
-    if not given:
-        return False
-    if len(given) < 4:
-        raise InputError(f"packing needs all of src_segments, tgt_segments, src_positions and "
-                         f"tgt_positions; got only {', '.join(given)}")
-    for name, a in arrays.items():
-        ids = src if name.startswith("src") else tgt
-        if np.shape(a) != ids.shape:
-            raise InputError(f"{name} has shape {np.shape(a)}, expected {ids.shape} (as the ids)")
-        if name.endswith("positions") and (np.min(a) < 0 or np.max(a) >= ids.shape[1]):
-            raise InputError(f"{name} must lie in [0, {ids.shape[1]}): positions restart at 0 per segment")
-    return True
 
 
 # -- Sublayers -----------------------------------------------------------------------------
@@ -267,7 +246,8 @@ def forward(
     the coarse stages, and with `fine` the sublayer outputs and attention weights too. Packed
     rows (several pairs per row) give all four segment/position arrays (docs/packing.md)."""
     stages = {} if stages is None else stages
-    check_packing(src, tgt, src_segments, tgt_segments, src_positions, tgt_positions)
+    check_packing(src, tgt, src_segments, tgt_segments, src_positions, tgt_positions,
+                  check_range=True)
     memory = encode(params, cfg, src, stages, fine, src_segments, src_positions)
     hidden = decode(params, cfg, tgt, memory, src, stages, fine, tgt_segments, tgt_positions, src_segments)
     logits = stages["logits"] = generator(params, cfg, hidden)

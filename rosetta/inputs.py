@@ -116,3 +116,26 @@ def split_lines(data: bytes | str) -> list[str]:
     if out:
         out[0] = out[0].removeprefix("\ufeff")
     return out
+
+
+def check_packing(src, tgt, src_segments, tgt_segments, src_positions, tgt_positions,
+                  check_range: bool = False) -> bool:
+    """True for a packed batch (docs/packing.md): all four arrays given, each shaped like its ids
+    (NumPy, torch or JAX arrays alike). None of them: not packed. Anything else is an InputError.
+    `check_range`: also positions in [0, row length) (the NumPy reference; a framework on a
+    device would have to wait for it)."""
+    arrays = dict(src_segments=src_segments, tgt_segments=tgt_segments, src_positions=src_positions,
+                  tgt_positions=tgt_positions)
+    given = [name for name, a in arrays.items() if a is not None]
+    if not given:
+        return False
+    if len(given) < 4:
+        raise InputError(f"packing needs all of src_segments, tgt_segments, src_positions and "
+                         f"tgt_positions; got only {', '.join(given)}")
+    for name, a in arrays.items():
+        ids = src if name.startswith("src") else tgt
+        if tuple(a.shape) != tuple(ids.shape):
+            raise InputError(f"{name} has shape {tuple(a.shape)}, expected {tuple(ids.shape)} (as the ids)")
+        if check_range and name.endswith("positions") and (np.min(a) < 0 or np.max(a) >= ids.shape[1]):
+            raise InputError(f"{name} must lie in [0, {ids.shape[1]}): positions restart at 0 per segment")
+    return True

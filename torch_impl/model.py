@@ -17,7 +17,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from rosetta.config import ModelConfig
-from rosetta.errors import InputError
+from rosetta.inputs import check_packing
 from rosetta.params import embedding_names
 from rosetta.positional import positional_encoding
 
@@ -68,26 +68,6 @@ def segment_mask(q_segments: torch.Tensor, k_segments: torch.Tensor, causal: boo
     if causal:
         mask = mask & torch.ones(mask.shape[1:], dtype=torch.bool, device=mask.device).tril()
     return mask[:, None]
-
-
-def check_packing(src: torch.Tensor, tgt: torch.Tensor, src_segments, tgt_segments, src_positions,
-                  tgt_positions) -> bool:
-    """True for a packed batch: all four arrays given, each shaped like its ids. None of them:
-    not packed. Anything else is an InputError. (Position ranges are checked by numpy_ref only:
-    here that would wait for the device.)"""
-    arrays = dict(src_segments=src_segments, tgt_segments=tgt_segments, src_positions=src_positions,
-                  tgt_positions=tgt_positions)
-    given = [name for name, a in arrays.items() if a is not None]
-    if not given:
-        return False
-    if len(given) < 4:
-        raise InputError(f"packing needs all of src_segments, tgt_segments, src_positions and "
-                         f"tgt_positions; got only {', '.join(given)}")
-    for name, a in arrays.items():
-        ids = src if name.startswith("src") else tgt
-        if tuple(a.shape) != tuple(ids.shape):
-            raise InputError(f"{name} has shape {tuple(a.shape)}, expected {tuple(ids.shape)} (as the ids)")
-    return True
 
 
 # -- Sublayers -----------------------------------------------------------------------------

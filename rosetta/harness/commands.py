@@ -72,8 +72,7 @@ def cmd_evaluate(args: argparse.Namespace) -> int:
 def add_parsers(cmds: argparse._SubParsersAction) -> None:
     """Register `average` and `evaluate` on rosetta/cli.py's subcommands."""
     from rosetta.average import DEFAULT_LAST
-    from rosetta.cli import non_negative_int, non_negative_real, positive_int
-    from rosetta.generation import LENGTH_RULES
+    from rosetta.cli import _add_search_args, positive_int
 
     p = cmds.add_parser("average", help="average checkpoints into one (paper §6.1: the last 5)",
                         epilog="CKPT: a model.safetensors file, a checkpoint directory, a checkpoints/latest "
@@ -97,16 +96,7 @@ def add_parsers(cmds: argparse._SubParsersAction) -> None:
     p.add_argument("--data-dir",
                    help="Multi30k directory (default $ROSETTA_DATA_DIR or ../shared/data/multi30k)")
     p.add_argument("--limit", type=positive_int, help="the first N sentences only (default all)")
-    p.add_argument("--backend", default="numpy", help="numpy, torch or jax")
-    p.add_argument("--dtype", default=None, help="compute dtype (default: the backend's first)")
-    p.add_argument("--beam", type=positive_int, default=4, help="beam size (paper §6.1: 4); 1 = greedy")
-    p.add_argument("--alpha", type=non_negative_real, default=0.6,
-                   help="length penalty exponent (paper §6.1: 0.6; Wu et al. 2016)")
-    p.add_argument("--margin", type=non_negative_int, default=50,
-                   help="max output length = source length + margin (paper §6.1: 50)")
-    p.add_argument("--batch-size", type=positive_int, default=32, help="sentences decoded at once")
-    p.add_argument("--length-rule", choices=LENGTH_RULES, default="wu",
-                   help="beam score: wu (Wu et al. 2016) or hf (Hugging Face generate)")
+    _add_search_args(p, beam=4)  # the search flags of `generate` and `translate` (paper §6.1: beam 4)
     p.add_argument("--hyps", metavar="FILE", help="also write the hypotheses, one a line")
     p.add_argument("--out", required=True, metavar="FILE.json", help="where to write the JSON report")
     p.set_defaults(func=cmd_evaluate)
