@@ -226,3 +226,17 @@ def test_nproc_under_a_launch_of_another_size_is_refused(tmp_path):
                     LOCAL_WORLD_SIZE="2", LOCAL_RANK="1")
     assert done.returncode == 2
     assert done.stderr.strip().splitlines()[-1].startswith("rosetta: error [process 1 of 2]: --nproc 3")
+
+
+@pytest.mark.parametrize("flag, value", [("--nproc", "0"), ("--accumulate", "0"), ("--accumulate", "-2"),
+                                         ("--devices", "0"), ("--dist-timeout", "-1"),
+                                         ("--dist-timeout", "nan"), ("--batching", "zigzag"),
+                                         ("--loss", "fused"), ("--baseline", "/nonexistent")])
+def test_bad_many_device_flags_are_refused_by_name_before_anything_runs(flag, value, tmp_path, capsys):
+    from rosetta.cli import main
+
+    out = tmp_path / "run"
+    assert main(["train", "--out", str(out), flag, value]) == 2
+    error = capsys.readouterr().err.strip().splitlines()
+    assert len(error) == 1 and flag in error[0]  # one line, naming the flag
+    assert not out.exists()  # refused before the output directory is touched
