@@ -351,7 +351,8 @@ def _add_search_args(p: argparse.ArgumentParser, beam: int) -> None:
 def _add_train_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--recipe", help="start from a named recipe's settings (multi30k); flags override them")
     p.add_argument("--backend", nargs="+", default=["torch"], metavar="NAME",
-                   help="torch and/or jax; several train one after the other in OUT/<backend>/")
+                   help="torch, jax and/or peer (torch.nn.Transformer, the torch recipe: docs/training.md); "
+                        "several train one after the other in OUT/<backend>/")
     p.add_argument("--preset", default="tiny", help=f"model preset: {', '.join(sorted(PRESETS))}")
     p.add_argument("--set", action="append", default=[], metavar="FIELD=VALUE",
                    help="override a model config field (repeatable), e.g. --set dropout=0")

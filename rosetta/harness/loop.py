@@ -73,7 +73,19 @@ from rosetta.training import TrainConfig
 
 log = logging.getLogger(__name__)
 
-TRAINERS: dict[str, str] = {"torch": "torch_impl.train", "jax": "jax_impl.train"}
+# "peer": torch.nn.Transformer trained with the torch backend's recipe (torch_impl/peer_train.py).
+TRAINERS: dict[str, str] = {"torch": "torch_impl.train", "jax": "jax_impl.train",
+                             "peer": "torch_impl.peer_train"}
+# What the peer has no counterpart of: (RunConfig field, value that is fine, why).
+PEER_REFUSES: tuple[tuple[str, Any, str], ...] = (
+    ("nproc", 1, "it trains in one process"),
+    ("shard", False, "it trains in one process (no FSDP2 sharding)"),
+    ("batching", "bucketed", "nn.Transformer takes no segment ids for packed rows"),
+    ("loss", "plain", "nn.Transformer returns logits, not the decoder's output"),
+)
+# The backend that decodes a trainer's canonical weights where it is no backend itself: the peer's
+# are decoded by ours, so a BLEU difference is training alone (torch_impl/peer_train.py).
+DECODERS: dict[str, str] = {"peer": "torch"}
 RUN_FORMAT = "rosetta-run/1"
 DEFAULT_STEPS = 1000
 # The settings a resumed run must share with the run it continues (what fixes its batches,
@@ -213,6 +225,12 @@ def check_run(run: RunConfig) -> None:
     if run.baseline is not None and not (Path(run.baseline) / "summary.json").is_file():
         raise RosettaError(f"--baseline {run.baseline}: no summary.json there (give the out directory of a "
                            "finished run on one device)")
+    if "peer" in run.backends:
+        for flag, fine, why in PEER_REFUSES:
+            value = getattr(run, flag)
+            if value != fine:
+                given = f"--{flag.replace('_', '-')}" + ("" if isinstance(value, bool) else f" {value}")
+                raise RosettaError(f"{given}: --backend peer does not support it ({why})")
     run.train_config()  # TrainConfig checks its own fields (ConfigError names the field)
 
 
@@ -495,7 +513,8 @@ class _Run:
         with os_errors(self.dir, "write the averaged checkpoint in"):
             out = write_average(paths, self.dir / "averaged.safetensors")
         ckpt = load_checkpoint(out)
-        model = from_params(ckpt.config, ckpt.params, self.backend, self.run.dtype)
+        model = from_params(ckpt.config, ckpt.params, DECODERS.get(self.backend, self.backend),
+                            self.run.dtype)
         start = time.perf_counter()
         scores = translation_scores(model, self.task, self.gen_batches, self.num_gen, self.run)
         return {"kind": "eval_average", "backend": self.backend, "step": trainer.step_count,
