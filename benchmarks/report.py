@@ -24,7 +24,7 @@ from rosetta.checkpoint import atomic_write_bytes
 ROOT = Path(__file__).parent.parent
 BENCHMARK_DOC = ROOT / "docs" / "benchmarks.md"  # the page that shows the newest tables
 BEGIN, END = "<!-- benchmarks:begin -->", "<!-- benchmarks:end -->"
-IMPL_ORDER = ("numpy", "torch", "torch.compile", "jax", "peer")
+IMPL_ORDER = ("numpy", "torch", "torch (chunked loss)", "torch.compile", "jax", "jax (chunked loss)", "peer")
 SUITES_IN_README = ("gpu", "cpu")  # newest results file of each, in this order
 
 
@@ -134,7 +134,8 @@ def plot(result: dict, path: Path) -> Path:
 
     tasks = [t for t in ("train", "forward", "decode") if any(r["task"] == t for r in result["rows"])]
     fig, axes = plt.subplots(len(tasks), 1, figsize=(10, 3.2 * len(tasks)), squeeze=False)
-    colors = dict(zip(IMPL_ORDER, ("tab:gray", "tab:red", "tab:orange", "tab:blue", "black"), strict=True))
+    palette = ("tab:gray", "tab:red", "lightcoral", "tab:orange", "tab:blue", "lightskyblue", "black")
+    colors = dict(zip(IMPL_ORDER, palette, strict=True))
     for ax, task in zip(axes[:, 0], tasks, strict=True):
         rows = [r for r in _sorted(result["rows"], task) if r.get("ratio_vs_peer") is not None]
         groups = list(dict.fromkeys((r["preset"], r["dtype"], r.get("search", "")) for r in rows))

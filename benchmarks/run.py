@@ -2,7 +2,7 @@
 backend, each divided by the same measurement of a `torch.nn.Transformer` peer taken in the
 same run (benchmarks/peer.py: same config, same weights, same step).
 
-    python -m benchmarks.run --suite cpu      # tiny and small presets, float32 (1.5 min, 2 cores)
+    python -m benchmarks.run --suite cpu      # tiny, and small at 250 x 24; float32 (8 min, 2 cores)
     python -m benchmarks.run --suite gpu      # base, big, tiny; bfloat16 and float32 (TF32): 9 min
     python -m benchmarks.run --suite smoke    # tiny, one repeat: CI's check that it runs
 
@@ -64,6 +64,9 @@ class Size:
     margin: int
 
 
+CHUNKED = "(chunked loss)"  # the implementation-name suffix of steps with the chunked loss
+
+
 @dataclass(frozen=True)
 class Suite:
     presets: dict[str, Size]
@@ -78,8 +81,9 @@ class Suite:
 SUITES = {
     "smoke": Suite({"tiny": Size(8, 16, 4, 8, 4)}, ("float32",), 2, 1, 1, ()),
     # torch.compile takes minutes per graph on 2 cores: measured on tiny only.
-    "cpu": Suite({"tiny": Size(32, 32, 16, 16, 16), "small": Size(16, 32, 8, 16, 16)},
-                 ("float32",), 5, 3, 2, (("tiny", "float32"),)),
+    # small at a real batch: 250 x 24 tokens a side, about Multi30k's 4,096-token batches.
+    "cpu": Suite({"tiny": Size(32, 32, 16, 16, 16), "small": Size(250, 24, 8, 16, 16)},
+                 ("float32",), 2, 5, 2, (("tiny", "float32"),)),
     # base and big first (they matter), 384 x 64 tokens a side: the paper's ~25,000 source and
     # target tokens per batch (§5.1); torch.compile on bfloat16 only, to stay < 10 min.
     "gpu": Suite({"base": Size(384, 64, 64, 32, 32), "big": Size(384, 64, 64, 32, 32),
@@ -95,6 +99,13 @@ def sync() -> None:
     """Wait for queued device work before reading the clock (PITFALLS 13)."""
     if torch.cuda.is_available():
         torch.cuda.synchronize()
+
+
+def finish(outs: list) -> None:
+    """Wait until the last output in `outs` (if any) is computed: JAX dispatches asynchronously."""
+    if outs and isinstance(outs[-1], jax.Array):
+        jax.block_until_ready(outs[-1])
+    sync()
 
 
 def measure(fn, repeats: int, warmup: int, inner: int = 1) -> dict:
@@ -119,6 +130,26 @@ def measure(fn, repeats: int, warmup: int, inner: int = 1) -> dict:
         "repeats": repeats,
         "inner": inner,
         "warmup_s": warmup_s,
+    }
+
+
+def measure_interleaved(fns: dict, repeats: int, warmup: int, inner: int = 1) -> dict[str, dict]:
+    """`measure` for several functions at once, paired: after every function's warm-up, each
+    repeat times one block of `inner` calls of every function in turn."""
+    warmup_s, times = {}, {name: [] for name in fns}
+    for name, fn in fns.items():
+        start = time.perf_counter()
+        finish([fn() for _ in range(warmup)][-1:])
+        warmup_s[name] = time.perf_counter() - start
+    for _ in range(repeats):
+        for name, fn in fns.items():
+            start = time.perf_counter()
+            finish([fn() for _ in range(inner)][-1:])
+            times[name].append((time.perf_counter() - start) / inner)
+    return {
+        name: {"median_s": float(np.median(t)), "min_s": min(t), "max_s": max(t), "repeats": repeats,
+               "inner": inner, "warmup_s": warmup_s[name]}
+        for name, t in times.items()
     }
 
 
@@ -159,43 +190,54 @@ def peak_memory(impl: str, device: str) -> int | None:
 def bench_training(
     cfg, params, peer, size: Size, dtype: str, suite: Suite, compile_ok: bool, device: str
 ) -> list[dict]:
+    """Every implementation's training step on the same batch from the same weights. On the CPU
+    the repeats are interleaved (one block of `suite.steps` steps of each in turn), so a slow
+    spell of the machine falls on all of them alike; on a GPU each runs alone (see below).
+    `(chunked loss)`: the output projection and loss in chunks (docs/loss.md), the same loss."""
     tc = TrainConfig(warmup_steps=4000)
     src, tgt, labels = training_batch(cfg, size)
     flops = training_flops(cfg, size.batch, size.length, size.length)
     real_tokens = int((labels != cfg.pad_id).sum())
-    rows = []
 
-    def torch_runner(module, compile: bool = False):
+    def torch_runner(module, compile: bool = False, loss: str = "plain"):
         optimizer, scheduler = torch_train.make_optimizer(module, tc)
-        step = torch_train.make_train_step(module, optimizer, scheduler, tc, autocast_dtype(dtype), compile)
+        step = torch_train.make_train_step(module, optimizer, scheduler, tc, autocast_dtype(dtype), compile,
+                                           loss)
         batch = [torch.from_numpy(a).to(device) for a in (src, tgt, labels)]
         return lambda: step(*batch)[0]
 
-    impls = {"torch": lambda: torch_runner(TorchModel(cfg, params, "float32", device).module)}
-    if compile_ok:
-        impls["torch.compile"] = lambda: torch_runner(
-            TorchModel(cfg, params, "float32", device).module, compile=True  # forward and loss
-        )
-    def jax_runner():
+    def jax_runner(loss: str = "plain"):
         model = build_model(cfg, params, JAX_DTYPES[dtype])
         optimizer, rngs = jax_train.make_optimizer(model, tc), nnx.Rngs(dropout=0)
-        step = jax_train.make_train_step(model, optimizer, rngs, tc)
+        step = jax_train.make_train_step(model, optimizer, rngs, tc, loss=loss)
         batch = [jnp.asarray(a) for a in (src, tgt, labels)]
         return lambda: step(*batch)[0]
 
+    def ours(compile: bool = False, loss: str = "plain"):
+        return lambda: torch_runner(TorchModel(cfg, params, "float32", device).module, compile, loss)
+
+    impls = {"torch": ours(), f"torch {CHUNKED}": ours(loss="chunked")}
+    if compile_ok:
+        impls["torch.compile"] = ours(compile=True)  # forward and loss
     impls["peer"] = lambda: torch_runner(copy.deepcopy(peer).to(device))  # its weights stay as given
-    impls["jax"] = jax_runner  # last: JAX's allocator keeps what it took (see measure_group)
-    for name, make in impls.items():
-        if device == "cuda":
+    # JAX last: its allocator keeps what it took (see measure_group).
+    impls["jax"], impls[f"jax {CHUNKED}"] = jax_runner, lambda: jax_runner("chunked")
+    if device == "cuda":
+        timings = {}
+        for name, make in impls.items():
             # Hand back what the previous implementation's caching allocator still holds, so that
             # each peak, and JAX (which allocates outside it), start from a free device.
             torch.cuda.empty_cache()
-        step = make()
-        if device == "cuda":
+            step = make()
             torch.cuda.reset_peak_memory_stats()
-        t = measure(step, suite.repeats, suite.warmup, inner=suite.steps)
+            timings[name] = measure(step, suite.repeats, suite.warmup, inner=suite.steps)
+            timings[name]["peak_memory_bytes"] = peak_memory(name, device)
+    else:
+        timings = measure_interleaved({name: make() for name, make in impls.items()}, suite.repeats,
+                                      suite.warmup, inner=suite.steps)
+    rows = []
+    for name, t in timings.items():
         log(f"train {name}", t)
-        peak = peak_memory(name, device)
         rows.append(
             dict(
                 task="train",
@@ -204,7 +246,7 @@ def bench_training(
                 tokens_per_s=real_tokens / t["median_s"],
                 padded_tokens_per_s=labels.size / t["median_s"],
                 flops_per_step=flops,
-                peak_memory_bytes=peak,
+                peak_memory_bytes=t.pop("peak_memory_bytes", None),
             )
         )
     return rows

@@ -108,6 +108,30 @@ def _train_step(model: Transformer, optimizer: nnx.Optimizer, rngs: nnx.Rngs, sr
 
     lr = schedule(model.cfg.d_model, train_cfg)(optimizer.step[...])  # what adam reads this update
     value_and_grad = nnx.value_and_grad(loss_of)  # d/d(nnx.Param of model) only
+    with dropout_draws(mesh):
+        loss, grads = _accumulated(value_and_grad, model, rngs, src, tgt, labels, packing)
+    optimizer.update(model, grads)
+    if mesh is not None:
+        for node in (model, optimizer):
+            state = nnx.state(node)
+            nnx.update(node, jax.lax.with_sharding_constraint(state, nnx.get_named_sharding(state, mesh)))
+    return loss, lr, optax.tree.norm(grads)
+
+
+def dropout_draws(mesh: Mesh | None) -> contextlib.AbstractContextManager:
+    """How threefry draws the dropout masks while the step is traced. On one device: the classic
+    mode, which hashes one counter pair per two mask values; the partitionable default (JAX >= 0.5)
+    hashes one pair per value, and the masks of a `small` step on this project's 2-core CPU took
+    ~1 s of its ~4.8 s that way (benchmarks/results, docs/benchmarks.md). On a mesh of several
+    devices: partitionable, so each device draws only its rows, and every layout draws the same
+    masks. Either way each mask is Bernoulli(1 - rate) exactly; only the stream differs."""
+    return jax.threefry_partitionable(mesh is not None and mesh.size > 1)
+
+
+def _accumulated(value_and_grad: Callable, model: Transformer, rngs: nnx.Rngs, src: jax.Array,
+                 tgt: jax.Array, labels: jax.Array, packing: dict[str, jax.Array]
+                 ) -> tuple[jax.Array, nnx.State]:
+    """The summed loss and gradients of K micro-batches [K, rows, L] (`_train_step`)."""
     first = jax.tree.map(lambda a: a[0], packing)
     loss, grads = value_and_grad(model, rngs, src[0], tgt[0], labels[0], first)
     if src.shape[0] > 1:
@@ -130,12 +154,7 @@ def _train_step(model: Transformer, optimizer: nnx.Optimizer, rngs: nnx.Rngs, sr
                                                        (src[1:], tgt[1:], labels[1:],
                                                         jax.tree.map(lambda a: a[1:], packing)))
         nnx.update(rngs, rngs_state)
-    optimizer.update(model, grads)
-    if mesh is not None:
-        for node in (model, optimizer):
-            state = nnx.state(node)
-            nnx.update(node, jax.lax.with_sharding_constraint(state, nnx.get_named_sharding(state, mesh)))
-    return loss, lr, optax.tree.norm(grads)
+    return loss, grads
 
 
 def train_step(model: Transformer, optimizer: nnx.Optimizer, rngs: nnx.Rngs, src: jax.Array,
@@ -310,7 +329,7 @@ class Trainer:
     and splits its rows over the devices and `accumulate` micro-batches (rosetta/distributed.py);
     one jitted step sums the gradients. Parameters and Adam's moments are replicated, or with
     `shard=True` split over "data" along their first divisible axis (ZeRO-3). The dropout draws
-    are those of the global batch (threefry is partitionable), whatever the layout.
+    are those of the global batch, whatever the layout of several devices (`dropout_draws`).
     """
 
     framework: ClassVar[str] = "jax"
