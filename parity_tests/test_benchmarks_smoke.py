@@ -121,3 +121,64 @@ def test_scaling_benchmark_smoke(tmp_path, monkeypatch):
     if not result["gpus"]:  # a CPU runs every N, and says what its numbers mean
         assert all(row["status"] == "measured" for row in rows.values())
         assert scaling.CPU_NOTE in text
+
+
+def test_batches_benchmark_smoke(tmp_path):
+    """benchmarks/batches.py end to end on tiny and the WMT-like lengths: harness-built batches,
+    bucketed and packed, every implementation, results files written. The real-token FLOPs are
+    checked against rosetta.flops summed over the PAIRS each batch holds (found through
+    `indices`), not over the batch arrays the benchmark reads: padding and packing must add none."""
+    import json
+
+    from benchmarks import batches
+    from rosetta import preset
+    from rosetta.flops import training_flops
+
+    cfg = preset("tiny")
+    pairs = batches.wmt_like_pairs(200, cfg.src_vocab_size)
+    for pack_length in (None, 128):
+        for batch in batches.sample_batches(pairs, cfg, 1024, pack_length, 2):
+            held = batch.indices[batch.indices >= 0].ravel()
+            # src = x + [eos], tgt_in = [bos] + y (rosetta/harness/batching.py)
+            expected = sum(training_flops(cfg, 1, len(pairs[i][0]) + 1, len(pairs[i][1]) + 1) for i in held)
+            assert batches.real_flops(cfg, batch) == expected
+    batches.main(["--preset", "tiny", "--distributions", "wmt", "--batches", "1", "--repeats", "1",
+                  "--max-tokens", "1024", "--out-dir", str(tmp_path)])
+    (json_path,) = tmp_path.glob("batches_tiny_float32_*.json")
+    result = json.loads(json_path.read_text())
+    rows = {(r["batching"], r["impl"]): r for r in result["rows"]}
+    assert set(rows) == {("bucketed", "torch"), ("bucketed", "peer"), ("bucketed", "jax"),
+                         ("packed", "torch"), ("packed", "jax")}
+    assert all(0 < r["real_fraction"] <= 1 and r["real_tokens_per_s"] > 0 for r in rows.values())
+    assert rows["packed", "jax"]["ratio_vs_peer"] > 0 and result["environment"]["commit"]
+    assert "| wmt | packed |" in json_path.with_suffix(".md").read_text()
+
+
+def test_time_to_quality_table(tmp_path):
+    """benchmarks/time_to_quality.py's table of a finished run (no training here): minutes to the
+    FIRST validation evaluation at or above each threshold, "not reached" where none is, the test
+    BLEU of the last checkpoint and of the average where they were evaluated."""
+    import json
+
+    from benchmarks import time_to_quality
+
+    run = tmp_path / "run" / "torch"
+    run.mkdir(parents=True)
+    evaluations = [{"step": 200, "elapsed_s": 300.0, "bleu": 20.0},
+                   {"step": 400, "elapsed_s": 600.0, "bleu": 31.0},
+                   {"step": 600, "elapsed_s": 900.0, "bleu": 30.5},
+                   {"step": 800, "elapsed_s": 1500.0, "bleu": 33.0}]
+    (run / "result.json").write_text(json.dumps({"backend": "torch", "stopped_by": "time_budget",
+                                                  "bleu_average": 33.5, "evaluations": evaluations}))
+    (run / "run.json").write_text(json.dumps({"args": {"pair": "de-en", "time_budget": 25.0}}))
+    signature = "nrefs:1|case:mixed|eff:no|tok:13a|smooth:exp|version:2.5.1"
+    report = {"bleu": {"score": 34.25, "signature": signature}}
+    (run / "eval_last_test_2016_flickr.json").write_text(json.dumps(report))
+    time_to_quality.main(["--out", str(tmp_path / "run"), "--bleu-at", "30", "40",
+                          "--results-dir", str(tmp_path / "results")])
+    (md,) = (tmp_path / "results").glob("ttq_*.md")
+    row = next(line for line in md.read_text().splitlines() if line.startswith("| torch |"))
+    # 30: first reached at step 400 (600 s = 10.0 min), not at the later 33.0; 40: never.
+    assert row == ("| torch | time_budget | 800 | 25.0 | 10.0 (step 400) | not reached | 33.00 / 33.50 | "
+                   "34.25 / – | – / – |")
+    assert signature in md.read_text()

@@ -178,19 +178,21 @@ def make_train_step(module: Transformer, optimizer: torch.optim.Optimizer,
                     scheduler: torch.optim.lr_scheduler.LRScheduler, train_cfg: TrainConfig,
                     autocast: torch.dtype | None = None, compile: bool = False,
                     loss: str = "plain") -> Callable[..., tuple[torch.Tensor, float, torch.Tensor]]:
-    """`train_step` with the module, optimizer and schedule bound: step(src, tgt, labels) ->
-    (loss, lr, global gradient norm before clipping). (JAX needs this to skip a per-call graph
-    walk; eager PyTorch has none to skip.) `compile` runs the forward pass and the loss as one
-    torch.compile graph, its backward compiled too: the loss over a 37k vocabulary alone is ~3x
-    faster compiled than eager on an H100. `loss`: one of LOSSES."""
+    """`train_step` with the module, optimizer and schedule bound: step(src, tgt, labels,
+    num_tokens=None, packing=None) -> (loss, lr, global gradient norm before clipping). (JAX
+    needs this to skip a per-call graph walk; eager PyTorch has none to skip.) `compile` runs
+    the forward pass and the loss as one torch.compile graph, its backward compiled too: the loss
+    over a 37k vocabulary alone is ~3x faster compiled than eager on an H100. `loss`: one of
+    LOSSES."""
     if loss not in LOSSES:
         raise RosettaError(f"loss must be one of {', '.join(LOSSES)}, got {loss!r}")
     forward = torch.compile(LOSSES[loss]) if compile else LOSSES[loss]
 
-    def step(src: torch.Tensor, tgt: torch.Tensor,
-             labels: torch.Tensor) -> tuple[torch.Tensor, float, torch.Tensor]:
-        return _train_step(module, optimizer, scheduler, [(src, tgt, labels)], None, train_cfg, autocast,
-                           forward)
+    def step(src: torch.Tensor, tgt: torch.Tensor, labels: torch.Tensor,
+             num_tokens: torch.Tensor | None = None,
+             packing: Mapping[str, torch.Tensor] | None = None) -> tuple[torch.Tensor, float, torch.Tensor]:
+        batch = (src, tgt, labels) if packing is None else (src, tgt, labels, packing)
+        return _train_step(module, optimizer, scheduler, [batch], num_tokens, train_cfg, autocast, forward)
 
     return step
 

@@ -1,0 +1,240 @@
+"""Training throughput on the batches users train on: built by the harness's own batching
+(rosetta/harness/batching.py), bucketed and packed, from two realistic length distributions,
+with MFU counted on real tokens only (padding is not useful work).
+
+    python -m benchmarks.batches                      # small, 4,096-token batches, CPU: ~6 min on 2 cores
+    python -m benchmarks.batches --preset base --dtype bfloat16 --max-tokens 25000   # on a GPU
+
+Length distributions:
+- `multi30k`: the Multi30k task-1 training pairs (de→en), tokenised by the harness's joint BPE
+  (8,000 tokens, as the multi30k recipe): real sentences, short (mean ~15 tokens).
+- `wmt`: a WMT-like histogram of source lengths in BPE tokens, written down below (WMT_HISTOGRAM:
+  an approximation of WMT'14 en-de under a 32k joint BPE, not measured here: no WMT data on this
+  machine), each target 0.8-1.25 times its source; token ids drawn uniformly.
+
+For each (distribution, batching), the same few batches (the first of the epoch's shuffled
+order; bucketed batches mix bucket lengths) go to every implementation: PyTorch eager, JAX
+(jit; one compilation per shape, in the warm-up), and the `torch.nn.Transformer` peer on the
+bucketed batches (nn.Transformer has no segment masks: packed rows would attend across
+sentences, so the peer is shown on the bucketed batches of the same pairs, its usual input).
+The passes over the batches are interleaved between implementations, as in benchmarks/run.py.
+"real tokens/s" counts target tokens that are not padding; "real MFU" divides the FLOPs of the
+sentences alone (rosetta/flops.py per sentence at its own lengths: no padding, no cross-sentence
+attention) by the step time and the device's peak (unknown on CPUs: "–").
+"""
+
+from __future__ import annotations
+
+import argparse
+import copy
+import datetime as dt
+import os
+import time
+from pathlib import Path
+
+os.environ.setdefault("XLA_PYTHON_CLIENT_PREALLOCATE", "false")  # as benchmarks/run.py
+
+import jax.numpy as jnp
+import numpy as np
+import torch
+from flax import nnx
+
+from benchmarks.common import RESULTS, environment, write_results
+from benchmarks.peer import make_peer
+from benchmarks.run import autocast_dtype, device_name, finish
+from jax_impl import train as jax_train
+from jax_impl.backend import DTYPES as JAX_DTYPES
+from jax_impl.convert import build_model
+from rosetta import preset
+from rosetta.flops import mfu, peak_flops, training_flops
+from rosetta.harness.batching import BatchIterator
+from rosetta.harness.tasks import load_task
+from rosetta.training import Batch, TrainConfig
+from torch_impl import train as torch_train
+from torch_impl.backend import Model as TorchModel
+
+# (lowest, highest source length in BPE tokens, share of sentences): the WMT-like histogram.
+WMT_HISTOGRAM = ((3, 10, 0.12), (11, 20, 0.24), (21, 30, 0.22), (31, 40, 0.16), (41, 50, 0.10),
+                 (51, 70, 0.10), (71, 100, 0.05), (101, 150, 0.01))
+DISTRIBUTIONS = ("multi30k", "wmt")
+# Packed row length per distribution: above its longest pair (src + eos), as Flax's WMT example
+# packs into rows of 256.
+PACK_LENGTH = {"multi30k": 128, "wmt": 256}
+BATCHINGS = ("bucketed", "packed")
+
+
+def wmt_like_pairs(n: int, vocab_size: int, seed: int = 0) -> list[tuple[list[int], list[int]]]:
+    """`n` random-id pairs whose source lengths follow WMT_HISTOGRAM, targets 0.8-1.25x as long
+    (ids 4.. so that none is pad, bos, eos or unk)."""
+    rng = np.random.default_rng(seed)
+    bins = rng.choice(len(WMT_HISTOGRAM), size=n, p=[share for *_, share in WMT_HISTOGRAM])
+    pairs = []
+    for b in bins:
+        low, high, _ = WMT_HISTOGRAM[b]
+        src_len = int(rng.integers(low, high + 1))
+        tgt_len = max(1, round(src_len * rng.uniform(0.8, 1.25)))
+        pairs.append((rng.integers(4, vocab_size, src_len).tolist(),
+                      rng.integers(4, vocab_size, tgt_len).tolist()))
+    return pairs
+
+
+def length_pairs(distribution: str, vocab_size: int, data_dir: str | None) -> list:
+    if distribution == "multi30k":
+        task = load_task("multi30k", vocab_size=vocab_size, bpe_vocab_size=vocab_size, data_dir=data_dir)
+        return task.train_pairs
+    return wmt_like_pairs(30000, vocab_size)
+
+
+def sample_batches(pairs: list, cfg, max_tokens: int, pack_length: int | None, count: int) -> list[Batch]:
+    """The first `count` batches of epoch 0 of the harness's iterator (shuffled order); packed
+    into rows of `pack_length` unless it is None."""
+    iterator = BatchIterator.from_config(pairs, cfg, max_tokens=max_tokens, packing=pack_length is not None,
+                                         pack_length=pack_length)
+    return [next(iterator) for _ in range(count)]
+
+
+def real_flops(cfg, batch: Batch) -> int:
+    """Training FLOPs of the batch's sentences alone, each at its own source and target length."""
+    if batch.packed:
+        total = 0
+        for row_src, row_tgt in zip(batch.src_segments, batch.tgt_segments, strict=True):
+            for segment in np.unique(row_src[row_src > 0]):
+                src_len, tgt_len = int((row_src == segment).sum()), int((row_tgt == segment).sum())
+                total += training_flops(cfg, 1, src_len, tgt_len)
+        return total
+    src_lens = (batch.src != cfg.pad_id).sum(axis=1)
+    tgt_lens = (batch.labels != cfg.pad_id).sum(axis=1)
+    return sum(training_flops(cfg, 1, int(s), int(t))
+               for s, t in zip(src_lens, tgt_lens, strict=True) if t > 0)
+
+
+def runners(cfg, params, peer, batches: list[Batch], dtype: str, device: str, with_peer: bool) -> dict:
+    """name -> a function running one training step on each batch in turn."""
+    tc = TrainConfig(warmup_steps=4000)
+
+    def torch_run(module) -> callable:
+        optimizer, scheduler = torch_train.make_optimizer(module, tc)
+        step = torch_train.make_train_step(module, optimizer, scheduler, tc, autocast_dtype(dtype))
+        tensors = [([torch.from_numpy(a).to(device) for a in (b.src, b.tgt_in, b.labels)],
+                    {k: torch.from_numpy(v).to(device) for k, v in b.packing().items()} or None)
+                   for b in batches]
+        return lambda: [step(*arrays, packing=packing)[0] for arrays, packing in tensors]
+
+    def jax_run() -> callable:
+        model = build_model(cfg, params, JAX_DTYPES[dtype])
+        step = jax_train.make_train_step(model, jax_train.make_optimizer(model, tc), nnx.Rngs(dropout=0), tc)
+        arrays = [([jnp.asarray(a) for a in (b.src, b.tgt_in, b.labels)],
+                   {k: jnp.asarray(v) for k, v in b.packing().items()}) for b in batches]
+        return lambda: [step(*a, packing=p)[0] for a, p in arrays]
+
+    found = {"torch": torch_run(TorchModel(cfg, params, "float32", device).module)}
+    if with_peer:
+        found["peer"] = torch_run(copy.deepcopy(peer).to(device))
+    found["jax"] = jax_run()
+    return found
+
+
+def measure_passes(fns: dict, repeats: int) -> dict[str, list[float]]:
+    """One warm-up pass each (compilation: one per batch shape), then `repeats` interleaved
+    timed passes; seconds per pass."""
+    for fn in fns.values():
+        finish(fn())
+    times = {name: [] for name in fns}
+    for _ in range(repeats):
+        for name, fn in fns.items():
+            start = time.perf_counter()
+            finish(fn())
+            times[name].append(time.perf_counter() - start)
+    return times
+
+
+def run(args: argparse.Namespace) -> dict:
+    device = "cuda" if torch.cuda.is_available() else "cpu"
+    if device == "cuda":
+        torch.set_float32_matmul_precision("high")  # TF32, as JAX's default (benchmarks/run.py)
+    peer, cfg, params = make_peer(preset(args.preset))
+    peak = peak_flops(device_name(), args.dtype)
+    rows = []
+    for distribution in args.distributions:
+        pairs = length_pairs(distribution, cfg.src_vocab_size, args.data_dir)
+        for batching in args.batchings:
+            pack_length = min(PACK_LENGTH[distribution], cfg.max_len) if batching == "packed" else None
+            batches = sample_batches(pairs, cfg, args.max_tokens, pack_length, args.batches)
+            flops = sum(real_flops(cfg, b) for b in batches)
+            real = sum(b.num_tgt_tokens for b in batches)
+            slots = sum(b.labels.size for b in batches)
+            shapes = sorted({b.src.shape for b in batches})
+            print(f"{distribution} {batching}: {len(batches)} batches, shapes {shapes}, "
+                  f"{real / slots:.0%} real target tokens", flush=True)
+            fns = runners(cfg, params, peer, batches, args.dtype, device, with_peer=batching == "bucketed")
+            times = measure_passes(fns, args.repeats)
+            for impl, t in times.items():
+                median = float(np.median(t))
+                rows.append(dict(distribution=distribution, batching=batching, impl=impl, median_s=median,
+                                 min_s=min(t), max_s=max(t), repeats=args.repeats, batches=len(batches),
+                                 shapes=shapes, real_fraction=real / slots,
+                                 real_tokens_per_s=real / median, real_flops=flops,
+                                 real_mfu=mfu(flops, median, peak)))
+                print(f"    {impl}: {median / len(batches) * 1e3:.0f} ms per batch, "
+                      f"{real / median:,.0f} real target tokens/s", flush=True)
+    for row in rows:  # vs the peer on the bucketed batches of the same distribution: same pairs' tokens
+        peer_row = next((r for r in rows if r["impl"] == "peer" and r["distribution"] == row["distribution"]),
+                        None)
+        if peer_row is not None and row["impl"] != "peer":
+            row["ratio_vs_peer"] = row["real_tokens_per_s"] / peer_row["real_tokens_per_s"]
+    return dict(suite="batches", device=device_name(), preset=args.preset, dtype=args.dtype,
+                max_tokens=args.max_tokens, rows=rows)
+
+
+def markdown(result: dict) -> str:
+    env, s = result["environment"], result["settings"]
+    title = f"# Training on harness-built batches: {result['preset']} {result['dtype']}, {result['device']}"
+    lines = [title, "",
+             f"{env.get('date')}, commit {env.get('commit')}, torch {env.get('torch')}, "
+             f"jax {env.get('jax')}; "
+             f"{s}; the whole run took {result['wall_s']:.0f} s. Median of {result['rows'][0]['repeats']} "
+             "interleaved passes over the same batches (spread in brackets). ratio vs peer: real target "
+             "tokens/s over the peer's on the bucketed batches of the same distribution.", "",
+             "| lengths | batching | real tokens | impl | ms per batch | real target tokens/s | real MFU | "
+             "ratio vs peer |", "| --- | --- | --- | --- | --- | --- | --- | --- |"]
+    for r in result["rows"]:
+        per = 1e3 / r["batches"]
+        ratio = r.get("ratio_vs_peer")
+        lines.append(f"| {r['distribution']} | {r['batching']} | {r['real_fraction']:.0%} | {r['impl']} | "
+                     f"{r['median_s'] * per:.0f} [{r['min_s'] * per:.0f}–{r['max_s'] * per:.0f}] | "
+                     f"{r['real_tokens_per_s']:,.0f} | "
+                     f"{'–' if r['real_mfu'] is None else format(r['real_mfu'], '.1%')} | "
+                     f"{'–' if ratio is None else format(ratio, '.2f')} |")
+    return "\n".join(lines) + "\n"
+
+
+def main(argv: list[str] | None = None) -> None:
+    parser = argparse.ArgumentParser(description=__doc__,
+                                     formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--preset", default="small")
+    parser.add_argument("--dtype", default="float32", choices=("float32", "bfloat16"))
+    parser.add_argument("--max-tokens", type=int, default=4096, help="tokens per batch (default 4096)")
+    parser.add_argument("--batches", type=int, default=3, help="batches per (distribution, batching)")
+    parser.add_argument("--repeats", type=int, default=3, help="timed passes over them")
+    parser.add_argument("--distributions", nargs="+", choices=DISTRIBUTIONS, default=list(DISTRIBUTIONS))
+    parser.add_argument("--batchings", nargs="+", choices=BATCHINGS, default=list(BATCHINGS))
+    parser.add_argument("--data-dir", help="Multi30k directory (default: the harness's)")
+    parser.add_argument("--out-dir", type=Path, default=RESULTS)
+    parser.add_argument("--no-write", action="store_true", help="print the table only")
+    args = parser.parse_args(argv)
+    started = time.perf_counter()
+    env = environment()
+    result = run(args)
+    result |= {"environment": env, "wall_s": time.perf_counter() - started,
+               "settings": f"{args.max_tokens} tokens per batch, {args.batches} batches, packed rows of "
+                           + ", ".join(f"{n} ({d})" for d, n in PACK_LENGTH.items())}
+    text = markdown(result)
+    print(text)
+    if not args.no_write:
+        device = "".join(c if c.isalnum() else "-" for c in result["device"].lower()).strip("-")
+        name = f"batches_{args.preset}_{args.dtype}_{device}_{dt.date.today().isoformat()}"
+        print("wrote", *write_results(name, result, text, args.out_dir))
+
+
+if __name__ == "__main__":
+    main()
