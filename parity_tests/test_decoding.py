@@ -113,6 +113,27 @@ def test_searches_agree_across_backends_on_random_weights(beam_size):
         np.testing.assert_allclose(got.scores, want.scores, rtol=SCORE_TOLERANCE)
 
 
+@pytest.mark.parametrize("dtype", ["float32", "float64"])
+def test_torch_topk_ranks_ties_by_index_as_a_stable_sort(dtype):
+    """torch_impl's top-k (int64 keys for float32) against numpy's stable argsort: rows full of
+    ties, -0.0 beside 0.0, the search's NEG and -inf."""
+    import torch
+
+    from rosetta.generation import NEG
+    from torch_impl.decode import topk_stable
+
+    rng = np.random.default_rng(0)
+    x = rng.integers(-3, 3, size=(64, 50)).astype(dtype) * 0.5
+    x[0, :5] = [-0.0, 0.0, -0.0, NEG, -np.inf]
+    x[1] = NEG
+    x[2] = rng.normal(size=50) * 1e-30  # tiny values keep their order
+    for k in (1, 8, 50):
+        values, index = topk_stable(torch.from_numpy(x), k)
+        want = np.argsort(-x, axis=-1, kind="stable")[:, :k]
+        np.testing.assert_array_equal(index.numpy(), want)
+        np.testing.assert_array_equal(values.numpy(), np.take_along_axis(x, want, -1))
+
+
 @pytest.mark.parametrize("backend", ["torch", "jax"])
 @pytest.mark.parametrize("beam_size", [1, 3])
 def test_cache_off_gives_the_same_search(backend, beam_size):

@@ -40,17 +40,27 @@ class Steps:
         logp[:, self.cfg.pad_id] = NEG  # never emit padding
         return logp
 
-    def reorder(self, rows: torch.Tensor) -> None:
+    def reorder(self, rows: torch.Tensor, t: int) -> None:
+        """After step t: only positions <= t hold keys and values, so only they move."""
         for layer_cache in self.cache or []:
-            layer_cache.self_k = layer_cache.self_k[rows]
-            layer_cache.self_v = layer_cache.self_v[rows]
+            layer_cache.self_k[:, :, :t + 1] = layer_cache.self_k[rows, :, :t + 1]
+            layer_cache.self_v[:, :, :t + 1] = layer_cache.self_v[rows, :, :t + 1]
 
 
 def topk_stable(x: torch.Tensor, k: int) -> tuple[torch.Tensor, torch.Tensor]:
     """The k largest along the last axis, ties to the lower index (as numpy's stable argsort
-    and jax.lax.top_k; torch.topk leaves tie order unspecified)."""
-    values, index = torch.sort(x, dim=-1, descending=True, stable=True)
-    return values[..., :k], index[..., :k]
+    and jax.lax.top_k; torch.topk leaves tie order unspecified). float32 rows go through
+    torch.topk on unique int64 keys: the float's bits made order-preserving in the high half,
+    the complemented index in the low half, so equal values rank by index. A full stable sort
+    of the beam's K x V candidates was half of CPU decoding time."""
+    if x.dtype != torch.float32:
+        values, index = torch.sort(x, dim=-1, descending=True, stable=True)
+        return values[..., :k], index[..., :k]
+    bits = (x + 0.0).view(torch.int32)  # + 0.0 turns -0.0 into 0.0: equal values, equal keys
+    ordered = torch.where(bits < 0, bits ^ 0x7FFFFFFF, bits).to(torch.int64)  # float order as ints
+    low = (2**32 - 1) - torch.arange(x.shape[-1], device=x.device, dtype=torch.int64)
+    index = torch.topk(ordered * 2**32 + low, k, dim=-1).indices
+    return x.gather(-1, index), index
 
 
 def greedy_search(module: Transformer, cfg: ModelConfig, src: torch.Tensor,
@@ -104,7 +114,7 @@ def beam_search(module: Transformer, cfg: ModelConfig, src: torch.Tensor, beam_s
         # Alive: the best K candidates that did not finish.
         new_alive, keep = topk_stable(torch.where(final, NEG, top_logp), K)
         new_seqs = top_seqs.gather(1, keep[:, :, None].expand(B, K, L))
-        steps.reorder((torch.arange(B, device=dev)[:, None] * K + origin.gather(1, keep)).view(-1))
+        steps.reorder((torch.arange(B, device=dev)[:, None] * K + origin.gather(1, keep)).view(-1), t)
         # Sentences already done keep their state.
         frozen = done[:, None]
         fin_scores = torch.where(frozen, fin_scores, new_fin_scores)

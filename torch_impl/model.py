@@ -201,7 +201,10 @@ class DecoderLayer(nn.Module):
         def self_attn(h: torch.Tensor) -> torch.Tensor:
             k, v = self.self_attn.project_kv(h)
             cache.self_k[:, :, t: t + 1], cache.self_v[:, :, t: t + 1] = k, v
-            return self.self_attn.attend(h, cache.self_k, cache.self_v, self_mask)
+            # Only positions <= t are attended (eager PyTorch need not keep shapes static, as
+            # jax_impl must): the same weights as the whole masked cache, without its work.
+            return self.self_attn.attend(h, cache.self_k[:, :, :t + 1], cache.self_v[:, :, :t + 1],
+                                         self_mask)
 
         x = residual(self.self_attn_norm, x, self_attn, self.cfg, self.dropout)
         x = residual(self.cross_attn_norm, x,
@@ -360,7 +363,7 @@ class Transformer(nn.Module):
         < t. Every cached position is a real token (decoding never emits pad_id)."""
         length = cache[0].self_k.shape[2]
         x = self.embed(self.tgt_table, tokens[:, None], offset=t, rows=length)
-        self_mask = (torch.arange(length, device=x.device) <= t)[None, None, None, :]
+        self_mask = torch.ones((1, 1, 1, t + 1), dtype=torch.bool, device=x.device)  # positions <= t
         for layer, layer_cache in zip(self.decoder.layers, cache, strict=True):
             x = layer.step(x, layer_cache, t, self_mask, cross_mask)
         if self.decoder.final_norm is not None:
