@@ -120,10 +120,13 @@ class MultiHeadAttention(nnx.Module):
         B, Tq, d = x_q.shape
         q = self.split_heads(self.q(x_q))
         dropout_off = self.attention_dropout.rate == 0 or self.attention_dropout.deterministic
-        if record is None and dropout_off:
+        # Not on CPU: there XLA's dot_product_attention (transposed to BTNH and back) measured
+        # ~12% slower per `small` training step than the explicit path (docs/benchmarks.md).
+        if record is None and dropout_off and jax.default_backend() != "cpu":
             return self.o(fused_attention(q, k.astype(q.dtype), v.astype(q.dtype), mask).reshape(B, Tq, d))
         # The explicit path: its probabilities are recorded, or dropped out (the fused call has
-        # no attention dropout). Scores and softmax in float32 even for bfloat16, as fused kernels do.
+        # no attention dropout), or the CPU. Scores and softmax in float32 even for bfloat16, as
+        # fused kernels do.
         scores = (q @ k.astype(q.dtype).transpose(0, 1, 3, 2)).astype(jnp.float32) / math.sqrt(q.shape[-1])
         # Masked scores are replaced by the most negative finite value: uniform weights, not
         # NaN, where every key is masked (SPEC §2, PITFALLS 4).
