@@ -46,6 +46,8 @@ from jax_impl import train as jax_train
 from jax_impl.backend import DTYPES as JAX_DTYPES
 from jax_impl.convert import build_model
 from rosetta import preset
+from rosetta.cli import positive_int
+from rosetta.config import PRESETS
 from rosetta.flops import mfu, peak_flops, training_flops
 from rosetta.harness.batching import BatchIterator
 from rosetta.harness.tasks import load_task
@@ -211,11 +213,11 @@ def markdown(result: dict) -> str:
 def main(argv: list[str] | None = None) -> None:
     parser = argparse.ArgumentParser(description=__doc__,
                                      formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--preset", default="small")
+    parser.add_argument("--preset", default="small", choices=sorted(PRESETS))
     parser.add_argument("--dtype", default="float32", choices=("float32", "bfloat16"))
-    parser.add_argument("--max-tokens", type=int, default=4096, help="tokens per batch (default 4096)")
-    parser.add_argument("--batches", type=int, default=3, help="batches per (distribution, batching)")
-    parser.add_argument("--repeats", type=int, default=3, help="timed passes over them")
+    parser.add_argument("--max-tokens", type=positive_int, default=4096, help="tokens a batch (default 4096)")
+    parser.add_argument("--batches", type=positive_int, default=3, help="batches a (distribution, batching)")
+    parser.add_argument("--repeats", type=positive_int, default=3, help="timed passes over them")
     parser.add_argument("--distributions", nargs="+", choices=DISTRIBUTIONS, default=list(DISTRIBUTIONS))
     parser.add_argument("--batchings", nargs="+", choices=BATCHINGS, default=list(BATCHINGS))
     parser.add_argument("--data-dir", help="Multi30k directory (default: the harness's)")

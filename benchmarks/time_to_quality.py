@@ -25,6 +25,7 @@ import time
 from pathlib import Path
 
 from benchmarks.common import RESULTS, environment, write_results
+from rosetta.cli import non_negative_real
 
 SPLITS = ("test_2016_flickr", "test_2017_flickr")
 SEARCH = ["--beam", "4", "--alpha", "0.6"]
@@ -34,7 +35,8 @@ def rosetta(*args: str) -> None:
     """One `rosetta` command in this interpreter's environment; a failure stops the run."""
     command = [sys.executable, "-m", "rosetta.cli", *args]
     print("$", " ".join(command[2:]), flush=True)
-    subprocess.run(command, check=True)
+    if subprocess.run(command).returncode != 0:  # its own one-line error is already on stderr
+        raise SystemExit(f"time_to_quality: `rosetta {args[0]}` failed; stopping")
 
 
 def train_and_evaluate(out: Path, backends: list[str], budget: float, data_dir: str | None) -> None:
@@ -123,13 +125,15 @@ def main(argv: list[str] | None = None) -> None:
                                      formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--out", type=Path, required=True, help="the run directory")
     parser.add_argument("--train", action="store_true", help="train and evaluate first (else tabulate only)")
-    parser.add_argument("--budget", type=float, default=25.0, help="minutes per backend (default 25)")
-    parser.add_argument("--backends", nargs="+", default=["torch", "peer"])
-    parser.add_argument("--bleu-at", nargs="+", type=float, default=[25.0, 30.0, 35.0],
+    parser.add_argument("--budget", type=non_negative_real, default=25.0, help="minutes each (default 25)")
+    parser.add_argument("--backends", nargs="+", default=["torch", "peer"], choices=("torch", "jax", "peer"))
+    parser.add_argument("--bleu-at", nargs="+", type=non_negative_real, default=[25.0, 30.0, 35.0],
                         help="validation BLEU thresholds of the table (default 25 30 35)")
     parser.add_argument("--data-dir", help="Multi30k directory (default: the harness's)")
     parser.add_argument("--results-dir", type=Path, default=RESULTS)
     args = parser.parse_args(argv)
+    if args.budget == 0:
+        parser.error("argument --budget: must be more than 0 minutes")
     env = environment()  # before training: the commit the run is made from
     started = time.perf_counter()
     if args.train:

@@ -182,3 +182,25 @@ def test_time_to_quality_table(tmp_path):
     assert row == ("| torch | time_budget | 800 | 25.0 | 10.0 (step 400) | not reached | 33.00 / 33.50 | "
                    "34.25 / – | – / – |")
     assert signature in md.read_text()
+
+
+@pytest.mark.parametrize("module,args,flag", [
+    ("time_to_quality", ["--budget", "0"], "--budget"),
+    ("time_to_quality", ["--budget", "nan"], "--budget"),
+    ("time_to_quality", ["--bleu-at", "-1"], "--bleu-at"),
+    ("time_to_quality", ["--backends", "tensorflow"], "--backends"),
+    ("batches", ["--max-tokens", "0"], "--max-tokens"),
+    ("batches", ["--repeats", "-2"], "--repeats"),
+    ("batches", ["--preset", "huge"], "--preset"),
+])
+def test_benchmark_flags_out_of_range_are_refused_by_name(tmp_path, capsys, module, args, flag):
+    """Refused by the parser in one line naming the flag, before any training or timing."""
+    import importlib
+
+    main = importlib.import_module(f"benchmarks.{module}").main
+    out = ["--out", str(tmp_path / "run")] if module == "time_to_quality" else ["--out-dir", str(tmp_path)]
+    with pytest.raises(SystemExit) as stop:
+        main([*out, *args])
+    assert stop.value.code == 2
+    assert flag in capsys.readouterr().err
+    assert not (tmp_path / "run").exists() and not list(tmp_path.glob("*.json"))

@@ -5,6 +5,7 @@ defaults that flags override. Expected values come from an uninterrupted run of 
 from __future__ import annotations
 
 import json
+import time
 from pathlib import Path
 
 import numpy as np
@@ -65,6 +66,23 @@ def test_time_budget_stops_cleanly_and_the_run_resumes_to_the_same_weights(whole
     got = load_checkpoint(tmp_path / "torch" / "checkpoints" / name / "model.safetensors").params
     want = load_checkpoint(whole / "torch" / "checkpoints" / name / "model.safetensors").params
     assert all(np.array_equal(got[k], want[k]) for k in want)  # an exact resume
+
+
+def test_an_evaluation_that_crosses_the_budget_ends_the_run_at_its_step(tmp_path, monkeypatch):
+    """Steps 1-5 take well under the 3 s budget; the evaluation at step 5 takes 4 s: the run stops
+    there, checkpointed, instead of training step 6 and evaluating again."""
+    from rosetta.harness import loop
+
+    def slow(*args, **kwargs):
+        time.sleep(4.0)
+        return evaluate(*args, **kwargs)
+
+    evaluate = loop.evaluate
+    monkeypatch.setattr(loop, "evaluate", slow)
+    result = train(RunConfig(out=str(tmp_path), time_budget=3 / 60, **RUN))["torch"]
+    assert result["stopped_by"] == "time_budget" and result["steps"] == 5
+    assert [r["step"] for r in _log(tmp_path) if r["kind"] == "eval"] == [5]
+    assert (tmp_path / "torch" / "checkpoints" / "latest").read_text().strip() == "step-00000005"
 
 
 def test_average_last_writes_and_evaluates_the_mean_of_the_last_checkpoints(tmp_path):

@@ -492,6 +492,11 @@ class _Run:
                       "elapsed_s": self.elapsed0 + time.perf_counter() - clock})
                 if run.target_bleu is not None and trainer.any_process(result["bleu"] >= run.target_bleu):
                     stop, last = stop or "target_bleu", True  # stop at the first evaluation at the target
+                elif run.time_budget is not None and stop is None and trainer.any_process(
+                        self.elapsed0 + time.perf_counter() - clock >= 60 * run.time_budget):
+                    # This evaluation crossed the budget: the step is the last (checkpointed below),
+                    # not one more step and a second evaluation of nearly the same weights.
+                    stop, last = "time_budget", True
             if (run.checkpoint_every and step % run.checkpoint_every == 0) or last:
                 self.save(trainer, self.elapsed0 + time.perf_counter() - clock)
         if run.average_last and self.main:
