@@ -55,11 +55,25 @@ def train_and_evaluate(out: Path, backends: list[str], budget: float, data_dir: 
                         *SEARCH, "--backend", "torch", *data, "--out", str(run / f"eval_avg_{split}.json"))
 
 
+def _read_json(path: Path, what: str) -> dict:
+    """A run's JSON file; a corrupt one stops the table with one line naming it."""
+    try:
+        data = json.loads(path.read_text(encoding="utf-8"))
+        if not isinstance(data, dict):
+            raise ValueError("not a JSON object")
+        return data
+    except (OSError, UnicodeDecodeError, ValueError) as e:
+        raise SystemExit(f"{path}: cannot read this {what}: {e}") from None
+
+
 def _bleu(path: Path) -> dict | None:
     if not path.is_file():
         return None
-    report = json.loads(path.read_text(encoding="utf-8"))
-    return {"score": report["bleu"]["score"], "signature": report["bleu"]["signature"]}
+    report = _read_json(path, "`rosetta evaluate` report")
+    try:
+        return {"score": float(report["bleu"]["score"]), "signature": str(report["bleu"]["signature"])}
+    except (KeyError, TypeError, ValueError):
+        raise SystemExit(f"{path}: not a `rosetta evaluate` report (no bleu score and signature)") from None
 
 
 def table(out: Path, bleu_at: list[float]) -> dict:
@@ -67,7 +81,7 @@ def table(out: Path, bleu_at: list[float]) -> dict:
     each validation BLEU in `bleu_at`, and the test BLEU of the last checkpoint and the average."""
     rows = []
     for result_path in sorted(out.glob("*/result.json")):
-        result = json.loads(result_path.read_text(encoding="utf-8"))
+        result = _read_json(result_path, "run result")
         evaluations = result.get("evaluations") or []
         reached = {}
         for x in bleu_at:
@@ -139,7 +153,8 @@ def main(argv: list[str] | None = None) -> None:
     if args.train:
         train_and_evaluate(args.out, args.backends, args.budget, args.data_dir)
     result = table(args.out, args.bleu_at) | {"environment": env}
-    run_json = json.loads(next(args.out.glob("*/run.json")).read_text(encoding="utf-8"))
+    run_path = next(args.out.glob("*/run.json"), None)
+    run_json = _read_json(run_path, "run settings") if run_path else {}
     budget = (run_json.get("args") or {}).get("time_budget")
     result["settings"] = f"recipe multi30k, --time-budget {budget} min per backend"
     if args.train:

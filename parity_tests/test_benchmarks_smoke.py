@@ -204,3 +204,19 @@ def test_benchmark_flags_out_of_range_are_refused_by_name(tmp_path, capsys, modu
     assert stop.value.code == 2
     assert flag in capsys.readouterr().err
     assert not (tmp_path / "run").exists() and not list(tmp_path.glob("*.json"))
+
+
+@pytest.mark.parametrize("content", ["", "{trunc", "[1, 2]", '{"bleu": {}}'])
+def test_time_to_quality_refuses_a_corrupt_evaluate_report_naming_it(tmp_path, content):
+    import json
+
+    from benchmarks import time_to_quality
+
+    run = tmp_path / "run" / "torch"
+    run.mkdir(parents=True)
+    (run / "result.json").write_text(json.dumps({"backend": "torch", "evaluations": []}))
+    (run / "run.json").write_text(json.dumps({"args": {"time_budget": 25.0}}))
+    (run / "eval_last_test_2016_flickr.json").write_text(content)
+    with pytest.raises(SystemExit, match="eval_last_test_2016_flickr.json"):
+        time_to_quality.main(["--out", str(tmp_path / "run"), "--results-dir", str(tmp_path / "results")])
+    assert not (tmp_path / "results").exists()
