@@ -384,6 +384,38 @@ def test_optimizer_step_parity(clip_norm):
     assert relative_error(logits[0], logits[1]) <= 1e-4
 
 
+@pytest.mark.parametrize("rate", [0.1, 0.3, 0.5])
+def test_torch_cpu_dropout_keeps_each_value_at_its_rate_and_scales_it(rate):
+    """torch_impl's CPU dropout (16 random bits a value) against the binomial distribution: each of
+    the four values a 64-bit draw feeds keeps with probability 1 - p (to 5 standard deviations),
+    kept values are scaled by 1/(1-p), the gradient is that mask, eval mode is the identity, and
+    the masks follow torch's seeded generator."""
+    from torch_impl.model import Dropout
+
+    n = 400_000
+    layer = Dropout(rate).train()
+    x = torch.ones(n, requires_grad=True)
+    with torch.random.fork_rng():
+        torch.manual_seed(0)
+        y = layer(x)
+        torch.manual_seed(0)
+        again = layer(torch.ones(n))
+        other = layer(torch.ones(n))
+    keep_p = 1 - round(rate * 65536) / 65536  # the rate rounded to 16 bits: 0.1 -> 0.100006
+    assert abs(keep_p - (1 - rate)) < 2**-16
+    kept = (y != 0).detach().reshape(-1, 4)  # the four 16-bit lanes of each 64-bit draw
+    m = kept.shape[0]
+    for lane in range(4):
+        count = int(kept[:, lane].sum())
+        assert abs(count - m * keep_p) < 5 * math.sqrt(m * keep_p * (1 - keep_p)), (lane, count / m)
+    assert torch.allclose(y[y != 0], torch.tensor(1 / keep_p), rtol=1e-6, atol=0)
+    grad = torch.randn(n)
+    y.backward(grad)
+    assert torch.equal(x.grad, grad * y.detach())  # d(x·mask·s)/dx = mask·s, and y = mask·s here
+    assert torch.equal(y.detach(), again) and not torch.equal(again, other)
+    assert layer.eval()(x) is x
+
+
 def test_train_step_applies_dropout_reproducibly():
     """With dropout on, a step's loss differs from the eval loss and is reproducible from the
     seed: torch's global generator, JAX's explicit nnx.Rngs (the streams differ: PITFALLS 10)."""

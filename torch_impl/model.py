@@ -44,6 +44,23 @@ def activation(name: str, x: torch.Tensor) -> torch.Tensor:
     raise ValueError(f"unknown activation {name!r}")
 
 
+class Dropout(nn.Dropout):
+    """Inverted dropout (§5.4: zero each value with probability p, scale the rest by 1/(1-p)).
+    On CPUs the mask comes from 16 random bits per value (one 64-bit draw from torch's generator
+    gives four): torch's CPU `bernoulli_` draws a float per value and was ~20% of a `small`
+    training step on this project's CPU (docs/benchmarks.md). p is rounded to a multiple of 2^-16
+    (0.1 -> 0.100006) and the scale is exactly 1/(1-p) for that p. GPUs keep F.dropout's kernel."""
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if not self.training or self.p == 0.0 or x.device.type != "cpu":
+            return super().forward(x)
+        dropped = min(round(self.p * 65536), 65535)  # of the 65536 values a 16-bit draw takes, those dropped
+        words = torch.empty((x.numel() + 3) // 4, dtype=torch.int64, device=x.device)
+        bits = words.random_(-2**63, None).view(torch.int16)[:x.numel()].view(x.shape)  # full 64-bit range
+        keep = bits >= dropped - 32768  # int16 draws are uniform on [-32768, 32767]
+        return x * (keep.to(x.dtype) * (65536 / (65536 - dropped)))
+
+
 # -- Masks (True = may attend) -------------------------------------------------------------
 
 def source_mask(src: torch.Tensor, pad_id: int) -> torch.Tensor:
@@ -125,7 +142,7 @@ class FeedForward(nn.Module):
         self.linear1 = nn.Linear(cfg.d_model, cfg.d_ff, bias=cfg.ffn_bias)
         self.linear2 = nn.Linear(cfg.d_ff, cfg.d_model, bias=cfg.ffn_bias)
         self.activation = cfg.activation
-        self.dropout = nn.Dropout(cfg.activation_dropout_rate)
+        self.dropout = Dropout(cfg.activation_dropout_rate)
 
     def forward(self, x: torch.Tensor, record: Stages | None = None, name: str = "") -> torch.Tensor:
         out = self.linear2(self.dropout(activation(self.activation, self.linear1(x))))
@@ -158,7 +175,7 @@ class EncoderLayer(nn.Module):
         self.cfg = cfg
         self.self_attn, self.self_attn_norm = MultiHeadAttention(cfg), norm_layer(cfg)
         self.ffn, self.ffn_norm = FeedForward(cfg), norm_layer(cfg)
-        self.dropout = nn.Dropout(cfg.dropout)
+        self.dropout = Dropout(cfg.dropout)
 
     def forward(self, x: torch.Tensor, mask: torch.Tensor, record: Stages | None = None,
                 name: str = "") -> torch.Tensor:
@@ -179,7 +196,7 @@ class DecoderLayer(nn.Module):
         self.self_attn, self.self_attn_norm = MultiHeadAttention(cfg), norm_layer(cfg)
         self.cross_attn, self.cross_attn_norm = MultiHeadAttention(cfg), norm_layer(cfg)
         self.ffn, self.ffn_norm = FeedForward(cfg), norm_layer(cfg)
-        self.dropout = nn.Dropout(cfg.dropout)
+        self.dropout = Dropout(cfg.dropout)
 
     def forward(self, x: torch.Tensor, memory: torch.Tensor, self_mask: torch.Tensor,
                 cross_mask: torch.Tensor, record: Stages | None = None, name: str = "") -> torch.Tensor:
@@ -262,7 +279,7 @@ class Transformer(nn.Module):
         self.encoder = Stack(cfg, EncoderLayer, cfg.num_encoder_layers)
         self.decoder = Stack(cfg, DecoderLayer, cfg.num_decoder_layers)
         self.generator = Generator(cfg)
-        self.dropout = nn.Dropout(cfg.dropout)
+        self.dropout = Dropout(cfg.dropout)
         # float64, cast with the parameters; a real tensor even on the meta device (from_numpy ignores
         # the default device); not persistent: it is not part of the checkpoint.
         table = positional_encoding(cfg.positional_encoding, min(cfg.max_len, POSITION_ROWS), cfg.d_model)
