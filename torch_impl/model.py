@@ -49,7 +49,8 @@ class Dropout(nn.Dropout):
     On CPUs the mask comes from 16 random bits per value (one 64-bit draw from torch's generator
     gives four): torch's CPU `bernoulli_` draws a float per value and was ~20% of a `small`
     training step on this project's CPU (docs/benchmarks.md). p is rounded to a multiple of 2^-16
-    (0.1 -> 0.100006) and the scale is exactly 1/(1-p) for that p. GPUs keep F.dropout's kernel."""
+    (0.1 -> 0.100006) and the scale is exactly 1/(1-p) for that p. GPUs keep F.dropout's kernel;
+    attention-weight dropout stays inside SDPA; jax_impl keeps nnx.Dropout (its own stream anyway)."""
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         if not self.training or self.p == 0.0 or x.device.type != "cpu":

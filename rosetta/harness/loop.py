@@ -455,6 +455,12 @@ class _Run:
         seen_shapes: set[tuple[int, int]] = set()
         clock = time.perf_counter()
 
+        def elapsed() -> float:  # seconds of the training loop, across resumes
+            return self.elapsed0 + time.perf_counter() - clock
+
+        def over_budget() -> bool:  # under a launcher a collective: every process asks at the same point
+            return run.time_budget is not None and trainer.any_process(elapsed() >= 60 * run.time_budget)
+
         def emit(record: dict[str, Any]) -> None:
             if log_file is not None:
                 log_file.write(json.dumps(record) + "\n")
@@ -473,14 +479,13 @@ class _Run:
                 self.totals["step_time_s"] += seconds
                 self.totals["src_tokens"] += metrics["num_src_tokens"]
                 self.totals["tgt_tokens"] += metrics["num_tgt_tokens"]
-            elapsed = self.elapsed0 + time.perf_counter() - clock
-            if run.time_budget is not None and trainer.any_process(elapsed >= 60 * run.time_budget):
+            if over_budget():
                 stop = "time_budget"  # this step is the last: its evaluation and checkpoint follow
             step, last = metrics["step"], metrics["step"] == self.total_steps or stop is not None
             first = batch.shape not in seen_shapes
             seen_shapes.add(batch.shape)
             record = self._train_record(trainer, batch, metrics, seconds, peak, first)
-            record |= {"epoch": epoch, "elapsed_s": self.elapsed0 + time.perf_counter() - clock}
+            record |= {"epoch": epoch, "elapsed_s": elapsed()}
             if step % run.log_every == 0 or last:
                 emit(record)
             progress.update(1)
@@ -489,16 +494,15 @@ class _Run:
                 result = evaluate(trainer, self.task, self.loss_batches, self.gen_batches, self.num_gen, run)
                 emit({"kind": "eval", "backend": self.backend, "step": step, **result,
                       "tgt_tokens_total": (self.totals or {}).get("tgt_tokens"),
-                      "elapsed_s": self.elapsed0 + time.perf_counter() - clock})
+                      "elapsed_s": elapsed()})
                 if run.target_bleu is not None and trainer.any_process(result["bleu"] >= run.target_bleu):
                     stop, last = stop or "target_bleu", True  # stop at the first evaluation at the target
-                elif run.time_budget is not None and stop is None and trainer.any_process(
-                        self.elapsed0 + time.perf_counter() - clock >= 60 * run.time_budget):
+                elif stop is None and over_budget():
                     # This evaluation crossed the budget: the step is the last (checkpointed below),
                     # not one more step and a second evaluation of nearly the same weights.
                     stop, last = "time_budget", True
             if (run.checkpoint_every and step % run.checkpoint_every == 0) or last:
-                self.save(trainer, self.elapsed0 + time.perf_counter() - clock)
+                self.save(trainer, elapsed())
         if run.average_last and self.main:
             emit(self._evaluate_average(trainer))
         if stop is not None:
