@@ -20,7 +20,10 @@ from jax_impl.model import source_mask
 from rosetta.backends import BackendModel
 from rosetta.params import Params
 
-DTYPES = {"float32": jnp.float32, "bfloat16": jnp.bfloat16}  # float32 parameters in both
+# Compute dtype -> jnp dtype: float32 parameters for float32 and bfloat16; float64 (the trainer's,
+# for the float64 algorithm-equivalence tests: docs/testing.md) needs 64-bit JAX and keeps float64
+# parameters.
+DTYPES = {"float32": jnp.float32, "bfloat16": jnp.bfloat16, "float64": jnp.float64}
 
 
 @contextlib.contextmanager

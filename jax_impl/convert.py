@@ -25,27 +25,30 @@ def flax_name(path: tuple) -> str:
 def build_model(cfg: ModelConfig, params: Mapping[str, np.ndarray],
                 dtype: jnp.dtype = jnp.float32) -> Transformer:
     """A Transformer holding `params`. Built abstractly (nnx.eval_shape): nothing is
-    initialised inside the framework, every value comes from `params` (PITFALLS 9)."""
+    initialised inside the framework, every value comes from `params` (PITFALLS 9). Parameters
+    are float32 (float64 for a float64 `dtype`, under 64-bit JAX)."""
     check_params(cfg, params)
+    param_dtype = jnp.float64 if dtype == jnp.float64 else jnp.float32
     abstract = nnx.eval_shape(lambda: Transformer(cfg, dtype, rngs=nnx.Rngs(0)))
     graphdef, state = nnx.split(abstract)
     flat = nnx.to_flat_state(state)
     for path, variable in flat:
         if isinstance(variable, Positions):
             # The one non-parameter: recomputed from the config, as in the constructor.
-            variable.set_value(Transformer.positions_table(cfg))
+            variable.set_value(Transformer.positions_table(cfg, dtype=param_dtype))
         else:
             # jnp.array copies (jnp.asarray may alias NumPy memory on CPU).
-            variable.set_value(jnp.array(params[flax_name(path)], dtype=jnp.float32))
+            variable.set_value(jnp.array(params[flax_name(path)], dtype=param_dtype))
     model = nnx.merge(graphdef, nnx.from_flat_state(flat))
     model.eval()  # dropout off until a trainer calls model.train()
     return model
 
 
-def to_params(model: Transformer) -> Params:
-    """Canonical float32 NumPy arrays from the model's parameters."""
+def to_params(model: Transformer, dtype: type = np.float32) -> Params:
+    """Canonical NumPy arrays from the model's parameters: float32, or `dtype` np.float64 (a
+    float64 trainer's weights: the float64 tests, docs/testing.md)."""
     flat = nnx.to_flat_state(nnx.state(model, nnx.Param))
-    params = {flax_name(path): np.array(variable.get_value(), dtype=np.float32)  # writable copies
+    params = {flax_name(path): np.array(variable.get_value(), dtype=dtype)  # writable copies
               for path, variable in flat}
     check_params(model.cfg, params, source="flax state")
     return {name: params[name] for name in param_shapes(model.cfg)}  # checkpoint order

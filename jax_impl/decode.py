@@ -86,10 +86,11 @@ def _beam(graphdef, state, src, limits, *, beam_size: int, alpha: float, length:
     steps = Steps(module, jnp.repeat(src, K, axis=0), memory, L, cache)
 
     def body(carry):
-        t, seqs, alive, fin_seqs, fin_scores, done, kv = carry
+        t, seqs, alive, fin_seqs, fin_scores, done, broken, kv = carry
         logp, kv = steps.next_log_probs(kv, seqs.reshape(B * K, L), t)
         V = logp.shape[-1]
         cand = (alive[:, :, None] + logp.reshape(B, K, V)).reshape(B, K * V)
+        broken = broken | (~done & jnp.isnan(cand).any(axis=-1))  # non-finite logits (see numpy_ref)
         top_logp, top = jax.lax.top_k(cand, 2 * K)  # ties: lower index first
         origin, token = top // V, top % V
         top_seqs = jnp.take_along_axis(seqs, origin[:, :, None], axis=1).at[:, :, t].set(token)
@@ -116,13 +117,14 @@ def _beam(graphdef, state, src, limits, *, beam_size: int, alpha: float, length:
         bound = length_penalty(t + 1 if rule == "hf" else limits, alpha, rule)
         hopeless = fin_scores[:, -1] >= alive[:, 0] / bound
         done = done | (t + 1 >= limits) | hopeless
-        return t + 1, seqs, alive, fin_seqs, fin_scores, done, kv
+        return t + 1, seqs, alive, fin_seqs, fin_scores, done, broken, kv
 
     seqs = jnp.full((B, K, L), cfg.pad_id)
     alive = jnp.tile(jnp.array([0.0] + [NEG] * (K - 1)), (B, 1))  # beam 0 expands first
-    init = (0, seqs, alive, seqs, jnp.full((B, K), NEG), jnp.zeros(B, bool), steps.init_cache())
+    init = (0, seqs, alive, seqs, jnp.full((B, K), NEG), jnp.zeros(B, bool), jnp.zeros(B, bool),
+            steps.init_cache())
     out = jax.lax.while_loop(lambda c: (c[0] < L) & ~c[5].all(), body, init)
-    return out[3][:, 0], out[4][:, 0]
+    return out[3][:, 0], jnp.where(out[6], jnp.nan, out[4][:, 0])
 
 
 def greedy_search(graphdef, state, cfg: ModelConfig, src: np.ndarray, max_len_margin: int = 50,

@@ -23,12 +23,15 @@ from rosetta.errors import RosettaError
 DEFAULT_CHUNK = 1024
 
 
-def _chunk_logits(h: jax.Array, weight: jax.Array, bias: jax.Array | None, dtype: jnp.dtype) -> jax.Array:
-    """Logits [n, V] = h W (+ b) of one chunk, computed in `dtype` (float32 at least, §3.4)."""
+def _chunk_logits(h: jax.Array, weight: jax.Array, bias: jax.Array | None, dtype: jnp.dtype,
+                  scale: float) -> jax.Array:
+    """Logits [n, V] = scale * (h W) (+ b) of one chunk, computed in `dtype` (float32 at least,
+    §3.4), as jax_impl/model.py's Generator (`scale`: the config's logit_scale, SPEC §2)."""
     # Deliberate: the operands are cast up, not only the result, so bfloat16 hidden states give
     # float32 logits (the plain path rounds them to bfloat16 first); on a GPU this trades the
     # bfloat16 matmul's speed for accuracy.
     logits = h.astype(dtype) @ weight.astype(dtype)
+    logits = logits if scale == 1.0 else logits * scale
     return logits if bias is None else logits + bias.astype(dtype)
 
 
@@ -41,21 +44,21 @@ def _chunks(hidden: jax.Array, labels: jax.Array, pad_id: int, chunk: int) -> tu
     return hidden.reshape(-1, chunk, hidden.shape[-1]), labels.reshape(-1, chunk)
 
 
-@partial(jax.custom_vjp, nondiff_argnums=(5, 6, 7))
+@partial(jax.custom_vjp, nondiff_argnums=(5, 6, 7, 8))
 def chunked_cross_entropy(hidden: jax.Array, weight: jax.Array, bias: jax.Array | None, labels: jax.Array,
                           denominator: jax.Array, pad_id: int, label_smoothing: float,
-                          chunk: int) -> jax.Array:
+                          chunk: int, scale: float) -> jax.Array:
     """Σ over non-pad tokens of the cross-entropy against q = (1-ε)·onehot(y) + ε/V, divided by
     `denominator`; forward and backward both walk the tokens `chunk` at a time."""
-    return _forward(hidden, weight, bias, labels, denominator, pad_id, label_smoothing, chunk)[0]
+    return _forward(hidden, weight, bias, labels, denominator, pad_id, label_smoothing, chunk, scale)[0]
 
 
-def _forward(hidden, weight, bias, labels, denominator, pad_id, label_smoothing, chunk):
+def _forward(hidden, weight, bias, labels, denominator, pad_id, label_smoothing, chunk, scale):
     dtype = jnp.promote_types(hidden.dtype, jnp.float32)
 
     def one(args: tuple[jax.Array, jax.Array]) -> tuple[jax.Array, jax.Array]:
         h, y = args
-        logits = _chunk_logits(h, weight, bias, dtype)
+        logits = _chunk_logits(h, weight, bias, dtype, scale)
         lse = jax.nn.logsumexp(logits, axis=-1)
         nll = lse - jnp.take_along_axis(logits, y[:, None], axis=-1)[:, 0]  # -log p[y]
         smooth = lse - logits.mean(axis=-1)  # -(1/V) Σ_v log p[v]: ε over all V (PITFALLS 11)
@@ -67,9 +70,9 @@ def _forward(hidden, weight, bias, labels, denominator, pad_id, label_smoothing,
     return total, (hidden, weight, bias, labels, lse, denominator)
 
 
-def _backward(pad_id, label_smoothing, chunk, residuals, grad_out):
+def _backward(pad_id, label_smoothing, chunk, s, residuals, grad_out):
     """d loss / d logits = mask · (softmax - q) / denominator, recomputed chunk by chunk from
-    the saved logsumexp; then through logits = h W + b."""
+    the saved logsumexp; then through logits = s (h W) + b: d/dh = s g W^T, d/dW = s h^T g."""
     hidden, weight, bias, labels, lse, denominator = residuals
     eps, (d, V) = label_smoothing, weight.shape
     dtype = lse.dtype
@@ -80,11 +83,13 @@ def _backward(pad_id, label_smoothing, chunk, residuals, grad_out):
         grad_w, grad_b = carry
         h, y, lse_c = args
         h = h.astype(dtype)
-        logits = _chunk_logits(h, weight, bias, dtype)
+        logits = _chunk_logits(h, weight, bias, dtype, s)
         g = jnp.exp(logits - lse_c[:, None]) - eps / V  # softmax - ε/V
         g = g - (1.0 - eps) * jax.nn.one_hot(y, V, dtype=dtype)  # - (1-ε)·onehot(y)
         g = g * jnp.where(y != pad_id, scale, 0.0)[:, None]
-        return (grad_w + h.T @ g, grad_b + g.sum(axis=0)), (g @ w.T).astype(hidden.dtype)
+        # s multiplies the [chunk, d] sides (exact when s = 1), never the [chunk, V] block; the bias
+        # is added after the scale.
+        return (grad_w + (s * h).T @ g, grad_b + g.sum(axis=0)), (s * (g @ w.T)).astype(hidden.dtype)
 
     hs, ys = _chunks(hidden, labels, pad_id, chunk)
     zeros = (jnp.zeros((d, V), dtype), jnp.zeros((V,), dtype))
@@ -99,13 +104,14 @@ chunked_cross_entropy.defvjp(_forward, _backward)
 
 def chunked_loss(hidden: jax.Array, weight: jax.Array, bias: jax.Array | None, labels: jax.Array,
                  pad_id: int, label_smoothing: float, num_tokens: jax.Array | int | None = None,
-                 chunk: int = DEFAULT_CHUNK) -> tuple[jax.Array, jax.Array]:
-    """train.loss_fn(hidden @ weight + bias, labels, ...) without the [tokens, V] logits:
+                 chunk: int = DEFAULT_CHUNK, logit_scale: float = 1.0) -> tuple[jax.Array, jax.Array]:
+    """train.loss_fn(Generator(hidden), labels, ...) without the [tokens, V] logits:
     hidden [B, T, d] or [N, d] (the decoder's output after its final norm), weight the canonical
     [d, V] kernel (the target table's transpose when tied, §3.4), bias [V] or None, labels
-    hidden's leading shape. Returns (loss, number of non-pad labels); the loss is the masked sum
-    over that number, or over `num_tokens` when given (a part of a global batch:
-    rosetta/distributed.py); a batch with no labels gives loss 0."""
+    hidden's leading shape, `logit_scale` the config's (SPEC §2: logits = logit_scale * (hidden W)
+    + bias). Returns (loss, number of non-pad labels); the loss is the masked sum over that
+    number, or over `num_tokens` when given (a part of a global batch: rosetta/distributed.py);
+    a batch with no labels gives loss 0."""
     if hidden.ndim < 1 or tuple(labels.shape) != tuple(hidden.shape[:-1]):
         raise RosettaError(f"chunked_loss: labels {tuple(labels.shape)} must be hidden's "
                            f"{tuple(hidden.shape)} leading shape")
@@ -122,13 +128,15 @@ def chunked_loss(hidden: jax.Array, weight: jax.Array, bias: jax.Array | None, l
     chunk = min(chunk, max(h.shape[0], 1))  # no filler beyond one chunk's worth of tokens
     count = (y != pad_id).sum()
     denominator = jnp.maximum(count if num_tokens is None else num_tokens, 1)
-    loss = chunked_cross_entropy(h, weight, bias, y, denominator, pad_id, float(label_smoothing), chunk)
+    loss = chunked_cross_entropy(h, weight, bias, y, denominator, pad_id, float(label_smoothing), chunk,
+                                 float(logit_scale))
     return loss, count
 
 
 def generator_params(model) -> tuple[jax.Array, jax.Array | None]:
     """(kernel [d, V], bias [V] or None) of a Transformer's Generator: the target embedding
-    table's transpose when tied (§3.4), as jax_impl/model.py's Generator.__call__ picks it."""
+    table's transpose when tied (§3.4), as jax_impl/model.py's Generator.__call__ picks it. Pass
+    the model's `cfg.logit_scale` to chunked_loss with them."""
     generator = model.generator
     kernel = model.tgt_table.embedding[...].T if generator.kernel is None else generator.kernel[...]
     return kernel, None if generator.bias is None else generator.bias[...]

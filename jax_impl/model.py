@@ -125,9 +125,10 @@ class MultiHeadAttention(nnx.Module):
         if record is None and dropout_off and jax.default_backend() != "cpu":
             return self.o(fused_attention(q, k.astype(q.dtype), v.astype(q.dtype), mask).reshape(B, Tq, d))
         # The explicit path: its probabilities are recorded, or dropped out (the fused call has
-        # no attention dropout), or the CPU. Scores and softmax in float32 even for bfloat16, as
-        # fused kernels do.
-        scores = (q @ k.astype(q.dtype).transpose(0, 1, 3, 2)).astype(jnp.float32) / math.sqrt(q.shape[-1])
+        # no attention dropout), or the CPU. Scores and softmax in float32 at least (float64 stays
+        # float64) even for bfloat16, as fused kernels do.
+        wide = jnp.promote_types(q.dtype, jnp.float32)
+        scores = (q @ k.astype(q.dtype).transpose(0, 1, 3, 2)).astype(wide) / math.sqrt(q.shape[-1])
         # Masked scores are replaced by the most negative finite value: uniform weights, not
         # NaN, where every key is masked (SPEC §2, PITFALLS 4).
         scores = jnp.where(mask, scores, jnp.finfo(scores.dtype).min)  # (B, h, Tq, Tk)
@@ -268,19 +269,20 @@ class Stack(nnx.Module):
 
 
 class Generator(nnx.Module):
-    """Logits = hidden W_out (+ b_out); tied tables use W_out = E^T (§3.4). `kernel` is the
-    canonical [d, V]."""
+    """Logits = logit_scale * (hidden W_out) (+ b_out); tied tables use W_out = E^T (§3.4).
+    `kernel` is the canonical [d, V]."""
 
     def __init__(self, cfg: ModelConfig, dtype: jnp.dtype):
         tied = embedding_names(cfg).output is None
         V, d = cfg.tgt_vocab_size, cfg.d_model
         self.kernel = None if tied else nnx.Param(jnp.zeros((d, V)))
         self.bias = nnx.Param(jnp.zeros((V,))) if cfg.output_bias else None
-        self.dtype = dtype
+        self.dtype, self.logit_scale = dtype, cfg.logit_scale
 
     def __call__(self, hidden: jax.Array, tgt_table: nnx.Embed) -> jax.Array:
         kernel = tgt_table.embedding[...].T if self.kernel is None else self.kernel[...]
         logits = hidden @ kernel.astype(self.dtype)
+        logits = logits if self.logit_scale == 1.0 else logits * self.logit_scale  # SPEC §2 (Flax: 1/sqrt(d))
         return logits if self.bias is None else logits + self.bias[...].astype(self.dtype)
 
 
@@ -301,22 +303,23 @@ class Transformer(nnx.Module):
         self.decoder = Stack(cfg, DecoderLayer, cfg.num_decoder_layers, dtype, rngs)
         self.generator = Generator(cfg, dtype)
         self.dropout = nnx.Dropout(cfg.dropout)
-        self.positions = Positions(self.positions_table(cfg))
+        self.positions = Positions(self.positions_table(cfg, dtype=jnp.promote_types(dtype, jnp.float32)))
 
     @staticmethod
-    def positions_table(cfg: ModelConfig, rows: int | None = None) -> jax.Array:
+    def positions_table(cfg: ModelConfig, rows: int | None = None,
+                        dtype: jnp.dtype = jnp.float32) -> jax.Array:
         """The first `rows` positions (min(max_len, POSITION_ROWS) if None), computed in float64
-        by the reference and cast once (see positional_encoding)."""
+        by the reference and cast once to the parameters' type (see positional_encoding)."""
         rows = min(cfg.max_len, POSITION_ROWS) if rows is None else rows
         table = positional_encoding(cfg.positional_encoding, rows, cfg.d_model)
-        return jnp.asarray(table, dtype=jnp.float32)
+        return jnp.asarray(table, dtype=dtype)
 
     def position_table(self, rows: int) -> jax.Array:
         """The sinusoidal table, at least `rows` positions long (see POSITION_ROWS). State cannot
         grow inside jit, so a longer table is built at trace time (`rows` is static) as a
         constant of that compiled shape, where torch_impl grows its buffer."""
         if rows > self.positions.shape[0]:
-            return self.positions_table(self.cfg, rows)
+            return self.positions_table(self.cfg, rows, self.positions.dtype)
         return self.positions[...]
 
     def _vocab(self, name: str) -> int:

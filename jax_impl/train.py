@@ -56,12 +56,13 @@ def loss_fn(logits: jax.Array, labels: jax.Array, pad_id: int, label_smoothing: 
 
 def schedule(d_model: int, train_cfg: TrainConfig) -> optax.Schedule:
     """optax's schedule: it sees the update count from 0, the paper's eq. 3 counts from 1. The
-    traced twin of rosetta.training.learning_rate (float32: equal to within float32 rounding)."""
+    traced twin of rosetta.training.learning_rate (float32: equal to within float32 rounding;
+    float64 under 64-bit JAX)."""
     scale = train_cfg.lr_factor * d_model**-0.5
     warmup = train_cfg.warmup_steps**-1.5
 
     def lr(count: jax.Array) -> jax.Array:
-        step = jnp.asarray(count, jnp.float32) + 1.0
+        step = jnp.asarray(count, float) + 1.0  # JAX's default float: float32, float64 under x64
         return scale * jnp.minimum(jax.lax.rsqrt(step), step * warmup)
 
     return lr
@@ -103,7 +104,7 @@ def _train_step(model: Transformer, optimizer: nnx.Optimizer, rngs: nnx.Rngs, sr
         out = model(src, tgt, rngs=rngs, hidden=chunked, **packing)
         if chunked:
             return chunked_loss(out, *generator_params(model), labels, model.cfg.pad_id,
-                                train_cfg.label_smoothing, num_tokens)[0]
+                                train_cfg.label_smoothing, num_tokens, logit_scale=model.cfg.logit_scale)[0]
         return loss_fn(out, labels, model.cfg.pad_id, train_cfg.label_smoothing, num_tokens)[0]
 
     lr = schedule(model.cfg.d_model, train_cfg)(optimizer.step[...])  # what adam reads this update
@@ -333,7 +334,9 @@ class Trainer:
     """
 
     framework: ClassVar[str] = "jax"
-    dtypes: ClassVar[tuple[str, ...]] = ("float32", "bfloat16")
+    # float64: weights, moments and compute, for the tests that ask "same algorithm?" (the mesh,
+    # accumulation, resume; PyTorch's trainer against this one): docs/testing.md. 64-bit JAX only.
+    dtypes: ClassVar[tuple[str, ...]] = ("float32", "bfloat16", "float64")
 
     def __init__(self, cfg: ModelConfig, params: Mapping[str, np.ndarray], train_cfg: TrainConfig,
                  device: str | None = None, dtype: str = "float32", parity: bool | None = None,
@@ -341,6 +344,10 @@ class Trainer:
                  loss: str = "plain"):
         if dtype not in self.dtypes:
             raise RosettaError(f"the jax trainer computes in {', '.join(self.dtypes)}, not {dtype!r}")
+        if dtype == "float64" and not jax.config.read("jax_enable_x64"):
+            raise RosettaError("the jax trainer computes in float64 only with 64-bit JAX: set "
+                               "JAX_ENABLE_X64=1 before JAX starts, or train "
+                               "inside `with jax.enable_x64(True):`")
         if loss not in LOSSES:
             raise RosettaError(f"loss must be one of {', '.join(LOSSES)}, got {loss!r}")
         if isinstance(accumulate, bool) or not isinstance(accumulate, int) or accumulate < 1:
@@ -452,11 +459,13 @@ class Trainer:
         return total / max(count, 1)
 
     def params(self) -> Params:
-        """The current weights as canonical float32 NumPy copies, whole on every process (a
-        collective when they are sharded across processes: every process calls it)."""
+        """The current weights as canonical NumPy copies, float32 (float64 for a float64 trainer),
+        whole on every process (a collective when they are sharded across processes: every
+        process calls it)."""
+        dtype = np.float64 if self.dtype == "float64" else np.float32
         if self.num_processes == 1:
-            return to_params(self.model)
-        flat = {flax_name(path): _numpy(variable.get_value()).astype(np.float32)
+            return to_params(self.model, dtype)
+        flat = {flax_name(path): _numpy(variable.get_value()).astype(dtype)
                 for path, variable in nnx.to_flat_state(nnx.state(self.model, nnx.Param))}
         check_params(self.cfg, flat, source="flax state")
         return {name: flat[name] for name in param_shapes(self.cfg)}  # checkpoint order

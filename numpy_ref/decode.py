@@ -28,13 +28,39 @@ def log_softmax(x: np.ndarray) -> np.ndarray:
     return shifted - np.log(np.exp(shifted).sum(axis=-1, keepdims=True))
 
 
+# In float64 a checkpoint whose activations pass float32's range (embeddings of 3e38, scaled by
+# sqrt(d_model)) still computes finite numbers, but their small parts are rounded away (the
+# positions, next to 1e39) and the search returns confident nonsense; every float32 backend gets
+# NaN there. The reference marks such rows NaN too, so that every backend's search refuses them
+# (rosetta.generation.check_scores).
+FLOAT32_MAX = float(np.finfo(np.float32).max)
+
+
+def _past_float32(stages: dict[str, np.ndarray], rows: int) -> np.ndarray:
+    """[rows] bool: rows holding a value outside float32's range, or NaN, in any stage."""
+    out = np.zeros(rows, dtype=bool)
+    for value in stages.values():
+        out |= ~(np.abs(value) <= FLOAT32_MAX).reshape(rows, -1).all(axis=1)
+    return out
+
+
+def encode(params: Params, cfg: ModelConfig, src: np.ndarray) -> np.ndarray:
+    """The encoder's memory [B, S, d], NaN in rows that pass float32's range."""
+    stages: dict[str, np.ndarray] = {}
+    memory = ref.encode(params, cfg, src, stages)
+    memory[_past_float32(stages, len(src))] = np.nan
+    return memory
+
+
 def next_log_probs(params: Params, cfg: ModelConfig, memory: np.ndarray, src: np.ndarray,
                    tokens: np.ndarray, t: int) -> np.ndarray:
     """[N, V] log-probabilities of the token at output position t, recomputing the whole
-    prefix [bos, tokens[:, :t]] (no cache: the plain way)."""
+    prefix [bos, tokens[:, :t]] (no cache: the plain way); NaN in rows past float32's range."""
     prefix = np.concatenate([np.full((len(tokens), 1), cfg.bos_id), tokens[:, :t]], axis=1)
-    hidden = ref.decode(params, cfg, prefix, memory, src)[:, -1:]
+    stages: dict[str, np.ndarray] = {}
+    hidden = ref.decode(params, cfg, prefix, memory, src, stages)[:, -1:]
     logp = log_softmax(ref.generator(params, cfg, hidden)[:, 0])
+    logp[_past_float32(stages, len(tokens))] = np.nan
     logp[:, cfg.pad_id] = NEG
     return logp
 
@@ -43,7 +69,7 @@ def greedy_search(params: Params, cfg: ModelConfig, src: np.ndarray,
                   max_len_margin: int = 50) -> Generation:
     B = src.shape[0]
     limits, L = output_limits(cfg, src, max_len_margin)
-    memory = ref.encode(params, cfg, src)
+    memory = encode(params, cfg, src)
     tokens = np.full((B, L), cfg.pad_id)
     scores, done = np.zeros(B), np.zeros(B, dtype=bool)
     for t in range(L):
@@ -61,16 +87,19 @@ def beam_search(params: Params, cfg: ModelConfig, src: np.ndarray, beam_size: in
                 alpha: float = 0.6, max_len_margin: int = 50, rule: str = "wu") -> Generation:
     B, K = src.shape[0], beam_size
     limits, L = output_limits(cfg, src, max_len_margin)
-    memory = np.repeat(ref.encode(params, cfg, src), K, axis=0)  # beam k of sentence b: row b*K+k
+    memory = np.repeat(encode(params, cfg, src), K, axis=0)  # beam k of sentence b: row b*K+k
     src_k = np.repeat(src, K, axis=0)
     seqs = np.full((B, K, L), cfg.pad_id)
     alive = np.tile([0.0] + [NEG] * (K - 1), (B, 1))  # only beam 0 expands at the first step
     fin_seqs, fin_scores = seqs.copy(), np.full((B, K), NEG)
-    done = np.zeros(B, dtype=bool)
+    done, broken = np.zeros(B, dtype=bool), np.zeros(B, dtype=bool)
     for t in range(L):
         logp = next_log_probs(params, cfg, memory, src_k, seqs.reshape(B * K, L), t)
         V = logp.shape[-1]
         cand = (alive[:, :, None] + logp.reshape(B, K, V)).reshape(B, K * V)
+        # A NaN candidate (non-finite logits) sorts last and would be dropped without a word:
+        # the sentence's score becomes NaN instead, for the caller to refuse.
+        broken |= ~done & np.isnan(cand).any(axis=-1)
         top = np.argsort(-cand, axis=-1, kind="stable")[:, : 2 * K]  # ties: lower index first
         top_logp = np.take_along_axis(cand, top, axis=-1)
         origin, token = top // V, top % V
@@ -105,4 +134,4 @@ def beam_search(params: Params, cfg: ModelConfig, src: np.ndarray, beam_size: in
         done |= (t + 1 >= limits) | hopeless
         if done.all():
             break
-    return Generation(strip(cfg, fin_seqs[:, 0]), fin_scores[:, 0])
+    return Generation(strip(cfg, fin_seqs[:, 0]), np.where(broken, np.nan, fin_scores[:, 0]))

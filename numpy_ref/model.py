@@ -229,10 +229,11 @@ def decode(
 
 
 def generator(params: Params, cfg: ModelConfig, hidden: np.ndarray) -> np.ndarray:
-    """Logits [B, T, V] = hidden W_out (+ b_out); tied tables use W_out = E^T (§3.4)."""
+    """Logits [B, T, V] = logit_scale * (hidden W_out) (+ b_out); tied tables use W_out = E^T (§3.4)."""
     names = embedding_names(cfg)
     kernel = params[names.tgt].T if names.output is None else params[names.output]
     logits = hidden @ kernel
+    logits = logits if cfg.logit_scale == 1.0 else logits * cfg.logit_scale  # SPEC §2 (Flax: 1/sqrt(d))
     return logits + params["generator.bias"] if cfg.output_bias else logits
 
 

@@ -25,6 +25,7 @@ CONFIG_VARIANTS: dict[str, dict] = {
     "no_biases_no_scale": dict(attention_bias=False, ffn_bias=False, scale_embeddings=False),
     "start_token_is_pad_eps_1e-6": dict(bos_id=0, layer_norm_eps=1e-6),
     "unequal_layers_heads_8": dict(num_encoder_layers=3, num_decoder_layers=1, num_heads=8),
+    "logit_scale_flax_output_bias": dict(scale_embeddings=False, logit_scale=32 ** -0.5, output_bias=True),
 }
 
 # (batch, src_len, tgt_len, padded): padding in both sides, batch of 1, unequal lengths.

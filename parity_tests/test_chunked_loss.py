@@ -54,10 +54,11 @@ def case(seed: int = 0, bias: bool = True, all_pad: bool = False):
     return hidden, weight, b, labels
 
 
-def formula(hidden, weight, bias, labels, eps: float, num_tokens=None):
+def formula(hidden, weight, bias, labels, eps: float, num_tokens=None, scale: float = 1.0):
     """float64, from SPEC §4: loss = Σ_mask -Σ_v q_v log p_v / count with q = (1-ε) onehot(y) + ε/V,
-    and its gradient d loss / d logits = mask (p - q) / count, taken through logits = h W + b."""
-    logits = hidden @ weight + (0.0 if bias is None else bias)
+    and its gradient d loss / d logits = mask (p - q) / count, taken through logits = s (h W) + b
+    (SPEC §2, s the logit_scale)."""
+    logits = scale * (hidden @ weight) + (0.0 if bias is None else bias)
     logp = logits - logits.max(-1, keepdims=True)
     logp = logp - np.log(np.exp(logp).sum(-1, keepdims=True))
     q = (1 - eps) * np.eye(V)[labels] + eps / V
@@ -66,12 +67,12 @@ def formula(hidden, weight, bias, labels, eps: float, num_tokens=None):
     count = max(count, 1)
     loss = (-(q * logp).sum(-1) * mask).sum() / count
     g = (np.exp(logp) - q) * mask[..., None] / count  # [B, T, V]
-    grads = (g @ weight.T, np.einsum("btd,btv->dv", hidden, g), g.sum((0, 1)))
+    grads = (scale * (g @ weight.T), scale * np.einsum("btd,btv->dv", hidden, g), g.sum((0, 1)))
     return loss, grads
 
 
 def run(framework: str, path: str, hidden, weight, bias, labels, eps: float, num_tokens=None,
-        chunk: int = 8, dtype=np.float32):
+        chunk: int = 8, dtype=np.float32, scale: float = 1.0):
     """(loss, count, (grad hidden, grad weight [d, V], grad bias or None)) as float64 NumPy, by
     the chunked loss ("chunked") or by the plain logits + train.loss_fn ("plain")."""
     if framework == "torch":
@@ -83,10 +84,10 @@ def run(framework: str, path: str, hidden, weight, bias, labels, eps: float, num
         y = torch.tensor(labels)
         n = None if num_tokens is None else torch.tensor(num_tokens)
         if path == "chunked":
-            loss, count = tl.chunked_loss(h, w, b, y, PAD, eps, n, chunk=chunk)
+            loss, count = tl.chunked_loss(h, w, b, y, PAD, eps, n, chunk=chunk, logit_scale=scale)
         else:
-            loss, count = tt.loss_fn(torch.nn.functional.linear(h, w.to(h.dtype), None if b is None
-                                                                else b.to(h.dtype)), y, PAD, eps, n)
+            logits = scale * torch.nn.functional.linear(h, w.to(h.dtype))
+            loss, count = tt.loss_fn(logits if b is None else logits + b.to(h.dtype), y, PAD, eps, n)
         loss.backward()
         grads = (h.grad, w.grad.T, None if b is None else b.grad)
         return (float(loss.detach()), int(count),
@@ -99,9 +100,9 @@ def run(framework: str, path: str, hidden, weight, bias, labels, eps: float, num
 
     def f(h, w, b):
         if path == "chunked":
-            return jl.chunked_loss(h, w, b, y, PAD, eps, num_tokens, chunk=chunk)
-        return jt.loss_fn(h @ w.astype(h.dtype) + (0 if b is None else b.astype(h.dtype)), y, PAD, eps,
-                          num_tokens)
+            return jl.chunked_loss(h, w, b, y, PAD, eps, num_tokens, chunk=chunk, logit_scale=scale)
+        return jt.loss_fn(scale * (h @ w.astype(h.dtype)) + (0 if b is None else b.astype(h.dtype)), y, PAD,
+                          eps, num_tokens)
 
     (loss, count), grads = jax.jit(jax.value_and_grad(f, argnums=(0, 1, 2), has_aux=True))(h, w, b)
     return (float(loss), int(count),
@@ -112,23 +113,27 @@ def close(a, b, tol: float) -> None:
     assert relative_error(np.atleast_1d(a), np.atleast_1d(b)) <= tol, (a, b)
 
 
-# (chunk, ε, bias) over 21 tokens: a chunk that divides them, one that does not, one beyond them.
-FLOAT32_CASES = {"chunk_7_divides_eps_0.1_bias": (7, 0.1, True),
-                 "chunk_8_does_not_divide_eps_0.1_bias": (8, 0.1, True),
-                 "chunk_64_beyond_tokens_eps_0.1_bias": (64, 0.1, True),
-                 "chunk_8_eps_0_no_bias": (8, 0.0, False)}
+# (chunk, ε, bias, logit_scale) over 21 tokens: a chunk that divides them, one that does not, one
+# beyond them; a logit_scale (SPEC §2) that is not a power of two, with a bias added after it.
+FLOAT32_CASES = {"chunk_7_divides_eps_0.1_bias": (7, 0.1, True, 1.0),
+                 "chunk_8_does_not_divide_eps_0.1_bias": (8, 0.1, True, 1.0),
+                 "chunk_64_beyond_tokens_eps_0.1_bias": (64, 0.1, True, 1.0),
+                 "chunk_8_eps_0_no_bias": (8, 0.0, False, 1.0),
+                 "chunk_8_eps_0.1_bias_logit_scale_0.3": (8, 0.1, True, 0.3)}
 
 
 @pytest.mark.parametrize("framework", FRAMEWORKS)
 @pytest.mark.parametrize("chunk_eps_bias", FLOAT32_CASES.values(), ids=FLOAT32_CASES.keys())
 def test_float32_equals_plain_path_and_float64_formula(framework, chunk_eps_bias):
-    chunk, eps, bias = chunk_eps_bias
+    chunk, eps, bias, scale = chunk_eps_bias
     hidden, weight, b, labels = case(bias=bias)
-    loss, count, grads = run(framework, "chunked", hidden, weight, b, labels, eps, chunk=chunk)
-    plain_loss, plain_count, plain_grads = run(framework, "plain", hidden, weight, b, labels, eps)
+    loss, count, grads = run(framework, "chunked", hidden, weight, b, labels, eps, chunk=chunk, scale=scale)
+    plain_loss, plain_count, plain_grads = run(framework, "plain", hidden, weight, b, labels, eps,
+                                               scale=scale)
     ref_loss, ref_grads = formula(hidden.astype(np.float32).astype(np.float64),
                                   weight.astype(np.float32).astype(np.float64),
-                                  None if b is None else b.astype(np.float32).astype(np.float64), labels, eps)
+                                  None if b is None else b.astype(np.float32).astype(np.float64), labels, eps,
+                                  scale=scale)
     assert count == plain_count == (labels != PAD).sum()
     close(loss, plain_loss, 1e-6)
     close(loss, ref_loss, 1e-6)
@@ -176,7 +181,8 @@ def test_bfloat16_hidden_within_3e_2_of_float64(framework):
         close(got, ref, 3e-2)
 
 
-def test_torch_gradcheck_float64():
+@pytest.mark.parametrize("scale", [1.0, 0.3])
+def test_torch_gradcheck_float64(scale):
     """torch.autograd.gradcheck: the Function's backward against central finite differences."""
     hidden, weight, b, labels = case(seed=3)
     h, w, bb = (torch.tensor(a[:2, :3] if a.ndim == 3 else a, requires_grad=True)
@@ -184,7 +190,7 @@ def test_torch_gradcheck_float64():
     y = torch.tensor(labels[:2, :3])
     y[1, 2] = PAD
     assert torch.autograd.gradcheck(
-        lambda h, w, bb: tl.chunked_loss(h, w, bb, y, PAD, 0.1, chunk=4)[0], (h, w, bb))
+        lambda h, w, bb: tl.chunked_loss(h, w, bb, y, PAD, 0.1, chunk=4, logit_scale=scale)[0], (h, w, bb))
 
 
 JAX_X64_CHECK = textwrap.dedent("""
@@ -197,9 +203,9 @@ JAX_X64_CHECK = textwrap.dedent("""
     import jax_impl.loss as jl, jax_impl.train as jt
     case = json.loads(sys.stdin.read())
     h, w, b = (jnp.asarray(case[k], jnp.float64) for k in ("hidden", "weight", "bias"))
-    y = jnp.asarray(case["labels"])
-    chunked = jax.jit(lambda h, w, b: jl.chunked_loss(h, w, b, y, 0, 0.1, chunk=4)[0])
-    plain = jax.jit(lambda h, w, b: jt.loss_fn(h @ w + b, y, 0, 0.1)[0])
+    y, s = jnp.asarray(case["labels"]), case["scale"]
+    chunked = jax.jit(lambda h, w, b: jl.chunked_loss(h, w, b, y, 0, 0.1, chunk=4, logit_scale=s)[0])
+    plain = jax.jit(lambda h, w, b: jt.loss_fn(s * (h @ w) + b, y, 0, 0.1)[0])
     check_grads(chunked, (h, w, b), order=1, modes=["rev"])
     got, want = (jax.grad(f, argnums=(0, 1, 2))(h, w, b) for f in (chunked, plain))
     err = max(float(jnp.abs(g - x).max() / jnp.abs(x).max()) for g, x in zip(got, want))
@@ -207,12 +213,13 @@ JAX_X64_CHECK = textwrap.dedent("""
 """)
 
 
-def test_jax_check_grads_float64():
+@pytest.mark.parametrize("scale", [1.0, 0.3])
+def test_jax_check_grads_float64(scale):
     """jax.test_util.check_grads (finite differences) and jax.grad of the plain loss, both in
     float64: jax_enable_x64 is process-wide, so in a subprocess of its own."""
     hidden, weight, b, labels = case(seed=4)
     payload = json.dumps({"hidden": hidden.tolist(), "weight": weight.tolist(), "bias": b.tolist(),
-                          "labels": labels.tolist()})
+                          "labels": labels.tolist(), "scale": scale})
     env = {**os.environ, "JAX_PLATFORMS": "cpu"}
     done = subprocess.run([sys.executable, "-c", JAX_X64_CHECK], input=payload, capture_output=True,
                           text=True, cwd=REPO, env=env, timeout=120)
@@ -286,6 +293,7 @@ def test_jax_program_never_builds_tokens_by_vocab():
 # One layer each (depth adds nothing here): each config costs the JAX side one compile.
 ONE_LAYER = dict(dropout=0.0, attention_dropout=0.0, num_encoder_layers=1, num_decoder_layers=1)
 MODEL_CONFIGS = {"tied": ONE_LAYER,
+                 "tied_unscaled_logit_scale": dict(ONE_LAYER, scale_embeddings=False, logit_scale=32 ** -0.5),
                  "untied_output_bias": dict(ONE_LAYER, share_embeddings="none", src_vocab_size=50,
                                             tgt_vocab_size=70, output_bias=True)}
 
@@ -307,7 +315,8 @@ def test_model_loss_and_every_parameter_gradient_match_loss_fn(framework, varian
             s, t, y = (torch.tensor(a) for a in (src, tgt, labels))
             if chunked:
                 hidden = module.decode(t, module.encode(s), s)
-                loss = tl.chunked_loss(hidden, *tl.generator_params(module), y, cfg.pad_id, 0.1, chunk=4)[0]
+                loss = tl.chunked_loss(hidden, *tl.generator_params(module), y, cfg.pad_id, 0.1, chunk=4,
+                                       logit_scale=cfg.logit_scale)[0]
             else:
                 loss = tt.loss_fn(module(s, t), y, cfg.pad_id, 0.1)[0]
             loss.backward()
@@ -321,7 +330,8 @@ def test_model_loss_and_every_parameter_gradient_match_loss_fn(framework, varian
                 if chunked:
                     hidden = model.decode(t, model.encode(s), s)
                     weight, bias = jl.generator_params(model)
-                    return jl.chunked_loss(hidden, weight, bias, y, cfg.pad_id, 0.1, chunk=4)[0]
+                    return jl.chunked_loss(hidden, weight, bias, y, cfg.pad_id, 0.1, chunk=4,
+                                           logit_scale=cfg.logit_scale)[0]
                 return jt.loss_fn(model(s, t), y, cfg.pad_id, 0.1)[0]
 
             loss, g = nnx.value_and_grad(f)(model)

@@ -180,3 +180,49 @@ def test_json_that_python_accepts_but_json_does_not_mean_is_refused(text, messag
         ModelConfig.from_json(text)
     assert message in str(err.value)
     assert "\n" not in str(err.value)
+
+
+# -- logit_scale (SPEC §1-2): validated, and left out of the JSON at 1.0 ---------------------
+
+# What `preset("tiny").to_json()` wrote before logit_scale existed (the code at HEAD 1ffaa10).
+TINY_JSON_BEFORE_LOGIT_SCALE = (
+    '{"activation": "relu", "activation_dropout": null, "attention_bias": true, "attention_dropout": 0.0, '
+    '"bos_id": 1, "d_ff": 64, "d_model": 32, "dropout": 0.1, "eos_id": 2, "ffn_bias": true, '
+    '"final_norm": null, "layer_norm_eps": 1e-05, "max_len": 128, "norm_first": false, '
+    '"num_decoder_layers": 2, "num_encoder_layers": 2, "num_heads": 4, "output_bias": false, "pad_id": 0, '
+    '"positional_encoding": "sinusoidal_interleaved", "scale_embeddings": true, "share_embeddings": "all", '
+    '"src_vocab_size": 64, "tgt_vocab_size": 64}')
+
+
+@pytest.mark.parametrize("value", [0, -0.5, float("nan"), float("inf"), float("-inf"), 1e-300, 1e39,
+                                   10**400, True, "0.5", None])
+def test_logit_scale_must_be_positive_and_finite(value):
+    with pytest.raises(ConfigError, match="logit_scale must be a positive finite number"):
+        preset("tiny", logit_scale=value)
+
+
+def test_logit_scale_is_left_out_of_the_json_at_one_and_read_back_otherwise():
+    cfg = preset("tiny")
+    assert cfg.logit_scale == 1.0
+    assert "logit_scale" not in cfg.to_dict() and cfg.to_json() == TINY_JSON_BEFORE_LOGIT_SCALE
+    assert preset("tiny", logit_scale=1).to_json() == TINY_JSON_BEFORE_LOGIT_SCALE  # the int 1 too
+    flax = preset("tiny", logit_scale=32 ** -0.5)  # Flax examples/wmt's logits_via_embedding, d = 32
+    assert json.loads(flax.to_json())["logit_scale"] == 32 ** -0.5
+    back = ModelConfig.from_json(flax.to_json())
+    assert back == flax and back.logit_scale == 32 ** -0.5  # exactly: JSON keeps every float64 bit
+    assert ModelConfig.from_json(TINY_JSON_BEFORE_LOGIT_SCALE) == cfg  # an earlier file: 1.0
+
+
+def test_default_checkpoint_metadata_is_unchanged_by_logit_scale(tmp_path):
+    """A checkpoint of a config with logit_scale 1.0 carries the config JSON the code wrote before
+    the field existed, byte for byte; one with another scale carries the field and reads it back."""
+    from rosetta import init_params, load_checkpoint, save_checkpoint
+    from rosetta.checkpoint import read_header
+
+    cfg = preset("tiny")
+    path = save_checkpoint(tmp_path / "m.safetensors", cfg, init_params(cfg))
+    assert dict(read_header(path).metadata)["config"] == TINY_JSON_BEFORE_LOGIT_SCALE
+    scaled = cfg.replace(logit_scale=0.3)
+    path = save_checkpoint(tmp_path / "s.safetensors", scaled, init_params(scaled))
+    assert json.loads(dict(read_header(path).metadata)["config"])["logit_scale"] == 0.3
+    assert load_checkpoint(path).config == scaled

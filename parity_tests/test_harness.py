@@ -22,6 +22,7 @@ import numpy as np
 import pytest
 
 from numpy_ref.model import forward as reference_forward  # noqa: E402
+from parity_tests.dp_case import FIRST_STEP_RTOL, LOSS_RTOL, WEIGHTS_RTOL, compare, train_float64  # noqa: E402
 from rosetta import RosettaError, init_params, load_checkpoint, preset  # noqa: E402
 from rosetta.cli import main  # noqa: E402
 from rosetta.harness.batching import BatchIterator  # noqa: E402
@@ -53,12 +54,12 @@ EVAL_KEYS = {"kind", "backend", "step", "val_loss", "bleu", "exact_match", "bleu
 
 # The two frameworks round float32 differently (~1e-7 relative in one step's loss). Adam (ε = 1e-9)
 # normalises each gradient, so rounding noise in near-zero gradients becomes full-size updates and
-# the two runs part exponentially once warm-up ends, at a rate that depends on the CPU's rounding:
-# on an AMD EPYC (2026-11-23) the losses agreed to <= 4e-7 through step 9 and differed by 2.3e-4 at
-# step 28. A wrong loss, label smoothing or normalisation shows at step 1 (caught by the tight
-# bound); a wrong schedule by the lr checks; the looser bound says the runs stay the same run.
-LOSS_TOLERANCE_WARMUP = 1e-5  # steps 1-10 (warmup = 10)
-LOSS_TOLERANCE_LATER = 2e-3
+# two float32 runs part at a rate that depends on the CPU's rounding (AMD EPYC, 2026-11-23: <= 4e-7
+# through step 9, 2.3e-4 at step 28): no bound on later float32 losses holds on every CPU without
+# also passing real bugs. So the float32 harness runs are compared where the computation fixes the
+# bound: step 1, from the same weights, is one forward pass's rounding (FIRST_STEP_RTOL, derived in
+# dp_case.py); every step has the same batches and schedule. That the two trainers take
+# the same steps is test_torch_and_jax_trainers_are_one_algorithm, in float64, over as many steps.
 
 
 def paper_lr(step: int, d_model: int, warmup: int, factor: float) -> float:
@@ -93,15 +94,31 @@ def parity_run(tmp_path_factory) -> Path:
 def test_torch_and_jax_loss_curves_agree_at_every_step(parity_run):
     torch_log, jax_log = train_records(parity_run / "torch"), train_records(parity_run / "jax")
     assert [r["step"] for r in torch_log] == [r["step"] for r in jax_log] == list(range(1, 31))
+    assert jax_log[0]["loss"] == pytest.approx(torch_log[0]["loss"], rel=FIRST_STEP_RTOL)
     for a, b in zip(torch_log, jax_log, strict=True):
-        tolerance = LOSS_TOLERANCE_WARMUP if a["step"] <= 10 else LOSS_TOLERANCE_LATER
-        assert abs(a["loss"] - b["loss"]) <= tolerance * abs(b["loss"]), a["step"]
         assert (a["tgt_tokens"], a["src_tokens"]) == (b["tgt_tokens"], b["src_tokens"])  # same batches
         assert a["lr"] == pytest.approx(paper_lr(a["step"], 32, 10, 0.5), rel=1e-12)
         assert b["lr"] == pytest.approx(paper_lr(b["step"], 32, 10, 0.5), rel=1e-6)  # float32 schedule
-    assert torch_log[-1]["loss"] < torch_log[0]["loss"] - 0.3  # it learned something
-    for a, b in zip(eval_records(parity_run / "torch"), eval_records(parity_run / "jax"), strict=True):
-        assert a["val_loss"] == pytest.approx(b["val_loss"], rel=LOSS_TOLERANCE_LATER)
+    for log in (torch_log, jax_log):
+        assert log[-1]["loss"] < log[0]["loss"] - 0.3  # each learned something
+    assert [r["step"] for r in eval_records(parity_run / "torch")] == [15, 30]
+    assert [r["step"] for r in eval_records(parity_run / "jax")] == [15, 30]
+
+
+def test_torch_and_jax_trainers_are_one_algorithm():
+    """The harness's two trainers on the harness's batches (the copy task, bucketed), 30 updates
+    through warm-up and past it, in float64: the same losses and weights (bounds: dp_case.py)."""
+    cfg = preset("tiny", **NO_DROPOUT)
+    params = init_params(cfg, seed=0)
+    pairs = synthetic_pairs("copy", 400, 64, 1, 16, seed=0)
+    batches = list(BatchIterator.from_config(pairs, cfg, max_tokens=512, buckets=[24]).epoch_batches())
+    batches = (batches * 3)[:30]
+    tc = TrainConfig(warmup_steps=10, lr_factor=0.5)
+    runs = {backend: train_float64(backend, cfg, params, tc, batches) for backend in ("torch", "jax")}
+    np.testing.assert_allclose(runs["jax"][0], runs["torch"][0], rtol=LOSS_RTOL)
+    assert runs["torch"][0][-1] < runs["torch"][0][0] - 0.3  # the weights moved: not trivially equal
+    worst, through_outputs = compare(cfg, runs["jax"][1], runs["torch"][1], batches[0])
+    assert worst <= WEIGHTS_RTOL and through_outputs <= WEIGHTS_RTOL
 
 
 def test_parity_run_writes_plots_summary_and_checkpoints(parity_run):

@@ -160,6 +160,17 @@ def rel_err(got: np.ndarray, want: np.ndarray, targets: np.ndarray) -> float:
     return float(np.abs(got - want)[real].max() / np.abs(want[real]).max())
 
 
+def assert_same_leaves(got: dict, want: dict) -> None:
+    """The same paths (in any order), and every leaf the same dtype, shape and bits."""
+    flat_got, flat_want = (dict(jax.tree_util.tree_leaves_with_path(t)) for t in (got, want))
+    assert sorted(map(jax.tree_util.keystr, flat_got)) == sorted(map(jax.tree_util.keystr, flat_want))
+    want_by_key = {jax.tree_util.keystr(k): v for k, v in flat_want.items()}
+    for key, value in flat_got.items():
+        other = want_by_key[jax.tree_util.keystr(key)]
+        assert value.dtype == other.dtype and value.shape == other.shape, jax.tree_util.keystr(key)
+        assert np.array_equal(value, other), jax.tree_util.keystr(key)
+
+
 def write_tree(path: Path, tree: dict, wrap: bool = True) -> Path:
     path.write_bytes(flax.serialization.msgpack_serialize({"params": tree} if wrap else tree))
     return path
@@ -168,12 +179,18 @@ def write_tree(path: Path, tree: dict, wrap: bool = True) -> Path:
 # -- ours -> flax-wmt -> ours ---------------------------------------------------------------------
 
 def example_config(**changes) -> ModelConfig:
-    """A tiny model in the example's conventions, with the read defaults for what a tree doesn't say."""
+    """A tiny model in the example's conventions, with the read defaults for what a tree doesn't say:
+    tied and unscaled (logits_via_embedding read as it is), logit_scale = 1/sqrt(d) (models.py:
+    `logits / jnp.sqrt(y.shape[-1])`) unless `changes` say otherwise."""
     fields = dict(src_vocab_size=13, tgt_vocab_size=13, d_model=16, num_heads=2, num_encoder_layers=2,
                   num_decoder_layers=2, d_ff=MLP, norm_first=True, final_norm=True, layer_norm_eps=1e-6,
                   positional_encoding="sinusoidal_concat_t2t", pad_id=0, bos_id=0, eos_id=2, max_len=256,
                   dropout=0.1, attention_dropout=0.1, attention_bias=False)
-    return ModelConfig.from_dict({**fields, **changes})
+    cfg = ModelConfig.from_dict({**fields, **changes})
+    tied = cfg.share_embeddings in ("all", "decoder")
+    if tied and not cfg.scale_embeddings and "logit_scale" not in changes:
+        cfg = cfg.replace(logit_scale=1 / math.sqrt(cfg.d_model))
+    return cfg
 
 
 def perturbed(cfg: ModelConfig, seed: int = 1) -> dict[str, np.ndarray]:
@@ -227,18 +244,16 @@ def test_round_trip_is_bit_exact(tmp_path: Path, share: str, scale: bool, extra:
 
 @pytest.mark.parametrize("share,scale", [("all", False), ("all", True), ("src_tgt", True), ("none", False)])
 def test_round_trip_rounding_when_sqrt_d_is_not_a_power_of_two(tmp_path: Path, share: str, scale: bool):
-    # d_model 32: sqrt(32) is irrational. The rescaled tensors (the tables when scale_embeddings,
-    # the decoder's final norm when tied and not scale_embeddings) come back within one ulp;
-    # every other tensor, and everything of an untied unscaled model, is moved bit for bit.
+    # d_model 32: sqrt(32) is irrational. The rescaled tensors (the tables when scale_embeddings)
+    # come back within one ulp; every other tensor, and everything of an unscaled model, tied
+    # (logit_scale 1/sqrt(32)) or not, is moved bit for bit.
     cfg = example_config(d_model=32, num_heads=4, share_embeddings=share, scale_embeddings=scale,
                          output_bias=share in ("none", "src_tgt"))
     params = perturbed(cfg)
     cfg2, got = read_flax_wmt(write_flax_wmt(tmp_path / "m.msgpack", cfg, params), scale_embeddings=scale)
     assert cfg2 == cfg
-    tied = share in ("all", "decoder")
-    rescaled = {n for n in params if (scale and n.endswith(".embedding"))
-                or (tied and not scale and n.startswith("decoder.final_norm."))}
-    assert rescaled or share == "none"
+    rescaled = {n for n in params if scale and n.endswith(".embedding")}
+    assert bool(rescaled) == scale
     for name, value in params.items():
         if name in rescaled:
             ulps = np.abs(got[name].view(np.int32).astype(np.int64) - value.view(np.int32).astype(np.int64))
@@ -267,14 +282,20 @@ def test_example_tree_logits_match_reference(tmp_path: Path, share: bool, lve: b
         assert (cfg.pad_id, cfg.bos_id, cfg.eos_id, cfg.norm_first, cfg.has_final_norm, cfg.layer_norm_eps,
                 cfg.positional_encoding, cfg.max_len) == (0, 0, 2, True, True, 1e-6, POSITIONS, 256)
         # float64 compute: equal to summation order, except where a sqrt(32) rescale rounded a
-        # float32 tensor once (half an ulp, 6e-8 relative, per rescaled number).
-        rounded = d == 32 and (scale or lve)
+        # float32 tensor once (half an ulp, 6e-8 relative, per rescaled number): the tables read
+        # with scale_embeddings. logits_via_embedding is logit_scale = 1/sqrt(d): nothing rescaled.
+        assert cfg.logit_scale == (1 / math.sqrt(d) if lve and not scale else 1.0)
+        rounded = d == 32 and scale
         assert rel_err(ours_logits(cfg, params, inputs, targets, "numpy"), want, targets) <= (
             1e-6 if rounded else 1e-10)
         if d == 32 and not scale:  # the float32 backends (the same configs as the linen test's)
             for backend in ("torch", "jax"):
                 err = rel_err(ours_logits(cfg, params, inputs, targets, backend), want, targets)
                 assert err <= 1e-5, backend
+        if not scale:  # example -> ours -> example: every leaf bit for bit, whatever the mode
+            back = flax.serialization.msgpack_restore(write_flax_wmt(tmp_path / "back.msgpack", cfg,
+                                                                     params).read_bytes())["params"]
+            assert_same_leaves(back, tree)
 
 
 def tree_vocab(tree: dict) -> tuple[int, int]:
@@ -396,10 +417,15 @@ def test_linen_built_model_matches(tmp_path: Path, share: bool, lve: bool):
     cfg, ours = read_flax_wmt(write_tree(tmp_path / "linen.msgpack", params))
     for backend in ("numpy", "torch", "jax"):
         assert rel_err(ours_logits(cfg, ours, inputs, targets, backend), want, targets) <= 1e-5, backend
-    # And back: our file, applied by the linen model, gives its logits again (sqrt(32) rescales
-    # round once: float32 noise, not a different model).
+    assert cfg.logit_scale == (1 / math.sqrt(LINEN_D) if lve else 1.0)
+    # And back: flax's tree -> ours -> flax's tree is exact, every leaf and the file's every byte
+    # (nothing is rescaled: logits_via_embedding is our logit_scale), so the linen model gives
+    # its very logits again.
     back = write_flax_wmt(tmp_path / "back.msgpack", cfg, ours)
-    assert rel_err(apply(flax.serialization.msgpack_restore(back.read_bytes())), want, targets) <= 1e-6
+    restored = flax.serialization.msgpack_restore(back.read_bytes())
+    assert_same_leaves(restored["params"], params)
+    assert back.read_bytes() == (tmp_path / "linen.msgpack").read_bytes()
+    assert np.array_equal(apply(restored), want)
 
 
 # -- the msgpack codec is flax.serialization's, byte for byte -------------------------------------
@@ -631,17 +657,44 @@ def test_is_flax_wmt(tmp_path: Path):
 
 
 def test_sqrt_d_conventions_are_the_documented_ones(tmp_path: Path):
-    """The two exact readings of logits_via_embedding (module docstring, footnote 3), checked on the
-    numbers: scale_embeddings=False copies the table and divides the final norm by sqrt(d);
-    scale_embeddings=True divides the table and copies the norm."""
+    """The two readings of logits_via_embedding (module docstring, footnote 3), checked on the
+    numbers: scale_embeddings=False copies every tensor and sets logit_scale = 1/sqrt(d);
+    scale_embeddings=True divides the table by sqrt(d), copies the norm, keeps logit_scale 1."""
     tree = example_tree(np.random.default_rng(2), True, True, 16, 2)
     path = write_tree(tmp_path / "m.msgpack", tree)
     table = tree["shared_embedding"]["embedding"]
     norm = tree["decoder"]["encoderdecoder_norm"]
-    _, plain = read_flax_wmt(path)
+    cfg, plain = read_flax_wmt(path)
+    assert cfg.logit_scale == 0.25
     assert np.array_equal(plain["shared_embed.embedding"], table)
-    assert np.array_equal(plain["decoder.final_norm.scale"], norm["scale"] / np.float32(4))
-    assert np.array_equal(plain["decoder.final_norm.bias"], norm["bias"] / np.float32(4))
-    _, scaled = read_flax_wmt(path, scale_embeddings=True)
+    assert np.array_equal(plain["decoder.final_norm.scale"], norm["scale"])
+    assert np.array_equal(plain["decoder.final_norm.bias"], norm["bias"])
+    cfg, scaled = read_flax_wmt(path, scale_embeddings=True)
+    assert cfg.logit_scale == 1.0
     assert np.array_equal(scaled["shared_embed.embedding"], table / np.float32(math.sqrt(16)))
     assert np.array_equal(scaled["decoder.final_norm.scale"], norm["scale"])
+
+
+# A logit_scale the example does not have (its logits are y E^T / sqrt(d) or y K + b) moves into the
+# decoder's final norm, whose output feeds only the logits: (share, scale_embeddings, logit_scale).
+FOLDED = [("all", False, 1.0), ("decoder", False, 0.3), ("all", True, 0.3), ("none", False, 0.3),
+          ("src_tgt", True, 1.0)]
+
+
+@pytest.mark.parametrize("share,scale,logit_scale", FOLDED, ids=[f"{a}-scale_{b}-{c}" for a, b, c in FOLDED])
+def test_write_moves_a_logit_scale_the_example_lacks_into_the_final_norm(tmp_path: Path, share: str,
+                                                                        scale: bool, logit_scale: float):
+    cfg = example_config(d_model=32, num_heads=4, share_embeddings=share, scale_embeddings=scale,
+                         logit_scale=logit_scale, tgt_vocab_size=11 if share in ("decoder", "none") else 13)
+    params = perturbed(cfg)
+    path = write_flax_wmt(tmp_path / "m.msgpack", cfg, params)
+    tree = flax.serialization.msgpack_restore(path.read_bytes())["params"]
+    rng = np.random.default_rng(4)
+    inputs, targets = batch(rng, cfg.src_vocab_size, cfg.tgt_vocab_size)
+    want = ours_logits(cfg, params, inputs, targets, "numpy")
+    # The example's own rules (float64, written here) on the tree: our logits, to the float32
+    # rounding of the rescaled norm (and tables).
+    assert rel_err(example_logits(tree, inputs, targets), want, targets) <= 1e-6
+    norm = tree["decoder"]["encoderdecoder_norm"]["scale"]
+    expected = logit_scale * (math.sqrt(32) if share in ("all", "decoder") and not scale else 1.0)
+    assert np.allclose(norm, params["decoder.final_norm.scale"] * expected, rtol=3e-7, atol=0)  # 1 ulp

@@ -25,6 +25,7 @@ from rosetta import load_checkpoint
 from rosetta.cli import main
 from rosetta.harness.report import read_log
 from rosetta.harness.run_dir import latest_checkpoint, list_checkpoints
+from rosetta.harness.trainer_state import load_trainer_state
 
 pytestmark = pytest.mark.trainable
 
@@ -223,3 +224,103 @@ def test_a_checkpoint_symlinked_out_of_the_run_is_refused(two_checkpoints, tmp_p
     model.symlink_to(tmp_path / "elsewhere" / "model.safetensors")
     for err in refused_on_resume_and_translate(two_checkpoints, capsys, monkeypatch):
         assert f"{model} is a symlink to" in err and "outside the run directory" in err, err
+
+
+# -- A refused run leaves nothing behind ---------------------------------------------------------------
+
+@pytest.mark.parametrize("flags,message", [
+    (["--set", "d_model=33"], "d_model must be even, got 33"),
+    (["--preset", "nope"], "unknown preset 'nope'; choose one of tiny, small, base, big"),
+    (["--device", "cuda"], "--device cuda: torch has no device 'cuda' here (no CUDA)"),
+    # Refused after the lock (the data is read under it): the lock and OUT go again.
+    (["--task", "multi30k", "--data-dir", "no-such-dir"], "Multi30k data directory 'no-such-dir'"),
+])
+def test_a_refused_run_creates_no_out_directory(flags, message, tmp_path, capsys, monkeypatch):
+    import torch
+
+    if "cuda" in flags and torch.cuda.is_available():
+        pytest.skip("this machine has CUDA: --device cuda is no refusal here")
+    monkeypatch.chdir(tmp_path)
+    out = tmp_path / "new" / "run"
+    assert main(["train", *QUICK, "--steps", "2", "--out", str(out), *flags]) == 2
+    assert message in one_line_error(capsys)
+    assert list(tmp_path.iterdir()) == []  # neither OUT nor its parent, nor a lock file
+
+
+def test_a_refused_run_in_an_existing_empty_out_leaves_it_empty(tmp_path, capsys):
+    out = tmp_path / "empty"
+    out.mkdir()
+    assert main(["train", *QUICK, "--steps", "2", "--out", str(out), "--task", "multi30k", "--data-dir",
+                 str(tmp_path / "missing")]) == 2
+    assert "Multi30k data directory" in one_line_error(capsys)
+    assert list(out.iterdir()) == []  # the user's directory stays, without the lock file
+
+
+def test_an_unfinished_run_is_named_so(tmp_path, capsys, monkeypatch):
+    out = tmp_path / "unfinished"
+    assert main(["train", *QUICK, "--steps", "2", "--out", str(out)]) == 0
+    (out / "torch" / "result.json").unlink()  # as a run killed before its end leaves it
+    assert main(["train", *QUICK, "--steps", "2", "--out", str(out)]) == 2
+    assert one_line_error(capsys) == (f"rosetta: error: {out / 'torch'} already holds an unfinished run; "
+                                      f"pass --resume to continue it or --overwrite to replace it")
+
+
+# -- A truncated newest checkpoint: the message names the intact one and how to resume from it -------
+
+RESUMABLE = [*QUICK, "--checkpoint-every", "2"]
+
+
+@pytest.fixture(scope="module")
+def straight_and_stopped(tmp_path_factory) -> tuple[Path, Path]:
+    """Six steps straight; and four steps (checkpoints at 2 and 4) to be resumed to six."""
+    straight = tmp_path_factory.mktemp("straight") / "run"
+    stopped = tmp_path_factory.mktemp("stopped") / "run"
+    assert main(["train", *RESUMABLE, "--steps", "6", "--out", str(straight)]) == 0
+    assert main(["train", *RESUMABLE, "--steps", "4", "--out", str(stopped)]) == 0
+    return straight, stopped
+
+
+def truncate(path: Path) -> None:
+    data = path.read_bytes()
+    path.write_bytes(data[: len(data) // 2])
+
+
+@pytest.mark.parametrize("broken", ["model.safetensors", "trainer_state.safetensors", "state.json"])
+def test_resume_from_a_truncated_checkpoint_names_the_intact_one_and_following_it_resumes_exactly(
+        broken, straight_and_stopped, tmp_path, capsys):
+    straight, stopped = straight_and_stopped
+    out = tmp_path / "run"
+    shutil.copytree(stopped, out)
+    checkpoints = out / "torch" / "checkpoints"
+    truncate(checkpoints / "step-00000004" / broken)
+    argv = ["train", *RESUMABLE, "--steps", "6", "--out", str(out), "--resume"]
+    assert main(argv) == 2
+    err = one_line_error(capsys)
+    assert f"{checkpoints / 'step-00000004' / broken}: " in err, err  # the broken file, by name
+    assert err.endswith(f"; the previous checkpoint {checkpoints / 'step-00000002'} is intact: move "
+                        f"step-00000004 out of {checkpoints} (or delete it) and run again with --resume to "
+                        f"continue from step 2"), err
+    # Following the instruction: the run resumes at step 2 and ends where the straight run ended.
+    shutil.move(checkpoints / "step-00000004", tmp_path / "broken-step-00000004")
+    assert main(argv) == 0
+    capsys.readouterr()
+    name = "checkpoints/step-00000006/"
+    a, b = (load_checkpoint(run / "torch" / name / "model.safetensors").params for run in (straight, out))
+    assert list(a) == list(b) and all(np.array_equal(a[k], b[k]) for k in a)
+    state_a, state_b = (load_trainer_state(run / "torch" / name / "trainer_state.safetensors", "torch")
+                        for run in (straight, out))
+    assert sorted(state_a) == sorted(state_b) and all(np.array_equal(state_a[k], state_b[k]) for k in state_a)
+    steps = [r["step"] for r in read_log(out / "torch" / "log.jsonl") if r["kind"] == "train"]
+    assert steps == [1, 2, 3, 4, 5, 6]  # steps 3 and 4 once each: the first tries were dropped
+
+
+def test_resume_with_no_intact_checkpoint_says_so(straight_and_stopped, tmp_path, capsys):
+    _, stopped = straight_and_stopped
+    out = tmp_path / "run"
+    shutil.copytree(stopped, out)
+    checkpoints = out / "torch" / "checkpoints"
+    for step in ("step-00000002", "step-00000004"):
+        truncate(checkpoints / step / "model.safetensors")
+    assert main(["train", *RESUMABLE, "--steps", "6", "--out", str(out), "--resume"]) == 2
+    err = one_line_error(capsys)
+    assert err.endswith(f"; no earlier checkpoint in {checkpoints} is intact to resume from"), err

@@ -22,8 +22,8 @@ import numpy as np
 from rosetta.checkpoint import check_params, load_checkpoint, save_checkpoint
 from rosetta.config import ModelConfig
 from rosetta.errors import InputError, RosettaError
-from rosetta.generation import LENGTH_RULES, Generation
-from rosetta.inputs import check_int, check_real, check_src, check_tgt
+from rosetta.generation import LENGTH_RULES, Generation, check_alpha, check_scores
+from rosetta.inputs import check_int, check_src, check_tgt
 from rosetta.params import Params
 
 BACKENDS: dict[str, str] = {
@@ -108,7 +108,8 @@ class BackendModel(ABC):
         sentence emits at most (its real length + max_len_margin) tokens, capped at max_len.
         Identical algorithm in every backend (numpy_ref/decode.py). Numeric arguments follow
         rosetta/inputs.py's rule (NumPy scalars welcome, bools refused); the beam is at most the
-        target vocabulary size."""
+        target vocabulary size, alpha at most rosetta.generation.ALPHA_MAX. A search whose scores
+        are not finite (weights that overflow the compute dtype) is refused, not returned."""
         src = check_src(self.config, src)
         beam_size = check_int(beam_size, "beam_size", minimum=1)
         vocab = self.config.tgt_vocab_size
@@ -116,11 +117,12 @@ class BackendModel(ABC):
             # Each step scores beam_size x vocab candidates: an unbounded beam is an unbounded wait.
             raise InputError(f"beam_size {beam_size} is larger than the target vocabulary ({vocab} tokens); "
                              f"give at most {vocab}")
-        alpha = check_real(alpha, "alpha", minimum=0.0)
+        alpha = check_alpha(alpha)
         max_len_margin = check_int(max_len_margin, "max_len_margin", minimum=0)
         if length_rule not in LENGTH_RULES:
             raise InputError(f"length_rule {length_rule!r}: one of {', '.join(LENGTH_RULES)}")
-        return self._generate(src, beam_size, alpha, max_len_margin, length_rule)
+        return check_scores(self._generate(src, beam_size, alpha, max_len_margin, length_rule),
+                            f"backend {self.name} at {self.dtype}")
 
     def step_logits(self, src: object, tgt: object) -> np.ndarray:
         """logits [B, T, V] computed the way generation does, one position at a time (with the

@@ -31,7 +31,7 @@ import numpy as np
 import safetensors
 
 from rosetta.config import ModelConfig, strict_json_loads
-from rosetta.errors import CheckpointError, ConfigError
+from rosetta.errors import CheckpointError, ConfigError, RosettaError
 from rosetta.params import Params, checkpoint_size, param_shapes
 
 FORMAT = "rosetta-transformer/1"
@@ -262,10 +262,29 @@ def _create_temporary(path: Path) -> tuple[int, Path]:
             continue
 
 
+def check_writable(path: str | os.PathLike) -> Path:
+    """`path` as a file that can be written, or a RosettaError naming it: an empty name, a
+    directory in its place, or a file where one of its parent directories should be (the
+    IsADirectoryError, FileExistsError or NotADirectoryError a write would end in)."""
+    if not str(path):
+        raise RosettaError("cannot write a file with an empty name")
+    path = Path(path)
+    if path.is_dir():
+        raise RosettaError(f"cannot write {path}: it is a directory")
+    for parent in path.parents:  # the nearest one that exists must be a directory
+        if parent.exists() or parent.is_symlink():
+            if not parent.is_dir():
+                what = "a file" if parent.exists() else "a broken symlink"
+                raise RosettaError(f"cannot write {path}: {parent} is {what}, not a directory")
+            break
+    return path
+
+
 def atomic_write(path: str | os.PathLike, write: Callable[[BinaryIO], object]) -> None:
     """Call `write(f)` on a temporary file beside `path`, fsync, then rename over `path`. A
-    new file gets the umask's mode, a replaced one keeps its mode."""
-    path = Path(path)
+    new file gets the umask's mode, a replaced one keeps its mode. A path that cannot be a
+    file is refused first (check_writable)."""
+    path = check_writable(path)
     path.parent.mkdir(parents=True, exist_ok=True)
     remove_stale_temporaries(path)
     try:
@@ -405,6 +424,13 @@ def _integrity_record(path: Path, header: Header) -> str | None:
     if record is not None and not re.fullmatch(r"[0-9a-fA-F]{64}", record):
         raise CheckpointError(f"{path}: metadata '{INTEGRITY_KEY}' is not a SHA-256 hex digest")
     return None if record is None else record.lower()
+
+
+def has_integrity_record(path: str | os.PathLike) -> bool:
+    """Whether the file carries the integrity record (its header only; a malformed record is
+    refused). `load_checkpoint` verifies a record it finds; without one nothing is verified."""
+    path = Path(path)
+    return _integrity_record(path, read_header(path)) is not None
 
 
 def read_tensors(path: Path, header: Header) -> dict[str, np.ndarray]:

@@ -23,6 +23,8 @@ Arguments: every count is ASCII digits (no "1_0", no "٥"): sizes and lengths >=
 and cadences >= 0; every real number is a plain finite decimal ("0.6", "1e-3"; no nan or inf).
 stdin (generate, translate) is read as strict UTF-8, a sentence a line; lines of token ids hold
 ASCII-digit ids inside the source vocabulary. A line that breaks a rule is refused by number.
+Paths are never empty; a file a command writes (--out, --hyps, --json, --plot) may not be a
+directory or lie under a file, refused before any work (docs/cli.md: Paths).
 """
 
 from __future__ import annotations
@@ -35,11 +37,11 @@ import re
 import sys
 from collections.abc import Callable
 
-from rosetta.checkpoint import load_checkpoint, save_checkpoint
+from rosetta.checkpoint import check_writable, load_checkpoint, save_checkpoint
 from rosetta.config import PRESETS, ModelConfig, preset
 from rosetta.diff import commands as diff_commands
 from rosetta.errors import RosettaError
-from rosetta.generation import LENGTH_RULES
+from rosetta.generation import ALPHA_MAX, LENGTH_RULES
 from rosetta.inputs import parse_id_line, split_lines
 from rosetta.interop.convert import FORMATS
 from rosetta.params import init_params, param_count
@@ -72,15 +74,36 @@ def _integer(minimum: int | None = None) -> Callable[[str], int]:
     return parse
 
 
-def _real(minimum: float | None = None) -> Callable[[str], float]:
+def _real(minimum: float | None = None, maximum: float | None = None) -> Callable[[str], float]:
     def parse(text: str) -> float:
         value = float(text) if _REAL.fullmatch(text) else math.nan
-        if not math.isfinite(value) or (minimum is not None and value < minimum):
+        if not math.isfinite(value) or (minimum is not None and value < minimum) \
+                or (maximum is not None and value > maximum):
             bound = "" if minimum is None else f" >= {minimum:g}"
+            bound += "" if maximum is None else f" and <= {maximum:g}"
             raise argparse.ArgumentTypeError(f"must be a finite number{bound}, got {text!r}")
         return value
 
     return parse
+
+
+def nonempty_path(text: str) -> str:
+    """A file or directory name: "" is refused (Path("") is the current directory, and a test
+    `if args.hyps:` would skip the flag without a word)."""
+    if not text:
+        raise argparse.ArgumentTypeError("must name a file or directory, got ''")
+    return text
+
+
+def output_file(text: str) -> str:
+    """A file a command will write: refused here, before any work, if it cannot be one (a
+    directory, a file where a parent directory should be: rosetta.checkpoint.check_writable,
+    which atomic_write applies again when it writes)."""
+    try:
+        check_writable(nonempty_path(text))
+    except RosettaError as e:
+        raise argparse.ArgumentTypeError(str(e)) from None
+    return text
 
 
 positive_int = _integer(minimum=1)
@@ -124,13 +147,17 @@ def _add_model_args(p: argparse.ArgumentParser) -> None:
 
 def cmd_parity(args: argparse.Namespace) -> int:
     from rosetta.backends import available_backends
-    from rosetta.parity import failures, format_report, parity_report
+    from rosetta.parity import failures, format_report, integrity_line, parity_report
 
     cfg, params = _model_source(args)
+    if args.checkpoint:
+        print(integrity_line(args.checkpoint))
     for flag, length in (("--src-len", args.src_len), ("--tgt-len", args.tgt_len)):
         if length > cfg.max_len:
             raise RosettaError(f"{flag} {length} is longer than the model's max_len {cfg.max_len}")
     backends = args.backends or available_backends()
+    if len(set(backends)) != len(backends):  # the same refusal as `train --backend torch torch`
+        raise RosettaError(f"--backends lists a backend twice: {' '.join(backends)}")
     print(f"backends: {', '.join(backends)}; d_model={cfg.d_model}, layers="
           f"{cfg.num_encoder_layers}+{cfg.num_decoder_layers}, batch {args.batch} x "
           f"src {args.src_len} / tgt {args.tgt_len} with padding, seed {args.seed}")
@@ -313,18 +340,18 @@ def cmd_convert(args: argparse.Namespace) -> int:
 
     from rosetta.harness.run_dir import LATEST
     from rosetta.interop import marian
-    from rosetta.interop.convert import convert
+    from rosetta.interop.convert import convert, is_marian_like
 
     src, tokenizer, fmt_in = Path(args.src), None, args.from_format
     is_run = src.is_dir() or (src.name == LATEST and src.is_file())
-    if is_run and fmt_in in (None, "rosetta") and not marian.is_marian(src):
+    if is_run and fmt_in in (None, "rosetta") and not is_marian_like(src):
         # A run or checkpoint directory of `rosetta train` (or its checkpoints/latest pointer): its
         # checkpoint, and its tokenizer.
         from rosetta.harness.translate import resolve_run
 
         src, tokenizer = resolve_run(src)
         fmt_in = "rosetta"
-    done = convert(src, args.dst, fmt_in, args.to_format, _overrides(args.set))
+    done = convert(src, args.dst, fmt_in, args.to_format, _overrides(args.set), overwrite=args.overwrite)
     print(f"wrote {done.path} ({done.to_format}) from {src} ({done.from_format})")
     if tokenizer is not None and done.to_format == "marian":
         written = marian.write_tokenizer(tokenizer, done.path, done.config)
@@ -338,8 +365,8 @@ def _add_search_args(p: argparse.ArgumentParser, beam: int) -> None:
     p.add_argument("--dtype", default=None, help="compute dtype (default: the backend's first)")
     p.add_argument("--beam", type=positive_int, default=beam,
                    help="beam size (the paper's 4), at most the target vocabulary; 1 = greedy search")
-    p.add_argument("--alpha", type=non_negative_real, default=0.6,
-                   help="length penalty exponent (Wu et al. 2016)")
+    p.add_argument("--alpha", type=_real(0.0, ALPHA_MAX), default=0.6,
+                   help=f"length penalty exponent (Wu et al. 2016), 0 to {ALPHA_MAX:g}")
     p.add_argument("--margin", type=non_negative_int, default=50,
                    help="max output length = source length + margin")
     p.add_argument("--batch-size", type=positive_int, default=32, help="sentences decoded at once")
@@ -358,13 +385,15 @@ def _add_train_args(p: argparse.ArgumentParser) -> None:
                    help="override a model config field (repeatable), e.g. --set dropout=0")
     p.add_argument("--seed", type=integer, default=0,
                    help="seeds initial weights, batch order, dropout, data")
-    p.add_argument("--out", default="runs/train", help="output directory (default runs/train)")
+    p.add_argument("--out", type=nonempty_path, default="runs/train",
+                   help="output directory (default runs/train)")
     p.add_argument("--resume", action="store_true", help="continue the run in OUT from its latest checkpoint")
     p.add_argument("--overwrite", action="store_true", help="delete an earlier run in OUT and start afresh")
     data = p.add_argument_group("data")
     data.add_argument("--task", default="copy", help="copy, reverse (synthetic, no files) or multi30k")
     data.add_argument("--pair", default="de-en", help="Multi30k language pair, source-target")
-    data.add_argument("--data-dir", help="Multi30k directory (default $ROSETTA_DATA_DIR or ../shared/data)")
+    data.add_argument("--data-dir", type=nonempty_path,
+                      help="Multi30k directory (default $ROSETTA_DATA_DIR or ../shared/data)")
     data.add_argument("--download", action="store_true", help="fetch missing Multi30k files (network)")
     data.add_argument("--vocab-size", type=integer, default=8000, help="joint BPE vocabulary size (Multi30k)")
     data.add_argument("--train-size", type=integer, help="first N training pairs (synthetic: N generated)")
@@ -425,7 +454,7 @@ def _add_train_args(p: argparse.ArgumentParser) -> None:
                      help="JAX: local devices in the data-parallel mesh (default: all of the platform)")
     par.add_argument("--dist-timeout", type=real, default=600.0, metavar="SECONDS",
                      help="a collective waiting this long for a peer ends the run with an error")
-    par.add_argument("--baseline", metavar="OUT",
+    par.add_argument("--baseline", type=nonempty_path, metavar="OUT",
                      help="a finished one-device run of the same settings: scaling efficiency against it")
 
 
@@ -438,7 +467,7 @@ def build_parser() -> argparse.ArgumentParser:
                         epilog="exit code 0: every backend and dtype within its tolerance; 1: some row over "
                                "its tolerance or not finite (marked FAIL); 2: bad input or usage")
     _add_model_args(p)
-    p.add_argument("--checkpoint", help="load this checkpoint instead of a preset")
+    p.add_argument("--checkpoint", type=nonempty_path, help="load this checkpoint instead of a preset")
     p.add_argument("--backends", nargs="+", help="default: every installed backend")
     p.add_argument("--batch", type=positive_int, default=4, help="sentences in the random batch")
     p.add_argument("--src-len", type=positive_int, default=11, help="source length (row 0; others padded)")
@@ -447,12 +476,12 @@ def build_parser() -> argparse.ArgumentParser:
 
     p = cmds.add_parser("init", help="write a freshly initialised checkpoint")
     _add_model_args(p)
-    p.add_argument("--out", required=True)
+    p.add_argument("--out", type=output_file, required=True, metavar="FILE", help="where to write it")
     p.add_argument("--dtype", default="float32", choices=["float32", "float16", "bfloat16"])
     p.set_defaults(func=cmd_init)
 
     p = cmds.add_parser("generate", help="decode token ids read from stdin (one sentence a line)")
-    p.add_argument("--checkpoint", required=True)
+    p.add_argument("--checkpoint", type=nonempty_path, required=True)
     _add_search_args(p, beam=1)
     p.add_argument("--scores", action="store_true", help="print each score after a tab")
     p.set_defaults(func=cmd_generate)
@@ -467,9 +496,11 @@ def build_parser() -> argparse.ArgumentParser:
     parser.train_parser = p  # type: ignore[attr-defined]  # --recipe sets its defaults (_apply_recipe)
 
     p = cmds.add_parser("translate", help="translate stdin (a sentence a line) with a trained run")
-    p.add_argument("--run", help="a `rosetta train` output directory (its newest checkpoint)")
-    p.add_argument("--checkpoint", help="or: a model.safetensors file ...")
-    p.add_argument("--tokenizer", help="... and its tokenizer.json (none: lines are token ids)")
+    p.add_argument("--run", type=nonempty_path,
+                   help="a `rosetta train` output directory (its newest checkpoint)")
+    p.add_argument("--checkpoint", type=nonempty_path, help="or: a model.safetensors file ...")
+    p.add_argument("--tokenizer", type=nonempty_path,
+                   help="... and its tokenizer.json (none: lines are token ids)")
     _add_search_args(p, beam=4)
     p.set_defaults(func=cmd_translate)
 
@@ -478,12 +509,15 @@ def build_parser() -> argparse.ArgumentParser:
                                "Hugging Face MarianMTModel directory), flax-wmt (Flax examples/wmt params, "
                                "msgpack). Output format from DST's name: .safetensors, .msgpack, else a "
                                "directory (marian). A run's tokenizer goes with a marian output.")
-    p.add_argument("src", help="the model to read")
-    p.add_argument("dst", help="where to write it")
+    p.add_argument("src", type=nonempty_path, help="the model to read")
+    p.add_argument("dst", type=nonempty_path, help="where to write it")
     p.add_argument("--from", dest="from_format", choices=FORMATS, help="input format (default: detected)")
     p.add_argument("--to", dest="to_format", choices=FORMATS, help="output format (default: from DST)")
     p.add_argument("--set", action="append", default=[], metavar="FIELD=VALUE",
                    help="a config field the input cannot say (max_len, eos_id, ...; repeatable)")
+    p.add_argument("--overwrite", action="store_true",
+                   help="marian output: write into a folder that is not empty (its config.json, "
+                        "model.safetensors, ... are replaced; other files stay)")
     p.set_defaults(func=cmd_convert)
 
     sides = ("SIDE: a model file or directory (rosetta checkpoint, marian, flax-wmt) as "
@@ -497,10 +531,11 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--tolerance", type=non_negative_real,
                    help="largest relative error that still agrees (default: the larger of the sides' "
                         "rosetta.parity.TOLERANCES entries; 1e-10 for float64 vs float64)")
-    p.add_argument("--json", metavar="FILE", help="also write the rows and the verdict as JSON")
+    p.add_argument("--json", type=output_file, metavar="FILE",
+                   help="also write the rows and the verdict as JSON")
     p.add_argument("--diagnose", action="store_true",
                    help="name the porting mistake that explains the difference (the catalogue)")
-    p.add_argument("--plot", metavar="FILE",
+    p.add_argument("--plot", type=output_file, metavar="FILE",
                    help="PNG: the error per stage and the attention where they part")
     p.add_argument("--seed", type=non_negative_int, default=0,
                    help="the random batch (when no side is a dump)")
@@ -509,7 +544,8 @@ def build_parser() -> argparse.ArgumentParser:
     p = cmds.add_parser("attention", help="plot every attention map of one side on one sentence pair",
                         epilog=sides)
     p.add_argument("side", help="the model (or dump) to plot")
-    p.add_argument("--out", required=True, metavar="FILE.png", help="where to write the PNG")
+    p.add_argument("--out", type=output_file, required=True, metavar="FILE.png",
+                   help="where to write the PNG")
     p.add_argument("--src", help='source ids, e.g. "5 6 7 2" (default: a random sentence pair)')
     p.add_argument("--tgt", help='decoder input ids, start token first, e.g. "1 8 9"')
     p.add_argument("--seed", type=non_negative_int, default=0, help="the random sentence pair")

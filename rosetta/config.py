@@ -44,6 +44,8 @@ LIMITS: dict[str, int] = {
 # frameworks); an eps below float32's smallest normal number would flush to zero in float32
 # compute (a zero variance would then divide by zero), one above 0.1 is no longer a small guard.
 LAYER_NORM_EPS_RANGE = (1.1754943508222875e-38, 0.1)
+# logit_scale: positive and finite, and a normal float32 (float32 backends multiply by it in float32).
+LOGIT_SCALE_RANGE = (1.1754943508222875e-38, 3.4028234663852886e38)
 
 
 @dataclass(frozen=True)
@@ -72,6 +74,7 @@ class ModelConfig:
     positional_encoding: str = "sinusoidal_interleaved"
     share_embeddings: str = "all"
     output_bias: bool = False
+    logit_scale: float = 1.0
     max_len: int = 1024
     pad_id: int = 0
     bos_id: int = 1
@@ -95,7 +98,12 @@ class ModelConfig:
 
     # -- serialisation -------------------------------------------------------------------
     def to_dict(self) -> dict[str, Any]:
-        return dataclasses.asdict(self)
+        """The fields as plain data. `logit_scale` is left out at 1.0 (SPEC §2): a config written
+        before the field existed, and its checkpoint's bytes, stay exactly what they were."""
+        data = dataclasses.asdict(self)
+        if data["logit_scale"] == 1.0:
+            del data["logit_scale"]
+        return data
 
     def to_json(self) -> str:
         return json.dumps(self.to_dict(), sort_keys=True)
@@ -232,6 +240,13 @@ def _check_eps(cfg: ModelConfig) -> None:
         )
 
 
+def _check_logit_scale(cfg: ModelConfig) -> None:
+    value, (low, high) = cfg.logit_scale, LOGIT_SCALE_RANGE
+    if not _is_number(value) or not low <= value <= high:  # NaN, infinity, 10**400 fail the test
+        raise ConfigError(f"logit_scale must be a positive finite number in [{low:.3g}, {high:.3g}] "
+                          f"(one float32 holds), got {value!r:.40}")
+
+
 def _check_choice(cfg: ModelConfig, name: str, choices: tuple[str, ...]) -> None:
     value = getattr(cfg, name)
     if value not in choices:
@@ -259,6 +274,7 @@ def _validate(cfg: ModelConfig) -> None:
     _check_choice(cfg, "positional_encoding", POSITIONAL_ENCODINGS)
     _check_choice(cfg, "share_embeddings", SHARE_EMBEDDINGS)
     _check_eps(cfg)
+    _check_logit_scale(cfg)
     # Sinusoidal tables pair one sine with one cosine per frequency (paper §3.5).
     if cfg.d_model % 2:
         raise ConfigError(f"d_model must be even, got {cfg.d_model}")

@@ -10,6 +10,8 @@ from dataclasses import dataclass
 import numpy as np
 
 from rosetta.config import ModelConfig
+from rosetta.errors import InputError, RosettaError
+from rosetta.inputs import check_real
 
 NEG = -1e9  # "impossible" score: finite, so NEG - NEG is 0, not NaN
 # Beam search's rule for finished hypotheses (PITFALLS 15). "wu": score log P / lp(n) with
@@ -18,6 +20,11 @@ NEG = -1e9  # "impossible" score: finite, so NEG - NEG is 0, not NaN
 # (transformers 5, early_stopping=False): log P / n^alpha, finished candidates only from the top K
 # of the 2K, stop judged at the current length n (its heuristic).
 LENGTH_RULES = ("wu", "hf")
+# The largest length-penalty exponent. Wu et al. tune alpha in [0, 1] (0.6 for the paper's beam).
+# The framework backends compute lp in float32: with n up to max_len's bound 2^20 (config LIMITS),
+# lp <= (2^20)^5 = 2^100 stays far inside float32 (2^128), so no alpha in [0, ALPHA_MAX] can make
+# lp overflow and turn every score into -0.0, which a larger alpha (1e300) does.
+ALPHA_MAX = 5.0
 
 
 @dataclass(frozen=True)
@@ -27,6 +34,28 @@ class Generation:
 
     tokens: list[list[int]]
     scores: np.ndarray
+
+
+def check_alpha(alpha: object, name: str = "alpha") -> float:
+    """`alpha` as a float if it is a finite number in [0, ALPHA_MAX] (an InputError naming `name`)."""
+    alpha = check_real(alpha, name, minimum=0.0)
+    if alpha > ALPHA_MAX:
+        raise InputError(f"{name} must be at most {ALPHA_MAX:g}, got {alpha:g}: the length penalty "
+                         f"((5 + n) / 6)^alpha overflows beyond (Wu et al. 2016 use 0 to 1)")
+    return alpha
+
+
+def check_scores(gen: Generation, where: str) -> Generation:
+    """`gen` if every sentence's score is finite. A search returns finite scores (its "impossible"
+    is NEG, and a banned token's log-probability of -inf never wins a sentence's best score),
+    so NaN or infinity means the logits were not finite: refused as `rosetta parity` fails them."""
+    bad = ~np.isfinite(np.asarray(gen.scores, dtype=np.float64))
+    if bad.any():
+        rows = ", ".join(map(str, np.flatnonzero(bad)[:5])) + (", ..." if bad.sum() > 5 else "")
+        raise RosettaError(f"non-finite scores in the search (the weights overflow float32?): {where}, "
+                           f"sentence {rows} of the batch; `rosetta parity --checkpoint` shows the "
+                           f"non-finite logits")
+    return gen
 
 
 def length_penalty(length: np.ndarray | int, alpha: float, rule: str = "wu") -> np.ndarray:

@@ -49,8 +49,9 @@ def _torch_compatible(value: np.ndarray) -> np.ndarray:
     return value
 
 
-def from_state_dict(cfg: ModelConfig, state: Mapping[str, torch.Tensor]) -> Params:
-    """Canonical float32 NumPy arrays from a Transformer's state_dict (strict about keys)."""
+def from_state_dict(cfg: ModelConfig, state: Mapping[str, torch.Tensor], dtype: type = np.float32) -> Params:
+    """Canonical NumPy arrays from a Transformer's state_dict (strict about keys): float32, or
+    `dtype` np.float64 (a float64 trainer's weights: the float64 tests, docs/testing.md)."""
     expected = {torch_name(name)[0]: name for name in param_shapes(cfg)}
     missing = [k for k in expected if k not in state]
     extra = sorted(k for k in state if k not in expected)
@@ -59,7 +60,7 @@ def from_state_dict(cfg: ModelConfig, state: Mapping[str, torch.Tensor]) -> Para
                               f"unexpected {extra}")
     params = {}
     for key, name in expected.items():
-        value = state[key].detach().to("cpu", torch.float32).numpy()
+        value = state[key].detach().to("cpu", torch.float64 if dtype == np.float64 else torch.float32).numpy()
         params[name] = np.array(value.T if torch_name(name)[1] else value)  # a copy, not a view
     check_params(cfg, params, source="state_dict")
     return params

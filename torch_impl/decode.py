@@ -95,10 +95,12 @@ def beam_search(module: Transformer, cfg: ModelConfig, src: torch.Tensor, beam_s
     alive = torch.tensor([0.0] + [NEG] * (K - 1), device=dev).repeat(B, 1)  # beam 0 expands first
     fin_seqs, fin_scores = seqs.clone(), torch.full((B, K), NEG, device=dev)
     done = torch.zeros(B, dtype=torch.bool, device=dev)
+    broken = torch.zeros(B, dtype=torch.bool, device=dev)
     for t in range(L):
         logp = steps.next_log_probs(seqs.view(B * K, L), t)
         V = logp.shape[-1]
         cand = (alive[:, :, None] + logp.view(B, K, V)).view(B, K * V)
+        broken |= ~done & cand.isnan().any(dim=-1)  # non-finite logits: a NaN score (see numpy_ref)
         top_logp, top = topk_stable(cand, 2 * K)
         origin, token = top // V, top % V
         top_seqs = seqs.gather(1, origin[:, :, None].expand(B, 2 * K, L)).clone()
@@ -127,4 +129,5 @@ def beam_search(module: Transformer, cfg: ModelConfig, src: torch.Tensor, beam_s
         done |= (t + 1 >= limits) | hopeless
         if bool(done.all()):
             break
-    return Generation(strip(cfg, fin_seqs[:, 0].cpu().numpy()), fin_scores[:, 0].double().cpu().numpy())
+    scores = torch.where(broken, torch.nan, fin_scores[:, 0])
+    return Generation(strip(cfg, fin_seqs[:, 0].cpu().numpy()), scores.double().cpu().numpy())

@@ -23,12 +23,14 @@ DEFAULT_CHUNK = 1024
 
 
 def _chunk_logits(h: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None,
-                  dtype: torch.dtype) -> torch.Tensor:
-    """Logits [n, V] = h W^T (+ b) of one chunk, computed in `dtype` (float32 at least, §3.4)."""
+                  dtype: torch.dtype, scale: float) -> torch.Tensor:
+    """Logits [n, V] = scale * (h W^T) (+ b) of one chunk, computed in `dtype` (float32 at least,
+    §3.4), as torch_impl/model.py's Generator (`scale`: the config's logit_scale, SPEC §2)."""
     # Deliberate: the operands are cast up, not only the result, so bfloat16 hidden states give
     # float32 logits (the plain path rounds them to bfloat16 first); on a GPU this trades the
     # bfloat16 matmul's speed for accuracy.
     logits = h.to(dtype) @ weight.to(dtype).T
+    logits = logits if scale == 1.0 else logits * scale
     return logits if bias is None else logits + bias.to(dtype)
 
 
@@ -39,27 +41,27 @@ class ChunkedCrossEntropy(torch.autograd.Function):
     @staticmethod
     def forward(ctx, hidden: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None,
                 labels: torch.Tensor, pad_id: int, label_smoothing: float, denominator: torch.Tensor,
-                chunk: int) -> torch.Tensor:
+                chunk: int, scale: float) -> torch.Tensor:
         dtype = torch.promote_types(hidden.dtype, torch.float32)
         total = hidden.new_zeros((), dtype=dtype)
         lse = hidden.new_empty(hidden.shape[0], dtype=dtype)  # O(N): kept for the backward
         with torch.autocast(hidden.device.type, enabled=False):  # the logits stay in `dtype`
             for start in range(0, hidden.shape[0], chunk):
                 y = labels[start:start + chunk]
-                logits = _chunk_logits(hidden[start:start + chunk], weight, bias, dtype)
+                logits = _chunk_logits(hidden[start:start + chunk], weight, bias, dtype, scale)
                 lse[start:start + chunk] = lse_c = torch.logsumexp(logits, dim=-1)
                 nll = lse_c - logits.gather(-1, y[:, None])[:, 0]  # -log p[y]
                 smooth = lse_c - logits.mean(dim=-1)  # -(1/V) Σ_v log p[v]: ε over all V (PITFALLS 11)
                 per_token = (1.0 - label_smoothing) * nll + label_smoothing * smooth
                 total = total + torch.where(y != pad_id, per_token, 0.0).sum()
         ctx.save_for_backward(hidden, weight, bias, labels, lse, denominator)
-        ctx.pad_id, ctx.label_smoothing, ctx.chunk = pad_id, label_smoothing, chunk
+        ctx.pad_id, ctx.label_smoothing, ctx.chunk, ctx.scale = pad_id, label_smoothing, chunk, scale
         return total / denominator.to(dtype)
 
     @staticmethod
     def backward(ctx, grad_out: torch.Tensor):
         """d loss / d logits = mask · (softmax - q) / denominator, recomputed chunk by chunk from
-        the saved logsumexp; then through logits = h W^T + b."""
+        the saved logsumexp; then through logits = s (h W^T) + b: d/dh = s g W, d/dW = s g^T h."""
         hidden, weight, bias, labels, lse, denominator = ctx.saved_tensors
         eps, V = ctx.label_smoothing, weight.shape[0]
         dtype = lse.dtype
@@ -68,35 +70,37 @@ class ChunkedCrossEntropy(torch.autograd.Function):
         need_w, need_b = ctx.needs_input_grad[1], bias is not None and ctx.needs_input_grad[2]
         grad_w = torch.zeros(weight.shape, dtype=dtype, device=weight.device) if need_w else None
         grad_b = torch.zeros(V, dtype=dtype, device=weight.device) if need_b else None
-        w = weight.to(dtype)
+        w, s = weight.to(dtype), ctx.scale
         with torch.autocast(hidden.device.type, enabled=False):
             for start in range(0, hidden.shape[0], ctx.chunk):
                 h, y = hidden[start:start + ctx.chunk].to(dtype), labels[start:start + ctx.chunk]
-                logits = _chunk_logits(h, weight, bias, dtype)
+                logits = _chunk_logits(h, weight, bias, dtype, s)
                 g = torch.exp(logits - lse[start:start + ctx.chunk, None]) - eps / V  # softmax - ε/V
                 g[torch.arange(len(y), device=g.device), y] -= 1.0 - eps  # - (1-ε)·onehot(y)
                 g *= torch.where(y != ctx.pad_id, scale, 0.0)[:, None]
+                # s multiplies the [chunk, d] sides (exact when s = 1), never the [chunk, V] block.
                 if grad_h is not None:
-                    grad_h[start:start + ctx.chunk] = (g @ w).to(hidden.dtype)
+                    grad_h[start:start + ctx.chunk] = (s * (g @ w)).to(hidden.dtype)
                 if grad_w is not None:
-                    grad_w += g.T @ h
+                    grad_w += g.T @ (s * h)
                 if grad_b is not None:
-                    grad_b += g.sum(dim=0)
+                    grad_b += g.sum(dim=0)  # the bias is added after the scale
         grad_w = None if grad_w is None else grad_w.to(weight.dtype)
         grad_b = None if grad_b is None else grad_b.to(bias.dtype)
-        return grad_h, grad_w, grad_b, None, None, None, None, None
+        return grad_h, grad_w, grad_b, None, None, None, None, None, None
 
 
 def chunked_loss(hidden: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None,
                  labels: torch.Tensor, pad_id: int, label_smoothing: float,
-                 num_tokens: torch.Tensor | int | None = None,
-                 chunk: int = DEFAULT_CHUNK) -> tuple[torch.Tensor, torch.Tensor]:
-    """train.loss_fn(F.linear(hidden, weight, bias), labels, ...) without the [tokens, V] logits:
+                 num_tokens: torch.Tensor | int | None = None, chunk: int = DEFAULT_CHUNK,
+                 logit_scale: float = 1.0) -> tuple[torch.Tensor, torch.Tensor]:
+    """train.loss_fn(Generator(hidden), labels, ...) without the [tokens, V] logits:
     hidden [B, T, d] or [N, d] (the decoder's output after its final norm), weight nn.Linear's
     [V, d] (the target table itself when tied, §3.4), bias [V] or None, labels hidden's leading
-    shape. Returns (loss, number of non-pad labels); the loss is the masked sum over that number,
-    or over `num_tokens` when given (a part of a global batch: rosetta/distributed.py); a batch
-    with no labels gives loss 0."""
+    shape, `logit_scale` the config's (SPEC §2: logits = logit_scale * (hidden W^T) + bias).
+    Returns (loss, number of non-pad labels); the loss is the masked sum over that number, or over
+    `num_tokens` when given (a part of a global batch: rosetta/distributed.py); a batch with no
+    labels gives loss 0."""
     if hidden.ndim < 1 or tuple(labels.shape) != tuple(hidden.shape[:-1]):
         raise RosettaError(f"chunked_loss: labels {tuple(labels.shape)} must be hidden's "
                            f"{tuple(hidden.shape)} leading shape")
@@ -112,12 +116,14 @@ def chunked_loss(hidden: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor 
     h, y = hidden.reshape(-1, hidden.shape[-1]), labels.reshape(-1).long()
     count = (y != pad_id).sum()
     denominator = count.clamp(min=1) if num_tokens is None else torch.as_tensor(num_tokens, device=h.device)
-    loss = ChunkedCrossEntropy.apply(h, weight, bias, y, pad_id, float(label_smoothing), denominator, chunk)
+    loss = ChunkedCrossEntropy.apply(h, weight, bias, y, pad_id, float(label_smoothing), denominator, chunk,
+                                     float(logit_scale))
     return loss, count
 
 
 def generator_params(module: torch.nn.Module) -> tuple[torch.Tensor, torch.Tensor | None]:
     """(weight [V, d], bias [V] or None) of a Transformer's Generator: the target embedding table
-    when tied (§3.4), as torch_impl/model.py's Generator.forward picks it."""
+    when tied (§3.4), as torch_impl/model.py's Generator.forward picks it. Pass the module's
+    `cfg.logit_scale` to chunked_loss with them."""
     weight = module.tgt_table.weight if module.generator.weight is None else module.generator.weight
     return weight, module.generator.bias

@@ -253,8 +253,8 @@ class Stack(nn.Module):
 
 
 class Generator(nn.Module):
-    """Logits = hidden W_out (+ b_out); tied tables use W_out = E^T (§3.4). `weight` is stored
-    as nn.Linear's [V, d] (the transpose of the canonical kernel)."""
+    """Logits = logit_scale * (hidden W_out) (+ b_out); tied tables use W_out = E^T (§3.4).
+    `weight` is stored as nn.Linear's [V, d] (the transpose of the canonical kernel)."""
 
     def __init__(self, cfg: ModelConfig):
         super().__init__()
@@ -262,10 +262,13 @@ class Generator(nn.Module):
         V, d = cfg.tgt_vocab_size, cfg.d_model
         self.weight = None if tied else nn.Parameter(torch.empty(V, d))
         self.bias = nn.Parameter(torch.empty(V)) if cfg.output_bias else None
+        self.logit_scale = cfg.logit_scale
 
     def forward(self, hidden: torch.Tensor, tgt_table: nn.Embedding) -> torch.Tensor:
         weight = tgt_table.weight if self.weight is None else self.weight
-        return F.linear(hidden, weight, self.bias)
+        logits = F.linear(hidden, weight)
+        logits = logits if self.logit_scale == 1.0 else logits * self.logit_scale  # SPEC §2 (Flax: 1/sqrt(d))
+        return logits if self.bias is None else logits + self.bias
 
 
 class Transformer(nn.Module):

@@ -51,7 +51,8 @@ class PeerTransformer(nn.Module):
         self.generator.weight = self.embed.weight  # share_embeddings = "all"
         self.dropout = nn.Dropout(cfg.dropout)
         table = positional_encoding(cfg.positional_encoding, cfg.max_len, cfg.d_model)
-        self.register_buffer("positions", torch.from_numpy(table).float(), persistent=False)
+        # float64, cast with the module's .to(dtype) or at use: a float64 peer gets the exact table.
+        self.register_buffer("positions", torch.from_numpy(table), persistent=False)
 
     def embed_ids(self, ids: torch.Tensor) -> torch.Tensor:
         x = self.embed(ids) * math.sqrt(self.cfg.d_model)
@@ -105,6 +106,8 @@ def check_peer_config(cfg: ModelConfig) -> None:
                         f"{', '.join(PEER_ACTIVATIONS)})")
     if not cfg.scale_embeddings:
         problems.append("scale_embeddings=False (the peer scales by sqrt(d_model), §3.4)")
+    if cfg.logit_scale != 1.0:
+        problems.append(f"logit_scale={cfg.logit_scale!r} (the peer's logits are h E^T, unscaled)")
     if problems:
         raise ConfigError("the torch.nn.Transformer peer cannot express " + "; ".join(problems))
 
@@ -121,11 +124,12 @@ def peer_rows(cfg: ModelConfig) -> list[tuple[str, str, int | None, bool]]:
 
 def to_peer(cfg: ModelConfig, params: Mapping[str, np.ndarray]) -> dict[str, torch.Tensor]:
     """Canonical per-parameter arrays (weights, or anything shaped like them) -> float32 tensors
-    keyed and laid out as `PeerTransformer.named_parameters()`."""
+    (float64 arrays stay float64) keyed and laid out as `PeerTransformer.named_parameters()`."""
     check_params(cfg, params)
     blocks: dict[str, list[np.ndarray | None]] = {}
     for key, name, block, transpose in peer_rows(cfg):
-        value = np.asarray(params[name], dtype=np.float32)
+        value = np.asarray(params[name])
+        value = value.astype(np.float64 if value.dtype == np.float64 else np.float32)
         value = value.T if transpose else value
         if block is None:
             blocks[key] = [value]
@@ -137,10 +141,11 @@ def to_peer(cfg: ModelConfig, params: Mapping[str, np.ndarray]) -> dict[str, tor
 
 
 def from_peer(cfg: ModelConfig, tensors: Mapping[str, torch.Tensor]) -> Params:
-    """The reverse of `to_peer`: float32 NumPy arrays with canonical names in math layout."""
+    """The reverse of `to_peer`: float32 (or float64) NumPy arrays, canonical names, math layout."""
     params: Params = {}
     for key, name, block, transpose in peer_rows(cfg):
-        value = tensors[key].detach().to("cpu", torch.float32).numpy()
+        wide = tensors[key].dtype == torch.float64
+        value = tensors[key].detach().to("cpu", torch.float64 if wide else torch.float32).numpy()
         if block is not None:
             value = value[block * cfg.d_model:(block + 1) * cfg.d_model]
         params[name] = np.array(value.T if transpose else value)  # a copy, not a view

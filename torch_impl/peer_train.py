@@ -22,7 +22,7 @@ from rosetta.interop.nn_transformer import port_nn_transformer
 from rosetta.params import Params, param_shapes
 from rosetta.training import TrainConfig
 from torch_impl import train
-from torch_impl.backend import Model
+from torch_impl.backend import DTYPES, Model
 from torch_impl.convert import torch_name
 from torch_impl.peer import from_peer, peer_from_params, peer_rows, to_peer
 
@@ -51,14 +51,14 @@ class Trainer(train.Trainer):
         # the peer then takes the module's place and gets its own optimizer and schedule.
         super().__init__(cfg, params, train_cfg, device=device, dtype=dtype, parity=parity,
                          accumulate=accumulate, shard=False, num_devices=num_devices, loss="plain")
-        self.module = self.replica = peer.to(self.device).train()
+        self.module = self.replica = peer.to(self.device, DTYPES[dtype][0]).train()  # float64 stays float64
         self.optimizer, self.scheduler = train.make_optimizer(self.module, train_cfg)
         if self.device.type == "cuda":
             torch.cuda.reset_peak_memory_stats(self.device)
 
     def params(self) -> Params:
         """The current weights, ported to canonical by rosetta/interop/nn_transformer.py (the
-        port users of nn.Transformer run), float32 NumPy copies."""
+        port users of nn.Transformer run), float32 NumPy copies (float64 for a float64 trainer)."""
         peer = self.module
         cfg = self.cfg
         _, params = port_nn_transformer(

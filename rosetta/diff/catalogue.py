@@ -10,6 +10,7 @@ where we use the paper's, the explanation is `positional_encoding = sinusoidal_c
 
 from __future__ import annotations
 
+import math
 from collections.abc import Callable, Iterable, Mapping
 from dataclasses import dataclass, field
 from typing import Any
@@ -207,8 +208,9 @@ CATALOGUE: tuple[Entry, ...] = (
           config=_set(scale_embeddings=False)),
     Entry("logits_over_sqrt_d", 8,
           "logits divided by sqrt(d_model) (Flax's logits_via_embedding)",
-          "do not divide the logits by sqrt(d_model) (or divide on both sides)", "code",
-          "any batch", switches=dict(logits_over_sqrt_d=True), encoder=False),
+          "logit_scale = 1/sqrt(d_model) on our side (Flax's logits_via_embedding; divided once more "
+          "if ours already has it)", "config", "any batch",
+          config=lambda cfg: dict(logit_scale=cfg.logit_scale / math.sqrt(cfg.d_model)), encoder=False),
     Entry("output_tied", 8,
           "the output layer reuses the target embedding (E^T) instead of the checkpoint's "
           "separate generator.kernel", "load generator.kernel as the output layer (untie it)",

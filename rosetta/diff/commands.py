@@ -8,6 +8,7 @@ import argparse
 import json
 import math
 
+from rosetta.checkpoint import atomic_write_bytes
 from rosetta.errors import InputError, RosettaError
 from rosetta.inputs import parse_id_line
 
@@ -15,9 +16,9 @@ from rosetta.inputs import parse_id_line
 def cmd_diff(args: argparse.Namespace) -> int:
     """Both sides on one batch, stage by stage (docs/diff.md); exit 1 where they differ."""
     from rosetta.diff.compare import compare_stages, first_over, format_rows
-    from rosetta.diff.sides import check_compatible, pad_id, parse_side, pick_batch
+    from rosetta.diff.sides import check_compatible, pad_id, parse_sides, pick_batch
 
-    a, b = parse_side(args.a), parse_side(args.b)
+    a, b = parse_sides(args.a, args.b)
     check_compatible(a, b)
     src, tgt = pick_batch([a, b], args.seed)
     stages_a, stages_b = a.stages(src, tgt), b.stages(src, tgt)
@@ -52,9 +53,8 @@ def _write_diff_json(args: argparse.Namespace, rows: list, tolerance: float, fir
               "first_difference": first.stage if first else None,
               "rows": [{"stage": r.stage, "rel": number(r.rel), "max_abs": number(r.max_abs), "over": r.over}
                        for r in rows]}
-    with open(args.json, "w", encoding="utf-8") as f:
-        json.dump(record, f, indent=1)
-        f.write("\n")
+    # atomic_write: parent directories made, a directory in the way refused in one line.
+    atomic_write_bytes(args.json, (json.dumps(record, indent=1) + "\n").encode("utf-8"))
 
 
 def _diagnose(a, b, src, tgt, stages_a, stages_b, tolerance: float, first) -> None:

@@ -69,21 +69,41 @@ class Side:
         return self.dump.stages
 
 
-def parse_side(spec: str) -> Side:
-    """The side a command-line argument names (see the module docstring)."""
-    from rosetta.interop.convert import read_model  # the converters pull in the formats' readers
-
+def _split(spec: str) -> tuple[str, str | None, str | None]:
     m = _SPEC.fullmatch(spec)
     path, backend, dtype = m["path"], m["backend"], m["dtype"]
     if backend is not None and backend not in BACKENDS:  # an '@' that is part of the path
         path, backend, dtype = spec, None, None
+    return path, backend, dtype
+
+
+def is_dump(spec: str) -> bool:
+    return Path(_split(spec)[0]).suffix == ".npz"
+
+
+def parse_side(spec: str, cfg: ModelConfig | None = None) -> Side:
+    """The side a command-line argument names (see the module docstring). For a dump, `cfg` is
+    the model it will be compared with: its widths bound what the dump may claim before any of
+    its data is read (rosetta.diff.dump.read_dump)."""
+    from rosetta.interop.convert import read_model  # the converters pull in the formats' readers
+
+    path, backend, dtype = _split(spec)
     if Path(path).suffix == ".npz":
         if backend is not None:
             raise ConfigError(f"{spec}: a dump holds computed stages; it has no backend to run")
-        return Side(spec, dump=read_dump(path))
+        return Side(spec, dump=read_dump(path, cfg))
     cfg, params = read_model(path)
     model = get_backend(backend or "numpy")(cfg, params, dtype)
     return Side(spec, model=model, weights=(cfg, params))
+
+
+def parse_sides(a: str, b: str) -> tuple[Side, Side]:
+    """Both sides, a model side first so that a dump is read knowing the model's shape."""
+    if is_dump(a) and not is_dump(b):
+        side_b = parse_side(b)
+        return parse_side(a, side_b.config), side_b
+    side_a = parse_side(a)
+    return side_a, parse_side(b, side_a.config)
 
 
 def check_compatible(a: Side, b: Side) -> None:

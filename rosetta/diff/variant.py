@@ -34,7 +34,6 @@ class Switches:
     position_offset: int = 0          # 1: positions counted from 1 (PITFALLS 1)
     positions_2i: bool = False        # tutorial loop: exponent 2i with i already even
     layer_norm: str = "biased"        # fast_variance: E[x²]-E[x]²; unbiased_std: eps outside
-    logits_over_sqrt_d: bool = False  # Flax logits_via_embedding divides by sqrt(d) (PITFALLS 8)
     mask_inverted: bool = False       # padding masks attend to the padding (PITFALLS 4)
     naive_start_mask: bool = False    # the start token masked when bos == pad (PITFALLS 12)
     fill: str = "finite"              # neg_inf: NaN rows; zero: zero rows (PITFALLS 4)
@@ -240,9 +239,7 @@ def decode(params: Params, cfg: ModelConfig, tgt: np.ndarray, memory: np.ndarray
     if cfg.has_final_norm:
         x = layer_norm(ref.sub(params, "decoder.final_norm"), x, cfg.layer_norm_eps, sw.layer_norm)
     stages["decoder"] = x
-    logits = ref.generator(params, cfg, x)
-    if sw.logits_over_sqrt_d:  # Flax wmt: logits_via_embedding, then / sqrt(d) (PITFALLS 8)
-        logits = logits / math.sqrt(cfg.d_model)
+    logits = ref.generator(params, cfg, x)  # logit_scale included (Flax's / sqrt(d): a config flip)
     if sw.log_softmax_logits:  # a model ending in log_softmax, fed to a loss that applies its own
         top = logits.max(axis=-1, keepdims=True)
         logits = logits - (top + np.log(np.exp(logits - top).sum(axis=-1, keepdims=True)))

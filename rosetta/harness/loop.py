@@ -41,11 +41,12 @@ from typing import Any
 
 import numpy as np
 
-from rosetta.checkpoint import atomic_write_bytes, load_checkpoint, save_checkpoint
+from rosetta.checkpoint import Checkpoint, atomic_write_bytes, load_checkpoint, save_checkpoint
 from rosetta.config import ModelConfig, preset
 from rosetta.distributed import LaunchEnv, launch_env
-from rosetta.errors import RosettaError
+from rosetta.errors import CheckpointError, RosettaError
 from rosetta.flops import training_flops
+from rosetta.generation import check_alpha
 from rosetta.harness.batching import Batch, BatchIterator, eval_batches, restore_order
 from rosetta.harness.metrics import batch_lengths, mfu, peak_flops, real_training_flops
 from rosetta.harness.out_dir import check_out_dirs, os_errors, read_json
@@ -59,15 +60,16 @@ from rosetta.harness.report import (
     write_summary,
 )
 from rosetta.harness.run_dir import (
+    check_checkpoint_dir,
     checkpoint_name,
     clean_temporaries,
     latest_checkpoint,
+    list_checkpoints,
     out_dir_lock,
     save_checkpoint_dir,
 )
 from rosetta.harness.tasks import TaskData, check_task, load_task, parse_pair
 from rosetta.harness.trainer_state import load_trainer_state, save_trainer_state
-from rosetta.inputs import check_real
 from rosetta.params import init_params
 from rosetta.training import TrainConfig
 
@@ -196,7 +198,7 @@ def check_run(run: RunConfig) -> None:
         _positive(name, getattr(run, name), optional=True)
     for name in ("max_tokens", "keep", "log_every", "synthetic_max_len", "beam", "vocab_size"):
         _positive(name, getattr(run, name))
-    check_real(run.alpha, "--alpha", minimum=0.0)  # the rule model.generate applies at evaluation
+    check_alpha(run.alpha, "--alpha")  # the rule model.generate applies at evaluation
     for name in ("eval_every", "checkpoint_every", "max_len_margin"):
         _positive(name, getattr(run, name), minimum=0)
     if run.loss not in LOSSES:
@@ -232,6 +234,28 @@ def check_run(run: RunConfig) -> None:
                 given = f"--{flag.replace('_', '-')}" + ("" if isinstance(value, bool) else f" {value}")
                 raise RosettaError(f"{given}: --backend peer does not support it ({why})")
     run.train_config()  # TrainConfig checks its own fields (ConfigError names the field)
+    preset(run.preset, **run.overrides)  # the preset and --set (a text task sets the vocabulary later)
+
+
+def check_device(run: RunConfig, env: LaunchEnv) -> None:
+    """Refuse a --device this machine lacks before `out` is touched (each trainer checks it again
+    when it is built). Imports the frameworks, as training would."""
+    if run.device is None:
+        return
+    for backend in run.backends:
+        trainer_class(backend)  # installed, or one line saying so
+        # Each framework's own parser of the device name, the one its Trainer calls.
+        try:
+            if backend in ("torch", "peer"):
+                from torch_impl.train import _device as torch_device
+
+                torch_device(run.device, env)
+            elif not env.distributed:  # JAX's backends start after jax.distributed joins (init_distributed)
+                from jax_impl.train import _device as jax_device
+
+                jax_device(run.device)
+        except RosettaError as e:
+            raise RosettaError(f"--device {run.device}: {e}") from None
 
 
 def trainer_class(backend: str) -> type:
@@ -350,7 +374,7 @@ class _Run:
         if self.run.resume:
             if self.main:
                 clean_temporaries(self.ckpt_root)
-            ckpt_dir = latest_checkpoint(self.ckpt_root)
+            ckpt_dir = latest_checkpoint(self.ckpt_root, check=False)  # _read_checkpoint checks it
             if ckpt_dir is not None:
                 return self._resume(ckpt_dir)
             log.info("%s: no checkpoint yet in %s: starting from step 0", self.backend, self.ckpt_root)
@@ -367,18 +391,63 @@ class _Run:
                 write_log(self.log_path, [])
         return trainer
 
-    def _resume(self, ckpt_dir: Path) -> Any:
+    def _read_checkpoint(self, ckpt_dir: Path) -> tuple[dict[str, Any], Checkpoint, dict[str, np.ndarray]]:
+        """What a resume from `ckpt_dir` reads, each file read and checked: the directory is what
+        its name says, state.json, model.safetensors, trainer_state.safetensors (a RosettaError
+        naming the file otherwise)."""
+        check_checkpoint_dir(ckpt_dir)
         state = read_json(ckpt_dir / "state.json")
+        if not (isinstance(state, dict) and isinstance(state.get("step"), int) and "data" in state):
+            raise CheckpointError(f"{ckpt_dir / 'state.json'}: holds no step and data position")
         ckpt = load_checkpoint(ckpt_dir / "model.safetensors")
+        trainer_state = load_trainer_state(ckpt_dir / "trainer_state.safetensors", self.backend)
+        return state, ckpt, trainer_state
+
+    def _intact(self, ckpt_dir: Path) -> bool:
+        """Whether a resume could start from `ckpt_dir`: its files read, and its trainer state is
+        finite (the check the trainers make when they load it: rosetta/training.py check_state)."""
+        try:
+            _, ckpt, trainer_state = self._read_checkpoint(ckpt_dir)
+        except RosettaError:
+            return False
+        return ckpt.config == self.cfg and all(
+            np.isfinite(v).all() for v in trainer_state.values() if np.asarray(v).dtype.kind == "f")
+
+    def _unusable(self, ckpt_dir: Path, error: RosettaError) -> CheckpointError:
+        """The refusal of a checkpoint a resume cannot start from (truncated, corrupt, poisoned):
+        the error, the newest earlier checkpoint that is intact, and how to resume from that one.
+        `latest` falls back to the newest checkpoint directory left, so moving the newer ones
+        away is the whole of it (rosetta/harness/run_dir.py: latest_checkpoint)."""
+        what = str(error) if str(ckpt_dir) in str(error) else f"{ckpt_dir}: {error}"
+        found = list_checkpoints(self.ckpt_root)
+        for step, earlier in reversed([(n, p) for n, p in found if p.name < ckpt_dir.name]):
+            if self._intact(earlier):
+                newer = [p.name for _, p in found if p.name > earlier.name]
+                names = " and ".join(newer)
+                return CheckpointError(
+                    f"{what}; the previous checkpoint {earlier} is intact: move {names} out of "
+                    f"{self.ckpt_root} (or delete {'it' if len(newer) == 1 else 'them'}) and run again with "
+                    f"--resume to continue from step {step}")
+        return CheckpointError(f"{what}; no earlier checkpoint in {self.ckpt_root} is intact to resume from")
+
+    def _resume(self, ckpt_dir: Path) -> Any:
+        try:
+            state, ckpt, trainer_state = self._read_checkpoint(ckpt_dir)
+        except RosettaError as e:
+            raise self._unusable(ckpt_dir, e) from None
         if ckpt.config != self.cfg:
             raise RosettaError(f"cannot resume {self.dir}: its checkpoint's model config differs from this "
                                f"command's ({ckpt_dir / 'model.safetensors'})")
         trainer = self._trainer(ckpt.params)
-        trainer.load_state_dict(load_trainer_state(ckpt_dir / "trainer_state.safetensors", self.backend))
+        step = state["step"]
+        try:
+            trainer.load_state_dict(trainer_state)  # refuses non-finite optimizer moments
+            if trainer.step_count != step:
+                raise CheckpointError(f"{ckpt_dir}: trainer state at step {trainer.step_count}, "
+                                      f"state.json {step}")
+        except RosettaError as e:
+            raise self._unusable(ckpt_dir, e) from None
         self.iterator.load_state_dict(state["data"])
-        step = int(state["step"])
-        if trainer.step_count != step:
-            raise RosettaError(f"{ckpt_dir}: trainer state at step {trainer.step_count}, state.json {step}")
         saved_workers = state.get("world_size", 1)
         if saved_workers != trainer.world_size:
             log.warning("%s: resuming a run saved with %s data-parallel workers on %d: the global batches "
@@ -626,6 +695,7 @@ def train(run: RunConfig) -> dict[str, dict[str, Any]]:
     if run.resume and not out.is_dir():
         raise RosettaError(f"--resume: {out} holds no run to resume (no such directory)")
     baseline = read_json(Path(run.baseline) / "summary.json").get("backends", {}) if run.baseline else None
+    check_device(run, env)
     # The lock first, so that the checks below see what no other process is changing. Processes
     # other than 0 of a launch neither check nor change `out`: they only read a checkpoint to resume.
     with os_errors(out), (out_dir_lock(out) if env.is_main else contextlib.nullcontext()):

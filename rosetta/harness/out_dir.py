@@ -104,8 +104,8 @@ def check_out_dirs(run: RunConfig) -> list[Path]:
         elif state == "run":
             if not run.overwrite:
                 result = run_dir / "result.json"
-                how = "finished" if result.is_file() else "unfinished"
-                raise RosettaError(f"{run_dir} already holds a {how} run; pass --resume to continue it or "
+                how = "a finished" if result.is_file() else "an unfinished"
+                raise RosettaError(f"{run_dir} already holds {how} run; pass --resume to continue it or "
                                    f"--overwrite to replace it")
             foreign = foreign_entries(run_dir)
             if foreign:

@@ -81,10 +81,12 @@ def clean_temporaries(root: Path) -> None:
                 shutil.rmtree(p, ignore_errors=True)
 
 
-def latest_checkpoint(root: Path) -> Path | None:
+def latest_checkpoint(root: Path, check: bool = True) -> Path | None:
     """The directory `latest` names; if the pointer is missing or stale (a crash between the
     rename and the pointer update), the newest complete directory; None if there is none. The
-    one chosen must pass `check_checkpoint_dir` (a CheckpointError otherwise)."""
+    one chosen must pass `check_checkpoint_dir` (a CheckpointError otherwise) unless `check` is
+    False (the caller checks it). A directory newer than the one `latest` names wins, so the
+    way back to an earlier checkpoint is to move the newer ones out of `root`."""
     pointer = root / LATEST
     chosen = None
     if pointer.is_file():
@@ -95,7 +97,7 @@ def latest_checkpoint(root: Path) -> Path | None:
     if chosen is None:
         found = list_checkpoints(root)
         chosen = found[-1][1] if found else None
-    if chosen is not None:
+    if chosen is not None and check:
         check_checkpoint_dir(chosen)
     return chosen
 
@@ -140,13 +142,44 @@ def check_checkpoint_dir(ckpt_dir: Path) -> None:
                                   f"of its name: refusing it")
 
 
+def _missing_dirs(path: Path) -> list[Path]:
+    """`path` and those of its parents that do not exist, deepest first: what mkdir(parents=True)
+    would create."""
+    missing = []
+    while not (path.exists() or path.is_symlink()) and path != path.parent:
+        missing.append(path)
+        path = path.parent
+    return missing
+
+
+def _undo_lock(out: Path, created: list[Path]) -> None:
+    """After a refused run that created the lock file (and `created`: `out` and its parents, if
+    it created those too): if `out` holds nothing but the lock file, remove it and then those
+    directories, while empty. Nothing is left of the refused invocation; whatever it or anyone
+    else wrote stays."""
+    try:
+        if [p.name for p in out.iterdir()] != [LOCK]:
+            return
+        (out / LOCK).unlink()
+        for path in created:
+            path.rmdir()  # OSError once one is not empty (another process wrote there): stop
+    except OSError:
+        return
+
+
 @contextlib.contextmanager
 def out_dir_lock(out: Path) -> Iterator[None]:
     """Hold an exclusive lock on the output directory `out` (created if missing) until the block
     ends: flock on `out/.rosetta.lock`, never waiting. A second process, whether it would train,
     resume or --overwrite, is refused with the pid the holder wrote in the lock file. The lock
     goes with the process (a killed holder frees it); the file stays, emptied, because deleting
-    a lock file another process has just opened would let two processes hold two locks."""
+    a lock file another process has just opened would let two processes hold two locks. The one
+    exception: a block that fails having written nothing (a run refused after the lock) removes
+    the lock file if this call created it, and `out` if it created that (_undo_lock). It does so
+    still holding the lock, so a rival can only be caught out by opening the file in the instant
+    between the removal and the release."""
+    created = _missing_dirs(out)
+    lock_created = not (out / LOCK).exists()
     out.mkdir(parents=True, exist_ok=True)
     fd = os.open(out / LOCK, os.O_RDWR | os.O_CREAT | getattr(os, "O_CLOEXEC", 0), 0o644)
     try:
@@ -160,6 +193,10 @@ def out_dir_lock(out: Path) -> Iterator[None]:
         os.pwrite(fd, f"{os.getpid()}\n".encode("ascii"), 0)
         try:
             yield
+        except BaseException:
+            if lock_created:
+                _undo_lock(out, created)
+            raise
         finally:
             os.ftruncate(fd, 0)  # no stale pid for the next holder's rivals to read
     finally:

@@ -14,6 +14,7 @@ before anything is written.
 
 from __future__ import annotations
 
+import json
 import os
 from collections.abc import Mapping
 from pathlib import Path
@@ -21,8 +22,8 @@ from typing import Any, NamedTuple
 
 from rosetta.checkpoint import FORMAT, load_checkpoint, read_header, save_checkpoint
 from rosetta.config import ModelConfig
-from rosetta.errors import CheckpointError, ConfigError
-from rosetta.interop import flax_wmt, marian
+from rosetta.errors import CheckpointError, ConfigError, RosettaError
+from rosetta.interop import flax_msgpack, flax_wmt, marian
 from rosetta.params import Params
 
 FORMATS = ("rosetta", "marian", "flax-wmt")
@@ -37,22 +38,67 @@ def _is_rosetta(path: Path) -> bool:
         return False
 
 
+def is_marian_like(path: str | os.PathLike) -> bool:
+    """A directory holding config.json: a Hugging Face model directory, whatever that file says
+    (detect_format reads it and names it when it is broken). Run and checkpoint directories of
+    `rosetta train` never hold one."""
+    return Path(path).is_dir() and (Path(path) / marian.CONFIG_FILE).is_file()
+
+
+def _check_marian_config(path: Path) -> None:
+    """A Marian-like directory's config.json must be JSON saying model_type "marian"; a
+    ConfigError naming the file otherwise (not the weights file beside it)."""
+    config = path / marian.CONFIG_FILE
+    try:
+        hf = json.loads(config.read_bytes().decode("utf-8"))
+    except OSError as e:
+        raise CheckpointError(f"{config}: cannot read: {e.strerror or e}") from None
+    except (UnicodeDecodeError, json.JSONDecodeError) as e:  # empty, truncated, not text
+        raise ConfigError(f"{config}: not valid JSON: {e}") from None
+    model_type = hf.get("model_type") if isinstance(hf, dict) else None
+    if model_type != "marian":
+        raise ConfigError(f"{config}: model_type is {model_type!r}, not 'marian' (rosetta reads Hugging Face "
+                          f"MarianMTModel directories only)")
+
+
+def _msgpack_problem(path: Path) -> str | None:
+    """Why a .msgpack file is not a Flax WMT params tree, from flax_msgpack's full parse."""
+    try:
+        flax_msgpack.decode_tree(path.read_bytes(), str(path))
+    except OSError as e:
+        return f"{path}: cannot read: {e.strerror or e}"
+    except RosettaError as e:
+        # The reader's message names the file, then why; keep why, name the file once.
+        detail = str(e).removeprefix(f"{path}: ").split("truncated?): ", 1)[-1]
+        return f"{path}: not a valid flax msgpack file (truncated?): {detail}"
+    except MemoryError:
+        raise
+    except Exception as e:  # a parser's own exception on hostile bytes
+        return f"{path}: not a valid flax msgpack file (truncated?): {type(e).__name__}: {e}"
+    return (f"{path}: a msgpack tree, but not Flax examples/wmt params (an encoder with encoderblock_0 "
+            f"and encoder_norm, and a decoder); pass --from {'|'.join(FORMATS)}")
+
+
 def detect_format(path: str | os.PathLike) -> str:
-    """The format of an existing input, or a ConfigError saying why it is not known."""
+    """The format of an existing input, or a ConfigError (CheckpointError) naming the file that
+    is broken."""
     path = Path(path)
     if not path.exists():
         raise CheckpointError(f"{path}: no such file or directory")
     if path.is_dir():
-        if (path / "model.safetensors").is_file() and not (path / marian.CONFIG_FILE).is_file():
-            return "rosetta"  # a checkpoint directory of a training run
-        if marian.is_marian(path):
+        if is_marian_like(path):
+            _check_marian_config(path)
             return "marian"
+        if (path / "model.safetensors").is_file():
+            return "rosetta"  # a checkpoint directory of a training run
         raise ConfigError(f"{path}: a directory that is neither a Marian model (config.json with "
                           f"model_type 'marian') nor a checkpoint directory (model.safetensors)")
     if flax_wmt.is_flax_wmt(path):
         return "flax-wmt"
     if _is_rosetta(path):
         return "rosetta"
+    if path.suffix.lower() == ".msgpack":
+        raise ConfigError(_msgpack_problem(path))
     raise ConfigError(f"{path}: format not recognised; pass --from {'|'.join(FORMATS)}")
 
 
@@ -106,14 +152,23 @@ class Converted(NamedTuple):
 
 
 def convert(src: str | os.PathLike, dst: str | os.PathLike, from_format: str | None = None,
-            to_format: str | None = None, overrides: Mapping[str, Any] | None = None) -> Converted:
-    """Read `src`, write `dst`: the formats, the written path and the model's config."""
+            to_format: str | None = None, overrides: Mapping[str, Any] | None = None,
+            overwrite: bool = False) -> Converted:
+    """Read `src`, write `dst`: the formats, the written path and the model's config. A Marian
+    output goes into a folder that is missing or empty, or any folder with `overwrite`."""
     if Path(src).resolve() == Path(dst).resolve():
         raise ConfigError(f"{dst}: the destination is the source")
     fmt_in = from_format or detect_format(src)
     fmt_out = to_format or output_format(dst)
     _check_format(fmt_in, "--from")
     _check_format(fmt_out, "--to")
+    # A folder already holding files (a Hugging Face download, an earlier export: telling them
+    # apart by name would guess) keeps them unless the user says otherwise.
+    if fmt_out == "marian" and not overwrite and Path(dst).is_dir() and any(Path(dst).iterdir()):
+        raise ConfigError(f"{dst} is a folder that is not empty: writing the Marian model there "
+                          f"replaces its {marian.CONFIG_FILE}, {marian.WEIGHTS_FILE} and other files of "
+                          f"the same names; pass --overwrite to replace them, or choose a new or empty "
+                          f"folder")
     cfg, params = read_model(src, fmt_in, overrides)
     return Converted(fmt_in, fmt_out, write_model(dst, cfg, params, fmt_out), cfg)
 

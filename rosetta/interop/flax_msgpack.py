@@ -1,16 +1,23 @@
 """flax.serialization's msgpack format, in NumPy and msgpack only (no jax, no flax).
 
 `encode_tree` writes the bytes `flax.serialization.msgpack_serialize` writes for a tree of dicts
-and NumPy arrays; `decode_tree` reads what `msgpack_restore` reads, refusing hostile input (a
-declared shape larger than its bytes, unknown dtypes, duplicate keys, deep nesting) with a
-CheckpointError before anything is allocated. Used by rosetta/interop/flax_wmt.py.
+and NumPy arrays. `read_structure` reads such a file's tree from its headers alone: every array
+is a `Lazy` leaf (path, shape, dtype, where its bytes lie), checked against the bytes actually
+present, and nothing of its data is read until `Lazy.load`; so a reader can refuse, by path, a
+leaf it has no use for or one whose claimed size exceeds its bytes before allocating anything.
+`decode_tree` loads everything: what `msgpack_restore` returns. Hostile input (a declared shape
+larger than its bytes, a length past the end of the file, unknown dtypes, duplicate keys, deep
+nesting, too many objects) is a CheckpointError naming the leaf. Used by rosetta/interop/flax_wmt.py.
 """
 
 from __future__ import annotations
 
+import io
 import math
+import os
+import struct
 from collections.abc import Mapping
-from typing import Any, NamedTuple
+from typing import Any, BinaryIO, NamedTuple
 
 import ml_dtypes
 import msgpack
@@ -39,6 +46,11 @@ MAX_NDIM = 32
 # TrainState's optimizer state a few more; anything deeper is not a model and would only exhaust
 # Python's recursion limit.
 MAX_DEPTH = 64
+# A params tree of 1,000 layers has ~50,000 objects (keys and leaves); a TrainState three times that.
+# Each parsed object costs ~100 bytes of Python: the budget keeps a hostile file of tiny objects
+# (one byte each) to ~100 MB.
+MAX_OBJECTS = 1_000_000
+MAX_TEXT = 4096  # a string longer than this (no key or dtype name is) stays a Blob, unread
 
 
 def _ndarray_ext(arr: np.ndarray) -> msgpack.ExtType:
@@ -76,96 +88,230 @@ class Opaque(NamedTuple):
     what: str
 
 
-def _decode_ndarray(data: bytes, source: str) -> np.ndarray:
-    try:
-        header = msgpack.unpackb(data, raw=True)
-    except (ValueError, TypeError, msgpack.UnpackException) as e:
-        raise CheckpointError(f"{source}: corrupt array record ({e})") from None
-    if not (isinstance(header, (list, tuple)) and len(header) == 3):
-        raise CheckpointError(f"{source}: corrupt array record (not [shape, dtype, bytes])")
-    shape, name, buffer = header
-    if not isinstance(shape, (list, tuple)) or len(shape) > MAX_NDIM or not all(
-            isinstance(n, int) and not isinstance(n, bool) and n >= 0 for n in shape):
-        raise CheckpointError(f"{source}: corrupt array record (bad shape {shape!r:.80})")
-    if not isinstance(name, bytes) or name.decode("latin-1") not in DTYPES:
-        raise CheckpointError(f"{source}: array of unsupported dtype {name!r:.40}")
-    if not isinstance(buffer, bytes):
-        raise CheckpointError(f"{source}: corrupt array record (data is not bytes)")
-    dtype = DTYPES[name.decode("latin-1")]
-    # Check the declared size against the bytes present before NumPy makes anything of it: a
-    # hostile shape such as [2**40, 2**40] with a short buffer is refused here, never allocated.
-    count = math.prod(shape)
-    if count * dtype.itemsize != len(buffer):
-        raise CheckpointError(f"{source}: array record declares shape {tuple(shape)} of {dtype.name} "
-                              f"({count * dtype.itemsize:,} bytes) but holds {len(buffer):,} bytes")
-    return np.frombuffer(buffer, dtype=dtype).reshape(shape)
+class Lazy:
+    """An array leaf, not yet read: its shape and dtype from the record's header, and the
+    (offset, length) spans of the file that hold its C-order bytes (several for a chunked array,
+    flax's `__msgpack_chunked_array__`). Sizes were checked against the file when it was parsed."""
+
+    def __init__(self, f: BinaryIO, path: str, shape: tuple[int, ...], dtype: np.dtype,
+                 spans: list[tuple[int, int]], scalar: bool = False):
+        self.f, self.path, self.shape, self.dtype = f, path, shape, dtype
+        self.spans, self.scalar = spans, scalar
+
+    @property
+    def ndim(self) -> int:
+        return len(self.shape)
+
+    @property
+    def nbytes(self) -> int:
+        return sum(n for _, n in self.spans)
+
+    def load(self, source: str = "flax msgpack") -> Any:
+        """The array (a NumPy scalar for flax's np-scalar extension), read now."""
+        parts = []
+        for offset, n in self.spans:
+            self.f.seek(offset)
+            parts.append(self.f.read(n))
+            if len(parts[-1]) != n:  # the file shrank since it was parsed
+                raise CheckpointError(f"{source}: {self.path}: truncated while reading")
+        data = parts[0] if len(parts) == 1 else b"".join(parts)
+        array = np.frombuffer(data, self.dtype).reshape(self.shape)
+        return array[()] if self.scalar else array
 
 
-def _unique_map(pairs: list[tuple[Any, Any]]) -> dict[Any, Any]:
-    out: dict[Any, Any] = {}
-    for key, value in pairs:
-        if key in out:  # msgpack would keep the last silently; another reader may keep the first
-            raise CheckpointError(f"duplicate key {key!r:.60} in a map")
-        out[key] = value
-    return out
+class Blob(NamedTuple):
+    """A bin leaf, or a string leaf longer than MAX_TEXT, not yet read."""
+
+    f: BinaryIO
+    offset: int
+    length: int
+    text: bool
+
+    def load(self, source: str = "flax msgpack") -> bytes | str:
+        self.f.seek(self.offset)
+        data = self.f.read(self.length)
+        if len(data) != self.length:
+            raise CheckpointError(f"{source}: truncated while reading")
+        return data.decode("utf-8", "surrogateescape") if self.text else data
 
 
-def _unchunk(node: dict[Any, Any], source: str) -> np.ndarray:
+def _where(path: tuple) -> str:
+    return "/".join(map(str, path)) or "the top level"
+
+
+class _Parser:
+    """msgpack objects from a seekable binary file, headers only: containers become dicts and
+    lists, arrays Lazy leaves, bins Blobs; every length is checked against the bytes left in the
+    file (or in the enclosing extension record) before anything is read or skipped."""
+
+    def __init__(self, f: BinaryIO, source: str, records: bool):
+        self.f, self.source, self.records, self.objects = f, source, records, 0
+        self.end = f.seek(0, os.SEEK_END)
+        f.seek(0)
+
+    def fail(self, path: tuple, why: str) -> CheckpointError:
+        return CheckpointError(f"{self.source}: {_where(path)}: {why}")
+
+    def take(self, n: int, path: tuple, what: str) -> int:
+        """Claim the next n bytes (returning their offset) after checking they are there."""
+        at = self.f.tell()
+        if n > self.end - at:
+            raise self.fail(path, f"truncated: its {what} claims {n:,} bytes at offset {at:,}, but only "
+                                  f"{self.end - at:,} remain")
+        return at
+
+    def read(self, n: int, path: tuple, what: str) -> bytes:
+        self.take(n, path, what)
+        return self.f.read(n)
+
+    def uint(self, n: int, path: tuple) -> int:
+        return int.from_bytes(self.read(n, path, "header"), "big")
+
+    def value(self, path: tuple, depth: int = 1) -> Any:
+        self.objects += 1
+        if self.objects > MAX_OBJECTS:
+            raise self.fail(path, f"more than {MAX_OBJECTS:,} msgpack objects: not a params tree")
+        if depth > MAX_DEPTH:
+            raise self.fail(path, f"msgpack objects nested deeper than {MAX_DEPTH} levels: not a params tree")
+        t = self.read(1, path, "header")[0]
+        if t <= 0x7f:
+            return t
+        if t >= 0xe0:
+            return t - 0x100
+        if t <= 0x8f or t in (0xde, 0xdf):
+            n = t & 0x0f if t <= 0x8f else self.uint(2 if t == 0xde else 4, path)
+            return self.map(n, path, depth)
+        if t <= 0x9f or t in (0xdc, 0xdd):
+            n = t & 0x0f if t <= 0x9f else self.uint(2 if t == 0xdc else 4, path)
+            self.take(n, path, "array header")  # every element takes at least one byte
+            return [self.value((*path, i), depth + 1) for i in range(n)]
+        if t <= 0xbf or t in (0xd9, 0xda, 0xdb):
+            n = t & 0x1f if t <= 0xbf else self.uint({0xd9: 1, 0xda: 2, 0xdb: 4}[t], path)
+            return self.blob(n, path, text=True)
+        if t in (0xc4, 0xc5, 0xc6):
+            return self.blob(self.uint({0xc4: 1, 0xc5: 2, 0xc6: 4}[t], path), path, text=False)
+        if t in (0xc7, 0xc8, 0xc9) or 0xd4 <= t <= 0xd8:
+            n = self.uint({0xc7: 1, 0xc8: 2, 0xc9: 4}[t], path) if t <= 0xc9 else 1 << (t - 0xd4)
+            return self.ext(self.uint(1, path), n, path)
+        if t in (0xc0, 0xc2, 0xc3):
+            return {0xc0: None, 0xc2: False, 0xc3: True}[t]
+        if t in (0xca, 0xcb):
+            single = t == 0xca
+            return struct.unpack(">f" if single else ">d", self.read(4 if single else 8, path, "float"))[0]
+        if 0xcc <= t <= 0xd3:
+            n = 1 << ((t - 0xcc) % 4)
+            return int.from_bytes(self.read(n, path, "integer"), "big", signed=t >= 0xd0)
+        raise self.fail(path, f"not a valid msgpack tree: byte {t:#04x} at offset {self.f.tell() - 1:,} "
+                              f"starts no msgpack object (corrupt?)")
+
+    def blob(self, n: int, path: tuple, text: bool) -> Any:
+        at = self.take(n, path, "string" if text else "binary")
+        if text and n <= MAX_TEXT:
+            try:
+                return self.f.read(n).decode("utf-8")
+            except UnicodeDecodeError:
+                raise self.fail(path, "a string that is not UTF-8 (corrupt?)") from None
+        self.f.seek(at + n)
+        return Blob(self.f, at, n, text)
+
+    def map(self, n: int, path: tuple, depth: int) -> dict[Any, Any]:
+        self.take(2 * n, path, "map header")  # a key and a value, at least one byte each
+        out: dict[Any, Any] = {}
+        for _ in range(n):
+            key = self.value(path, depth + 1)
+            if isinstance(key, (dict, list, Blob, Lazy, Opaque)):
+                raise self.fail(path, f"a map key that is a {type(key).__name__} (corrupt?)")
+            if key in out:  # msgpack would keep the last silently; another reader may keep the first
+                raise self.fail(path, f"duplicate key {key!r:.60} in a map")
+            out[key] = self.value((*path, key), depth + 1)
+        return _chunked(out, path, self) if CHUNKED in out else out
+
+    def ext(self, code: int, n: int, path: tuple) -> Any:
+        at = self.take(n, path, f"extension {code} record")
+        if code in (EXT_NDARRAY, EXT_NPSCALAR) and self.records:
+            leaf = self.array_record(at + n, path, code == EXT_NPSCALAR)
+        else:
+            leaf = Opaque("a complex number" if code == EXT_COMPLEX else f"msgpack extension {code}")
+        self.f.seek(at + n)
+        return leaf
+
+    def array_record(self, end: int, path: tuple, scalar: bool) -> Lazy:
+        """flax.serialization._ndarray_to_bytes: msgpack of [shape, dtype name, C-order bytes]."""
+        outer, self.end = self.end, end  # nothing of the record may reach past the record
+        try:
+            if self.read(1, path, "array record")[0] != 0x93:  # a msgpack array of three
+                raise self.fail(path, "corrupt array record (not [shape, dtype, bytes])")
+            shape = self.value(path, MAX_DEPTH - 1)
+            name = self.value(path, MAX_DEPTH - 1)
+            t = self.read(1, path, "array record")[0]
+            width = {0xc4: 1, 0xd9: 1, 0xc5: 2, 0xda: 2, 0xc6: 4, 0xdb: 4}  # bin, or str (raw msgpack)
+            if t not in width and not 0xa0 <= t <= 0xbf:
+                raise self.fail(path, "corrupt array record (data is not bytes)")
+            n = self.uint(width[t], path) if t in width else t & 0x1f
+            at = self.take(n, path, "array data")
+        finally:
+            self.end = outer
+        if at + n != end:
+            raise self.fail(path, "corrupt array record (bytes after the data)")
+        if not isinstance(shape, list) or len(shape) > MAX_NDIM or not all(
+                type(d) is int and d >= 0 for d in shape):
+            raise self.fail(path, f"corrupt array record (bad shape {shape!r:.80})")
+        if isinstance(name, bytes):
+            name = name.decode("latin-1")
+        if not isinstance(name, str) or name not in DTYPES:
+            raise self.fail(path, f"array of unsupported dtype {name!r:.40}")
+        dtype = DTYPES[name]
+        # The declared size against the bytes present, before anything is allocated: a hostile
+        # shape such as [2**40, 2**40] over a 16-byte buffer is refused here.
+        claimed = math.prod(shape) * dtype.itemsize
+        if claimed != n:
+            raise self.fail(path, f"array record declares shape {tuple(shape)} of {dtype.name} "
+                                  f"({claimed:,} bytes) but holds {n:,} bytes")
+        return Lazy(self.f, _where(path), tuple(shape), dtype, [(at, n)], scalar)
+
+
+def _chunked(node: dict[Any, Any], path: tuple, parser: _Parser) -> Lazy:
+    """flax.serialization._chunk's record of an array above MAX_CHUNK_SIZE, as one Lazy leaf."""
     shape, chunks = node.get("shape"), node.get("chunks")
-    if set(node) != {CHUNKED, "shape", "chunks"} or not isinstance(shape, dict) or type(chunks) is not dict:
-        raise CheckpointError(f"{source}: corrupt chunked array record")
+    if set(node) != {CHUNKED, "shape", "chunks"} or type(shape) is not dict or type(chunks) is not dict:
+        raise parser.fail(path, "corrupt chunked array record")
     try:
         dims = [shape[str(i)] for i in range(len(shape))]
         parts = [chunks[str(i)] for i in range(len(chunks))]
     except KeyError:
-        raise CheckpointError(f"{source}: corrupt chunked array record (keys not 0..n-1)") from None
+        raise parser.fail(path, "corrupt chunked array record (keys not 0..n-1)") from None
     if (len(dims) > MAX_NDIM or not all(type(n) is int and n >= 0 for n in dims)
-            or not parts or not all(isinstance(p, np.ndarray) and p.ndim == 1 for p in parts)
-            or len({p.dtype for p in parts}) != 1 or sum(p.size for p in parts) != math.prod(dims)):
-        raise CheckpointError(f"{source}: corrupt chunked array record (chunks do not make {dims!r:.80})")
-    return np.concatenate(parts).reshape(dims)
+            or not parts or not all(isinstance(p, Lazy) and p.ndim == 1 for p in parts)
+            or len({p.dtype for p in parts}) != 1
+            or sum(p.shape[0] for p in parts) != math.prod(dims)):
+        raise parser.fail(path, f"corrupt chunked array record (chunks do not make {dims!r:.80})")
+    return Lazy(parser.f, _where(path), tuple(dims), parts[0].dtype, [s for p in parts for s in p.spans])
 
 
-def _check_depth(tree: Any, source: str) -> None:
-    """Refuse nesting deeper than MAX_DEPTH (iteratively, before anything recurses over it)."""
-    stack = [(tree, 1)]
-    while stack:
-        node, depth = stack.pop()
-        if depth > MAX_DEPTH:
-            raise CheckpointError(f"{source}: nested deeper than {MAX_DEPTH} levels: not a params tree")
-        if isinstance(node, (dict, list)):
-            children = node.values() if isinstance(node, dict) else node
-            stack.extend((child, depth + 1) for child in children if isinstance(child, (dict, list)))
+def read_structure(f: BinaryIO, source: str = "flax msgpack", records: bool = True) -> Any:
+    """The tree of a flax msgpack file opened in binary mode, its leaves unread (Lazy arrays,
+    Blobs, Opaque); the file must stay open while they are loaded. `records=False` leaves the
+    array records unopened (every extension an Opaque): the structure alone, for detection."""
+    parser = _Parser(f, source, records)
+    if parser.end == 0:
+        raise CheckpointError(f"{source}: empty file, not a flax msgpack tree")
+    tree = parser.value(())
+    if f.tell() != parser.end:
+        raise CheckpointError(f"{source}: not a valid msgpack tree: {parser.end - f.tell():,} bytes after "
+                              f"its end (corrupt?)")
+    return tree
 
 
-def _restore(node: Any, source: str) -> Any:
-    if isinstance(node, dict):
-        if CHUNKED in node:
-            return _unchunk(node, source)
-        return {k: _restore(v, source) for k, v in node.items()}
-    return node
+def load_all(tree: Any, source: str = "flax msgpack") -> Any:
+    """The tree with every Lazy leaf and Blob read."""
+    if isinstance(tree, dict):
+        return {k: load_all(v, source) for k, v in tree.items()}
+    if isinstance(tree, list):
+        return [load_all(v, source) for v in tree]
+    return tree.load(source) if isinstance(tree, (Lazy, Blob)) else tree
 
 
 def decode_tree(data: bytes, source: str = "flax msgpack") -> Any:
     """What `flax.serialization.msgpack_restore(data)` returns (NumPy arrays as leaves; chunked
     arrays joined), or a CheckpointError naming `source` for bytes that are not such a tree."""
-
-    def ext_hook(code: int, payload: bytes) -> Any:
-        if code == EXT_NDARRAY:
-            return _decode_ndarray(payload, source)
-        if code == EXT_NPSCALAR:
-            return _decode_ndarray(payload, source)[()]
-        return Opaque("a complex number" if code == EXT_COMPLEX else f"msgpack extension {code}")
-
-    if not data:
-        raise CheckpointError(f"{source}: empty file, not a flax msgpack tree")
-    try:
-        tree = msgpack.unpackb(data, ext_hook=ext_hook, raw=False, strict_map_key=False,
-                               object_pairs_hook=_unique_map)
-    except CheckpointError as e:
-        raise CheckpointError(str(e) if str(e).startswith(source) else f"{source}: {e}") from None
-    except (ValueError, TypeError, OverflowError, RecursionError, msgpack.UnpackException) as e:
-        raise CheckpointError(f"{source}: not a valid msgpack tree (corrupt or truncated?): "
-                              f"{type(e).__name__}: {e}") from None
-    _check_depth(tree, source)
-    return _restore(tree, source)
+    return load_all(read_structure(io.BytesIO(data), source), source)

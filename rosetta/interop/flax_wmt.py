@@ -19,7 +19,8 @@ Conventions of examples/wmt/models.py (and train.py, decode.py, configs/default.
   `exp(-i ln(10000) / (d/2 - 1))` = tensor2tensor's), not stored: our `sinusoidal_concat_t2t`
   (PITFALLS 1); a learned table (`posemb_init`, a `pos_embedding` param) is refused;
 - token embeddings are NOT scaled by sqrt(d); `logits_via_embedding` gives
-  `logits = y E^T / sqrt(d)`; otherwise a `logitdense` with kernel and bias (PITFALLS 8);
+  `logits = y E^T / sqrt(d)` (`logits / jnp.sqrt(y.shape[-1])`): our `logit_scale = 1/sqrt(d)`;
+  otherwise a `logitdense` with kernel and bias (PITFALLS 8);
 - masks are `ids > 0` and `shift_right` feeds token 0 as the decoder start: our `pad_id = bos_id = 0`
   (PITFALLS 12); decode.py stops at `EOS_ID = 2` (SentencePiece's default), our default `eos_id`.
   The example builds its decoder self-attention mask from the targets (labels), ours from the
@@ -60,16 +61,21 @@ MHA_k = `MultiHeadDotProductAttention_k`, `*` = `{scale,bias}` or `{kernel,bias}
    back as absent with the override `ffn_bias=False` / `output_bias=False` only if every element is
    zero. Our attention biases (`attention_bias`) and a tied output bias, which the example cannot
    hold, are written only if they are exactly zero (dropping them changes nothing), otherwise refused.
-^3 The logits of `logits_via_embedding` are `y E^T / sqrt(d)` with unscaled inputs; our tied output
-   is `y E^T` and our inputs are `E[x] (x sqrt(d) if scale_embeddings)`. Two exact equivalents:
-   `scale_embeddings=False` (the default when reading): the table is copied, and the 1/sqrt(d) moves
-   into the decoder's final LayerNorm, whose output feeds only the logits:
-   `LN(h; g, b) E^T / sqrt(d) = LN(h; g/sqrt(d), b/sqrt(d)) E^T`. `scale_embeddings=True`: the table
-   becomes E/sqrt(d) (inputs `E/sqrt(d) * sqrt(d) = E`, logits `y (E/sqrt(d))^T`), the norm is copied.
-   Either way the rescaled numbers (2d of them, or the tables) are rounded once to the file's dtype,
-   computed in float64: exact when sqrt(d) is a power of two (d = 4, 16, 64, 256, 1024, 4096), half
-   an ulp per element otherwise, so a write-then-read round trip of them is exact for those d and
-   within one ulp for others; every other tensor is moved bit for bit.
+^3 The logits of `logits_via_embedding` are `y E^T / sqrt(d)` with unscaled inputs; ours are
+   `logit_scale * (y E^T)` with inputs `E[x] (x sqrt(d) if scale_embeddings)`. Reading with
+   `scale_embeddings=False` (the default): `logit_scale = 1/sqrt(d)` (flax_logit_scale) and every
+   tensor is copied, so example -> ours -> example is bit for bit for every TransformerConfig.
+   The example divides its float32 logits by float32 sqrt(d), we multiply by 1/sqrt(d): the same
+   logits to one float32 rounding. Reading with `scale_embeddings=True`: the table becomes E/sqrt(d)
+   (inputs `E/sqrt(d) * sqrt(d) = E`, logits `y (E/sqrt(d))^T`), `logit_scale` stays 1.
+   Writing a config of ours: the decoder's final LayerNorm feeds only the logits, so whatever scale
+   the example lacks moves into it, `c LN(h; g, b) = LN(h; c g, c b)`: c = 1 for the configs reading
+   gives (copied), `logit_scale x sqrt(d)` for a tied unscaled model (sqrt(d) at `logit_scale` 1),
+   `logit_scale` otherwise (a logitdense has no scale of its own).
+   A rescaled tensor (the tables with `scale_embeddings`, the final norm when c != 1) is computed in
+   float64 and rounded once to the file's dtype: exact when the factor is a power of two (sqrt(d)
+   for d = 4, 16, 64, 256, 1024, 4096), half an ulp per element otherwise, so its round trip is
+   exact for those and within one ulp for others; every other tensor is moved bit for bit.
 
 Writing refuses what the example cannot hold, before anything is written, naming the field:
 post-norm (`norm_first`), no final norm (`final_norm`), `layer_norm_eps` != 1e-6, a positional
@@ -96,13 +102,16 @@ import numpy as np
 from rosetta.checkpoint import atomic_write_bytes, check_params
 from rosetta.config import ModelConfig
 from rosetta.errors import CheckpointError, ConfigError
-from rosetta.interop.flax_msgpack import DTYPES, FLOAT_DTYPES, Opaque, decode_tree, encode_tree
+from rosetta.interop.flax_msgpack import DTYPES, FLOAT_DTYPES, Lazy, Opaque, encode_tree, read_structure
 from rosetta.params import Params, embedding_names, param_shapes
 
 LAYER_NORM_EPS = 1e-6  # flax.linen.LayerNorm's default epsilon
 POSITIONAL = "sinusoidal_concat_t2t"  # models.sinusoidal_init: [sin | cos], tensor2tensor frequencies
 DEFAULT_MAX_LEN = 256  # train.py: max(max_target_length, max_eval_target_length) with configs/default.py
 EOS_ID = 2  # decode.EOS_ID, SentencePiece's default
+# The top level of a file may be the params tree, variables {"params": ...}, or train.py's TrainState
+# as flax.serialization writes it (its pytree fields).
+TRAIN_STATE = ("step", "params", "opt_state", "dynamic_scale")
 # (share_embeddings, logits_via_embedding) of TransformerConfig <-> our share_embeddings
 SHARING = {(True, True): "all", (True, False): "src_tgt", (False, True): "decoder", (False, False): "none"}
 
@@ -193,18 +202,31 @@ def _any_nonzero(value: np.ndarray) -> bool:
         return bool(np.any(value != 0))
 
 
-def _sqrt_d_factor(cfg: ModelConfig, name: str) -> bool:
-    """Whether canonical tensor `name` is the example's divided by sqrt(d) (footnotes 1 and 3)."""
+def flax_logit_scale(d_model: int) -> float:
+    """Our logit_scale for the example's `logits_via_embedding`: models.py computes
+    `logits / jnp.sqrt(y.shape[-1])` (float32); we multiply by 1/sqrt(d) (float64, rounded once to
+    the compute dtype): the same logits to within one float32 rounding (footnote 3)."""
+    return 1.0 / math.sqrt(d_model)
+
+
+def _factor(cfg: ModelConfig, name: str) -> float:
+    """The example's tensor `name` is ours times this (footnotes 1 and 3); 1.0: moved bit for bit."""
+    d = cfg.d_model
     if name.endswith(".embedding"):
-        return cfg.scale_embeddings
-    tied = embedding_names(cfg).output is None
-    return name.startswith("decoder.final_norm.") and tied and not cfg.scale_embeddings
+        return math.sqrt(d) if cfg.scale_embeddings else 1.0
+    if not name.startswith("decoder.final_norm."):
+        return 1.0
+    # The decoder's final norm feeds only the logits: LN(h; g, b) W scaled by c is LN(h; c g, c b) W.
+    tied, s = embedding_names(cfg).output is None, cfg.logit_scale
+    if tied and not cfg.scale_embeddings:  # ours s y E^T, the example's y E^T / sqrt(d)
+        return 1.0 if s == flax_logit_scale(d) else s * math.sqrt(d)
+    return s  # scaled tables already carry the 1/sqrt(d); logitdense is y K + b, ours s (y K) + b
 
 
-def _rescale(value: np.ndarray, d: int, up: bool, dtype: np.dtype | None = None) -> np.ndarray:
-    """value * sqrt(d) (up) or value / sqrt(d), in float64, rounded once to `dtype` (value's)."""
+def _rescale(value: np.ndarray, factor: float, up: bool, dtype: np.dtype | None = None) -> np.ndarray:
+    """value * factor (up) or value / factor, in float64, rounded once to `dtype` (value's)."""
     wide = value.astype(np.float64)
-    return (wide * math.sqrt(d) if up else wide / math.sqrt(d)).astype(dtype or value.dtype)
+    return (wide * factor if up else wide / factor).astype(dtype or value.dtype)
 
 
 def _ours_only(cfg: ModelConfig) -> list[str]:
@@ -265,12 +287,12 @@ def params_to_flax_wmt(cfg: ModelConfig, params: Mapping[str, np.ndarray], dtype
     for row in table(cfg):
         if row.name in arrays:
             value = arrays[row.name]
-            scaled = _sqrt_d_factor(cfg, row.name)  # footnotes 1 and 3: one rounding, to the file's dtype
+            factor = _factor(cfg, row.name)  # footnotes 1 and 3: one rounding, to the file's dtype
             with np.errstate(over="ignore"):  # an overflow is refused just below, by name
-                value = _rescale(value, cfg.d_model, True, target) if scaled else value.astype(target)
+                value = _rescale(value, factor, True, target) if factor != 1.0 else value.astype(target)
             if not _all_finite(value):
-                raise CheckpointError(f"refusing to write: {row.name}{' x sqrt(d_model)' if scaled else ''} "
-                                      f"overflows {dtype}")
+                times = f" x {factor:.6g}" if factor != 1.0 else ""
+                raise CheckpointError(f"refusing to write: {row.name}{times} overflows {dtype}")
             value = np.ascontiguousarray(value.reshape(row.flax_shape))
         else:  # ffn_bias / output_bias false: the example's bias, exactly zero (footnote 2)
             value = np.zeros(row.flax_shape, target)
@@ -318,8 +340,8 @@ def _shape_of(flat: Mapping[str, Any], path: str, ndim: int, source: str) -> tup
     if path not in flat:
         raise CheckpointError(f"{source}: missing tensor {path} (not the example's Transformer tree?)")
     value = flat[path]
-    if not isinstance(value, np.ndarray) or value.ndim != ndim:
-        what = f"shape {value.shape}" if isinstance(value, np.ndarray) else type(value).__name__
+    if not isinstance(value, (np.ndarray, Lazy)) or value.ndim != ndim:
+        what = f"shape {value.shape}" if isinstance(value, (np.ndarray, Lazy)) else type(value).__name__
         raise CheckpointError(f"{source}: tensor {path} is {what}, expected a {ndim}-D array")
     return value.shape
 
@@ -376,6 +398,8 @@ def config_from_tree(flat: Mapping[str, Any], source: str = "tree", **overrides:
                               f"{', '.join(FREE_FIELDS)}")
     if fields["d_model"] < 4:
         raise ConfigError(f"{source}: emb_dim {d}: the example's sinusoidal_init divides by d/2 - 1 = 0")
+    if tied and not fields["scale_embeddings"]:  # footnote 3: the weights are copied, not rescaled
+        fields["logit_scale"] = flax_logit_scale(d)
     return ModelConfig.from_dict(fields)
 
 
@@ -395,7 +419,7 @@ def params_from_tree(cfg: ModelConfig, flat: Mapping[str, Any], source: str = "t
     dtypes: dict[str, str] = {}
     for row in rows:
         value = flat[row.path]
-        if not isinstance(value, np.ndarray):
+        if not isinstance(value, (np.ndarray, Lazy)):
             what = value.what if isinstance(value, Opaque) else type(value).__name__
             raise CheckpointError(f"{source}: {row.path} is {what}, not an array")
         if value.dtype.name not in FLOAT_DTYPES:
@@ -410,8 +434,9 @@ def params_from_tree(cfg: ModelConfig, flat: Mapping[str, Any], source: str = "t
         raise CheckpointError(f"{source}: tensors mix dtypes: {mixed}")
     ours = param_shapes(cfg)
     params: Params = {}
-    for row in rows:
+    for row in rows:  # every check above read headers only; now the data, one tensor at a time
         value = flat[row.path]
+        value = value.load(source) if isinstance(value, Lazy) else value
         if not _all_finite(value):
             raise CheckpointError(f"{source}: tensor {row.path} holds NaN or infinity")
         if row.name not in ours:  # a bias our config leaves out: only an exactly-zero one (footnote 2)
@@ -421,8 +446,8 @@ def params_from_tree(cfg: ModelConfig, flat: Mapping[str, Any], source: str = "t
                                   f"change the model")
             continue
         value = value.reshape(row.shape)
-        params[row.name] = _rescale(value, cfg.d_model, up=False) if _sqrt_d_factor(cfg, row.name) \
-            else value.copy()
+        factor = _factor(cfg, row.name)  # 1.0 but for the tables read with scale_embeddings=True
+        params[row.name] = _rescale(value, factor, up=False) if factor != 1.0 else value.copy()
     dtype = flat[rows[0].path].dtype
     for name in _ours_only(cfg):  # attention_bias / tied output_bias asked for: exact zeros
         params[name] = np.zeros(ours[name], dtype)
@@ -431,10 +456,17 @@ def params_from_tree(cfg: ModelConfig, flat: Mapping[str, Any], source: str = "t
 
 
 def unwrap(tree: Any, source: str = "tree") -> dict[str, Any]:
-    """The params tree inside `tree`: itself, `tree["params"]` (variables), or a TrainState's params."""
+    """The params tree inside `tree`: itself, `tree["params"]` (variables), or a TrainState's params.
+    Any other top-level entry is refused by name (its data unread)."""
     if not isinstance(tree, dict):
         raise CheckpointError(f"{source}: the msgpack holds a {type(tree).__name__}, not a params tree")
     if "params" in tree and "encoder" not in tree:
+        unknown = [key for key in tree if key not in TRAIN_STATE]
+        if unknown:
+            raise CheckpointError(f"{source}: top-level entr{'y' if len(unknown) == 1 else 'ies'} "
+                                  f"{', '.join(repr(k)[:60] for k in unknown[:6])} beside 'params': neither "
+                                  f"variables ({{'params': ...}}) nor the example's TrainState "
+                                  f"({', '.join(TRAIN_STATE)})")
         tree = tree["params"]
         if not isinstance(tree, dict):
             raise CheckpointError(f"{source}: 'params' holds a {type(tree).__name__}, not a params tree")
@@ -451,107 +483,30 @@ def read_flax_wmt(path: str | os.PathLike, **overrides: Any) -> tuple[ModelConfi
     if not path.is_file():
         raise CheckpointError(f"{source}: no such file")
     try:
-        data = path.read_bytes()
+        with open(path, "rb") as f:
+            # Headers first: every leaf's path, shape and dtype, sizes checked against the file;
+            # a leaf with no place in the model is refused before any array data is read.
+            flat: dict[str, Any] = {}
+            _flatten(unwrap(read_structure(f, source), source), "", flat, source)
+            cfg = config_from_tree(flat, source, **overrides)
+            return cfg, params_from_tree(cfg, flat, source)
     except OSError as e:
         raise CheckpointError(f"{source}: cannot read: {e}") from None
-    flat: dict[str, Any] = {}
-    _flatten(unwrap(decode_tree(data, source), source), "", flat, source)
-    cfg = config_from_tree(flat, source, **overrides)
-    return cfg, params_from_tree(cfg, flat, source)
 
 
 # -- detection -------------------------------------------------------------------------------
 
-_SIZES = {0xcc: 1, 0xcd: 2, 0xce: 4, 0xcf: 8, 0xd0: 1, 0xd1: 2, 0xd2: 4, 0xd3: 8, 0xca: 4, 0xcb: 8,
-          0xd4: 2, 0xd5: 3, 0xd6: 5, 0xd7: 9, 0xd8: 17}
-_LENGTHS = {0xc4: (1, 0), 0xc5: (2, 0), 0xc6: (4, 0), 0xc7: (1, 1), 0xc8: (2, 1), 0xc9: (4, 1),
-            0xd9: (1, 0), 0xda: (2, 0), 0xdb: (4, 0)}  # (length bytes, extra type byte)
-
-
-class _Walker:
-    """Reads msgpack headers from a file and seeks over payloads: the keys of the top levels of a
-    tree without reading its arrays. Gives up (ValueError) past a budget of objects."""
-
-    def __init__(self, f: Any, budget: int = 200_000):
-        self.f, self.budget = f, budget
-
-    def _read(self, n: int) -> bytes:
-        data = self.f.read(n)
-        if len(data) != n:
-            raise ValueError("truncated")
-        return data
-
-    def _count(self, t: int) -> int | None:  # entries of a map (pairs) or array, else None
-        if 0x80 <= t <= 0x8f or 0x90 <= t <= 0x9f:
-            return t & 0x0f
-        if t in (0xdc, 0xde):
-            return int.from_bytes(self._read(2), "big")
-        if t in (0xdd, 0xdf):
-            return int.from_bytes(self._read(4), "big")
-        return None
-
-    def skip(self, t: int | None = None) -> None:
-        self.budget -= 1
-        if self.budget < 0:
-            raise ValueError("too many objects")
-        t = self._read(1)[0] if t is None else t
-        if t <= 0x7f or t >= 0xe0 or t in (0xc0, 0xc2, 0xc3):
-            return
-        if 0xa0 <= t <= 0xbf:
-            self.f.seek(t & 0x1f, 1)
-        elif t in _SIZES:
-            self.f.seek(_SIZES[t], 1)
-        elif t in _LENGTHS:
-            width, extra = _LENGTHS[t]
-            self.f.seek(int.from_bytes(self._read(width), "big") + extra, 1)
-        else:
-            n = self._count(t)
-            if n is None:
-                raise ValueError(f"byte {t:#x} starts no msgpack object")
-            for _ in range(2 * n if t in (0xde, 0xdf) or 0x80 <= t <= 0x8f else n):
-                self.skip()
-
-    def key(self) -> str | None:
-        t = self._read(1)[0]
-        if 0xa0 <= t <= 0xbf or t == 0xd9:
-            n = t & 0x1f if t != 0xd9 else self._read(1)[0]
-            return self._read(n).decode("utf-8")
-        self.skip(t)  # not a short string: no key of ours
-        return None
-
-    def keys(self, descend: Mapping[str, Any]) -> dict[str | None, Any]:
-        """{key: nested keys (for keys in `descend`, when the value is a map) or None}."""
-        t = self._read(1)[0]
-        n = self._count(t)
-        if n is None or not (0x80 <= t <= 0x8f or t in (0xde, 0xdf)):
-            raise ValueError("not a map")
-        out: dict[str | None, Any] = {}
-        for _ in range(n):
-            k = self.key()
-            if k in descend:
-                out[k] = self.keys(descend[k])
-            else:
-                self.skip()
-                out[k] = None
-        return out
-
-
-_PARAMS_LEVEL = {"encoder": {}, "decoder": {}}
-
-
 def is_flax_wmt(path: str | os.PathLike) -> bool:
     """Whether `path` looks like a Flax WMT params file: a msgpack map whose params level (itself,
     or under "params") has `encoder` and `decoder` (and at most `shared_embedding`), the encoder
-    holding `encoderblock_0` and `encoder_norm`. Reads headers only; never raises."""
+    holding `encoderblock_0` and `encoder_norm`. Reads headers only (array records unopened, so a
+    hostile leaf is left for read_flax_wmt to name); never raises."""
     try:
         with open(path, "rb") as f:
             first = f.read(1)
             if not first or not (0x80 <= first[0] <= 0x8f or first[0] in (0xde, 0xdf)):
                 return False
-            f.seek(0)
-            top = _Walker(f).keys({"params": _PARAMS_LEVEL, **_PARAMS_LEVEL})
-            if f.tell() != os.fstat(f.fileno()).st_size:  # truncated, or bytes after the tree
-                return False
+            top = read_structure(f, str(path), records=False)  # truncated, or bytes after it: refused
         level = top["params"] if "params" in top and "encoder" not in top else top
         if not isinstance(level, dict) or not {"encoder", "decoder"} <= set(level) <= {
                 "encoder", "decoder", "shared_embedding"}:

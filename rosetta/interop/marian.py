@@ -301,6 +301,9 @@ def check_representable(cfg: ModelConfig) -> None:
                         f"sinusoidal_concat)")
     if cfg.layer_norm_eps != LAYER_NORM_EPS:
         problems.append(f"layer_norm_eps={cfg.layer_norm_eps} (Marian's LayerNorm uses {LAYER_NORM_EPS})")
+    if cfg.logit_scale != 1.0:
+        problems.append(f"logit_scale={cfg.logit_scale!r} (MarianMTModel's logits are lm_head(h) + "
+                        f"final_logits_bias; its config has no logit scale)")
     if problems:
         raise ConfigError("cannot write as Marian: " + "; ".join(problems))
 

@@ -97,7 +97,8 @@ _DECODER_RELU = (" (nn.TransformerDecoderLayer replaces a module activation such
 
 
 def _numpy(t: torch.Tensor) -> np.ndarray:
-    return t.detach().to("cpu", torch.float32).numpy()
+    """float32 (a float64 module's tensors stay float64: the float64 trainer tests)."""
+    return t.detach().to("cpu", torch.float64 if t.dtype == torch.float64 else torch.float32).numpy()
 
 
 def port_nn_transformer(

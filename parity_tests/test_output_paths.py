@@ -1,0 +1,190 @@
+"""Where the commands write: an output path that cannot be a file (a directory, a path under a
+regular file, an empty name) is one line naming the flag and the path, exit code 2, with what was
+there left as it was; a Marian export does not write into a folder that holds files unless told
+to (--overwrite). Expected messages are written out from the rule in rosetta/checkpoint.py's
+check_writable and rosetta/interop/convert.py's convert."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import numpy as np
+import pytest
+
+import rosetta
+from rosetta.checkpoint import atomic_write_bytes, save_checkpoint
+from rosetta.cli import main
+from rosetta.errors import RosettaError
+
+# Marian can hold this model exactly (post-norm, concatenated sinusoids, an output bias).
+MARIAN_CFG = dict(src_vocab_size=19, tgt_vocab_size=19, d_model=16, num_heads=2, num_encoder_layers=1,
+                  num_decoder_layers=2, d_ff=24, positional_encoding="sinusoidal_concat", output_bias=True,
+                  dropout=0.0, activation_dropout=0.0, final_norm=False, max_len=40)
+
+
+def one_line_error(capsys) -> str:
+    captured = capsys.readouterr()
+    assert captured.err.count("\n") == 1 and captured.err.startswith("rosetta: error: "), captured.err
+    return captured.err.strip()
+
+
+def snapshot(root: Path) -> dict[str, bytes]:
+    return {str(p.relative_to(root)): p.read_bytes() for p in sorted(root.rglob("*")) if p.is_file()}
+
+
+@pytest.fixture
+def workdir(tmp_path, monkeypatch) -> Path:
+    """A checkpoint m.safetensors, a directory D.safetensors holding a user's file, and the
+    working directory there, so that the paths in the messages are short and exact."""
+    monkeypatch.chdir(tmp_path)
+    assert main(["init", "--preset", "tiny", "--out", "m.safetensors"]) == 0
+    for name in ("D", "D.safetensors", "D.png", "D.json"):
+        (tmp_path / name).mkdir()
+        (tmp_path / name / "mine.txt").write_text("keep me")
+    return tmp_path
+
+
+# (command line before the bad path, after it, the flag argparse names or None where the
+# refusal comes when the file is written: `convert` writes what its DST's name says).
+WRITERS = {
+    "init --out": (["init", "--preset", "tiny", "--out"], [], "--out"),
+    "average --out": (["average", "m.safetensors", "--out"], [], "--out"),
+    "convert DST": (["convert", "m.safetensors"], [], None),
+    "attention --out": (["attention", "m.safetensors", "--out"], [], "--out"),
+    "diff --plot": (["diff", "m.safetensors", "m.safetensors", "--plot"], [], "--plot"),
+    "diff --json": (["diff", "m.safetensors", "m.safetensors", "--json"], [], "--json"),
+    "evaluate --out": (["evaluate", "m.safetensors", "--tokenizer", "t.json", "--out"], [], "--out"),
+    "evaluate --hyps": (["evaluate", "m.safetensors", "--tokenizer", "t.json", "--hyps"],
+                        ["--out", "report.json"], "--hyps"),
+}
+# (bad path, the reason check_writable gives); D.safetensors for `convert`, whose DST names the
+# format, D for the others.
+BAD_PATHS = {
+    "a directory": ("D", "cannot write {path}: it is a directory"),
+    "under a file": ("m.safetensors/x.safetensors", "cannot write {path}: m.safetensors is a file, not a "
+                                                    "directory"),
+    "under a file, deeper": ("m.safetensors/a/x.safetensors", "cannot write {path}: m.safetensors is a file, "
+                                                              "not a directory"),
+}
+
+
+@pytest.mark.parametrize("bad", sorted(BAD_PATHS))
+@pytest.mark.parametrize("writer", sorted(WRITERS))
+def test_an_output_path_that_cannot_be_a_file_is_one_line(writer, bad, workdir, capsys):
+    before, after, flag = WRITERS[writer]
+    path, reason = BAD_PATHS[bad]
+    if path == "D":
+        path = {"convert DST": "D.safetensors", "attention --out": "D.png", "diff --plot": "D.png",
+                "diff --json": "D.json"}.get(writer, "D")
+    kept = snapshot(workdir)
+    assert main([*before, path, *after]) == 2
+    message = reason.format(path=path)
+    expected = f"rosetta: error: argument {flag}: {message}" if flag else f"rosetta: error: {message}"
+    assert one_line_error(capsys) == expected
+    assert snapshot(workdir) == kept  # the directory's file, the checkpoint: as they were
+
+
+@pytest.mark.parametrize("argv,flag", [
+    (["init", "--out", ""], "--out"),
+    (["average", "m.safetensors", "--out", ""], "--out"),
+    (["attention", "m.safetensors", "--out", ""], "--out"),
+    (["diff", "m.safetensors", "m.safetensors", "--plot", ""], "--plot"),
+    (["diff", "m.safetensors", "m.safetensors", "--json", ""], "--json"),
+    (["evaluate", "m.safetensors", "--out", ""], "--out"),
+    (["evaluate", "m.safetensors", "--hyps", "", "--out", "report.json"], "--hyps"),
+    (["convert", "m.safetensors", ""], "dst"),
+    (["convert", "", "x.safetensors"], "src"),
+    (["train", "--out", ""], "--out"),
+    (["train", "--data-dir", ""], "--data-dir"),
+    (["translate", "--run", ""], "--run"),
+    (["generate", "--checkpoint", ""], "--checkpoint"),
+    (["parity", "--checkpoint", ""], "--checkpoint"),
+])
+def test_an_empty_path_is_refused_naming_the_flag(argv, flag, workdir, capsys):
+    kept = snapshot(workdir)
+    assert main(argv) == 2
+    assert one_line_error(capsys) == f"rosetta: error: argument {flag}: must name a file or directory, got ''"
+    assert snapshot(workdir) == kept
+
+
+def test_evaluate_refuses_one_file_for_the_report_and_the_hypotheses(workdir, capsys):
+    assert main(["evaluate", "m.safetensors", "--tokenizer", "t.json", "--hyps", "r.json", "--out",
+                 "r.json"]) == 2
+    assert one_line_error(capsys) == ("rosetta: error: --hyps and --out both name r.json: the report would "
+                                      "replace the hypotheses")
+
+
+def test_atomic_write_refuses_before_writing_and_training_saves_still_work(tmp_path):
+    (tmp_path / "d").mkdir()
+    (tmp_path / "f").write_bytes(b"mine")
+    cfg = rosetta.preset("tiny")
+    params = rosetta.init_params(cfg, 0)
+    with pytest.raises(RosettaError, match=r"cannot write .*/d: it is a directory"):
+        save_checkpoint(tmp_path / "d", cfg, params)
+    with pytest.raises(RosettaError, match=r"cannot write .*/f/x: .*/f is a file, not a directory"):
+        atomic_write_bytes(tmp_path / "f" / "x", b"data")
+    with pytest.raises(RosettaError, match="cannot write a file with an empty name"):
+        atomic_write_bytes("", b"data")
+    assert (tmp_path / "f").read_bytes() == b"mine" and list((tmp_path / "d").iterdir()) == []
+    # What training does: new parents made, an existing file replaced.
+    atomic_write_bytes(tmp_path / "new" / "deeper" / "state.json", b"{}")
+    atomic_write_bytes(tmp_path / "f", b"replaced")
+    assert (tmp_path / "new" / "deeper" / "state.json").read_bytes() == b"{}"
+    assert (tmp_path / "f").read_bytes() == b"replaced"
+
+
+def test_diff_json_makes_its_parent_directories(workdir, capsys):
+    assert main(["diff", "m.safetensors", "m.safetensors", "--json", "new/dir/d.json"]) == 0
+    assert json.loads((workdir / "new" / "dir" / "d.json").read_text())["differ"] is False
+    capsys.readouterr()
+
+
+# -- convert --to marian into a folder ----------------------------------------------------------
+
+@pytest.fixture
+def marian_ready(tmp_path) -> Path:
+    cfg = rosetta.ModelConfig(**MARIAN_CFG)
+    return rosetta.save_checkpoint(tmp_path / "m.safetensors", cfg, rosetta.init_params(cfg, 0))
+
+
+def refusal(folder: Path) -> str:
+    return (f"rosetta: error: {folder} is a folder that is not empty: writing the Marian model there "
+            f"replaces its config.json, model.safetensors and other files of the same names; pass "
+            f"--overwrite to replace them, or choose a new or empty folder")
+
+
+def test_convert_to_marian_refuses_a_folder_holding_files(marian_ready, tmp_path, capsys):
+    folder = tmp_path / "hf"
+    folder.mkdir()
+    (folder / "config.json").write_text('{"mine": true}\n')
+    assert main(["convert", str(marian_ready), str(folder), "--to", "marian"]) == 2
+    assert one_line_error(capsys) == refusal(folder)
+    assert snapshot(folder) == {"config.json": b'{"mine": true}\n'}
+    # --overwrite: the model's files replace those of the same names; the others stay.
+    (folder / "notes.txt").write_text("keep me")
+    assert main(["convert", str(marian_ready), str(folder), "--to", "marian", "--overwrite"]) == 0
+    assert json.loads((folder / "config.json").read_text())["model_type"] == "marian"
+    assert (folder / "notes.txt").read_text() == "keep me"
+    capsys.readouterr()
+
+
+def test_convert_to_marian_refuses_even_its_own_earlier_export(marian_ready, tmp_path, capsys):
+    folder = tmp_path / "hf"
+    assert main(["convert", str(marian_ready), str(folder)]) == 0  # a new folder: no flag needed
+    capsys.readouterr()
+    written = snapshot(folder)
+    assert main(["convert", str(marian_ready), str(folder)]) == 2
+    assert one_line_error(capsys) == refusal(folder)
+    assert snapshot(folder) == written
+
+
+def test_convert_to_marian_writes_into_an_empty_folder(marian_ready, tmp_path, capsys):
+    folder = tmp_path / "empty"
+    folder.mkdir()
+    assert main(["convert", str(marian_ready), str(folder)]) == 0
+    back = tmp_path / "back.safetensors"
+    assert main(["convert", str(folder), str(back)]) == 0
+    original, round_trip = rosetta.load_checkpoint(marian_ready), rosetta.load_checkpoint(back)
+    assert all(np.array_equal(original.params[k], round_trip.params[k]) for k in original.params)
+    capsys.readouterr()
