@@ -46,7 +46,7 @@ from jax_impl import train as jax_train
 from jax_impl.backend import DTYPES as JAX_DTYPES
 from jax_impl.convert import build_model
 from rosetta import preset
-from rosetta.cli import positive_int
+from rosetta.cli_args import positive_int
 from rosetta.config import PRESETS
 from rosetta.flops import mfu, peak_flops, training_flops
 from rosetta.harness.batching import BatchIterator

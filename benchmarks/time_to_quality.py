@@ -25,7 +25,7 @@ import time
 from pathlib import Path
 
 from benchmarks.common import RESULTS, environment, write_results
-from rosetta.cli import non_negative_real
+from rosetta.cli_args import non_negative_real
 
 SPLITS = ("test_2016_flickr", "test_2017_flickr")
 SEARCH = ["--beam", "4", "--alpha", "0.6"]

@@ -14,6 +14,7 @@ from jax_impl.model import Positions, Transformer
 from rosetta.checkpoint import check_params
 from rosetta.config import ModelConfig
 from rosetta.params import Params, param_shapes
+from rosetta.positional import model_table
 
 
 def flax_name(path: tuple) -> str:
@@ -35,7 +36,7 @@ def build_model(cfg: ModelConfig, params: Mapping[str, np.ndarray],
     for path, variable in flat:
         if isinstance(variable, Positions):
             # The one non-parameter: recomputed from the config, as in the constructor.
-            variable.set_value(Transformer.positions_table(cfg, dtype=param_dtype))
+            variable.set_value(jnp.asarray(model_table(cfg), dtype=param_dtype))
         else:
             # jnp.array copies (jnp.asarray may alias NumPy memory on CPU).
             variable.set_value(jnp.array(params[flax_name(path)], dtype=param_dtype))

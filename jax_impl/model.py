@@ -1,9 +1,9 @@
 """The Transformer (Vaswani et al. 2017) as Flax NNX modules.
 
-Mirrors numpy_ref/model.py box for box and name for name, and torch_impl/model.py line for
-line; diff them to see only framework differences. Module attribute names are the canonical
-checkpoint names and Flax kernels are already [in, out], so jax_impl/convert.py only joins
-paths. Dropout takes its randomness from an explicit `rngs` argument.
+Mirrors numpy_ref/model.py box for box and name for name, and torch_impl/model.py line for line;
+diff them to see only framework differences (JAX-only speed paths live in jax_impl/ops.py). Module
+attribute names are the canonical checkpoint names and Flax kernels are already [in, out], so
+jax_impl/convert.py only joins paths. Dropout takes its randomness from an explicit `rngs` argument.
 
 Shapes: B batch, S source length, T target length, d d_model, h heads, dh d_head, V vocab.
 """
@@ -11,29 +11,24 @@ Shapes: B batch, S source length, T target length, d d_model, h heads, dh d_head
 from __future__ import annotations
 
 import math
-from typing import NamedTuple
 
 import jax
 import jax.numpy as jnp
 from flax import nnx
+from jax import Array
 
+from jax_impl.ops import LayerCache, Positions, attention
 from rosetta.config import ModelConfig
 from rosetta.inputs import check_packing
 from rosetta.params import embedding_names
-from rosetta.positional import positional_encoding
+from rosetta.positional import model_table
 
-Stages = dict[str, jax.Array]
-
-# The sinusoidal table covers the first min(max_len, POSITION_ROWS) positions when the model is
-# built; a longer sequence gets a longer table built when its function is traced: its size
-# follows the sequences actually run, not the config's max_len, which comes from a possibly
-# hostile file (10^8 positions would take gigabytes). torch_impl/model.py does the same.
-POSITION_ROWS = 1024
+Stages = dict[str, Array]
 
 
 # -- Building blocks -----------------------------------------------------------------------
 
-def activation(name: str, x: jax.Array) -> jax.Array:
+def activation(name: str, x: Array) -> Array:
     if name == "relu":
         return jax.nn.relu(x)
     if name == "gelu":  # exact erf form: jax.nn.gelu defaults to the tanh form (PITFALLS 6)
@@ -47,12 +42,12 @@ def activation(name: str, x: jax.Array) -> jax.Array:
 
 # -- Masks (True = may attend, as in Flax) -------------------------------------------------
 
-def source_mask(src: jax.Array, pad_id: int) -> jax.Array:
+def source_mask(src: Array, pad_id: int) -> Array:
     """[B, 1, 1, S]: every query may attend to every non-pad source key."""
     return (src != pad_id)[:, None, None, :]
 
 
-def target_mask(tgt: jax.Array, pad_id: int) -> jax.Array:
+def target_mask(tgt: Array, pad_id: int) -> Array:
     """[B, 1, T, T]: causal, and never a pad key; position 0 (the start token) is never
     padding, even when the start token equals pad_id (PITFALLS 12)."""
     valid = (jnp.asarray(tgt) != pad_id).at[:, 0].set(True)
@@ -60,7 +55,7 @@ def target_mask(tgt: jax.Array, pad_id: int) -> jax.Array:
     return causal[None, None, :, :] & valid[:, None, None, :]
 
 
-def segment_mask(q_segments: jax.Array, k_segments: jax.Array, causal: bool = False) -> jax.Array:
+def segment_mask(q_segments: Array, k_segments: Array, causal: bool = False) -> Array:
     """[B, 1, Tq, Tk] for packed rows (docs/packing.md; Flax WMT's segmentation masks): a query
     attends only to keys of its own segment, never to padding (segment 0); causal too for decoder
     self-attention. A padding query has no key left: uniform weights (SPEC §2)."""
@@ -72,29 +67,6 @@ def segment_mask(q_segments: jax.Array, k_segments: jax.Array, causal: bool = Fa
 
 # -- Sublayers -----------------------------------------------------------------------------
 
-def fused_attention(q: jax.Array, k: jax.Array, v: jax.Array, mask: jax.Array) -> jax.Array:
-    """softmax(q k^T / sqrt(dh), masked) v for q (B, h, Tq, dh), k, v (B, h, Tk, dh) and a
-    boolean mask broadcastable to (B, h, Tq, Tk), in one jax.nn.dot_product_attention call: cuDNN's
-    fused kernel on a GPU for 16-bit types, XLA's implementation elsewhere. Returns (B, Tq, h, dh)."""
-    q, k, v = (x.transpose(0, 2, 1, 3) for x in (q, k, v))  # BTNH, its layout
-    mask = jnp.broadcast_to(mask, (q.shape[0], mask.shape[1], q.shape[1], k.shape[1]))
-    # SPEC §2: a query with no key left gets uniform weights, i.e. the mean of the values. XLA's
-    # path fills masked scores with -0.7 * finfo.max and would agree; cuDNN's kernels need not
-    # (zeros or NaN, and NaN in gradients), so such a row attends to every key and its output is
-    # replaced below, whichever path ran.
-    no_key = ~mask.any(axis=-1, keepdims=True)  # (B, h or 1, Tq, 1)
-    mask = mask | no_key
-    y = None
-    if jax.default_backend() == "gpu" and q.dtype in (jnp.bfloat16, jnp.float16):
-        try:
-            y = jax.nn.dot_product_attention(q, k, v, mask=mask, implementation="cudnn")
-        except Exception:  # noqa: BLE001 - a shape or GPU cuDNN cannot take: XLA's path below
-            y = None
-    if y is None:
-        y = jax.nn.dot_product_attention(q, k, v, mask=mask, implementation="xla")
-    return jnp.where(no_key.transpose(0, 2, 1, 3), v.mean(axis=1, keepdims=True), y)
-
-
 class MultiHeadAttention(nnx.Module):
     """Multi-head scaled dot-product attention, §3.2.1-3.2.2, eq. 1."""
 
@@ -102,46 +74,30 @@ class MultiHeadAttention(nnx.Module):
         d, bias = cfg.d_model, cfg.attention_bias
         self.q, self.k, self.v, self.o = (nnx.Linear(d, d, use_bias=bias, dtype=dtype, rngs=rngs)
                                           for _ in range(4))
-        self.num_heads = cfg.num_heads
-        self.attention_dropout = nnx.Dropout(cfg.attention_dropout)
+        self.num_heads, self.attention_dropout = cfg.num_heads, nnx.Dropout(cfg.attention_dropout)
 
-    def split_heads(self, x: jax.Array) -> jax.Array:  # (B, T, d) -> (B, h, T, dh)
+    def split_heads(self, x: Array) -> Array:  # (B, T, d) -> (B, h, T, dh)
         B, T, d = x.shape
         return x.reshape(B, T, self.num_heads, d // self.num_heads).transpose(0, 2, 1, 3)
 
-    def project_kv(self, x_kv: jax.Array) -> tuple[jax.Array, jax.Array]:
+    def project_kv(self, x_kv: Array) -> tuple[Array, Array]:
         """Keys and values (B, h, Tk, dh): what a decoding cache stores."""
         return self.split_heads(self.k(x_kv)), self.split_heads(self.v(x_kv))
 
-    def attend(self, x_q: jax.Array, k: jax.Array, v: jax.Array, mask: jax.Array,
-               rngs: nnx.Rngs | None = None, record: Stages | None = None, name: str = "") -> jax.Array:
-        """With `record`, the fine stages `name` (the o projection's output) and `name.weights`
-        (the softmax, before attention dropout) go into it."""
+    def attend(self, x_q: Array, k: Array, v: Array, mask: Array,
+               rngs: nnx.Rngs | None = None, record: Stages | None = None, name: str = "") -> Array:
+        """Eq. 1 for x_q (B, Tq, d) over k, v (B, h, Tk, dh), by jax_impl/ops.py. With `record`, the
+        fine stages `name` (the o projection's output) and `name.weights` (the softmax) go into it."""
         B, Tq, d = x_q.shape
         q = self.split_heads(self.q(x_q))
-        dropout_off = self.attention_dropout.rate == 0 or self.attention_dropout.deterministic
-        # Not on CPU: there XLA's dot_product_attention (transposed to BTNH and back) measured
-        # ~12% slower per `small` training step than the explicit path (docs/benchmarks.md).
-        if record is None and dropout_off and jax.default_backend() != "cpu":
-            return self.o(fused_attention(q, k.astype(q.dtype), v.astype(q.dtype), mask).reshape(B, Tq, d))
-        # The explicit path: its probabilities are recorded, or dropped out (the fused call has
-        # no attention dropout), or the CPU. Scores and softmax in float32 at least (float64 stays
-        # float64) even for bfloat16, as fused kernels do.
-        wide = jnp.promote_types(q.dtype, jnp.float32)
-        scores = (q @ k.astype(q.dtype).transpose(0, 1, 3, 2)).astype(wide) / math.sqrt(q.shape[-1])
-        # Masked scores are replaced by the most negative finite value: uniform weights, not
-        # NaN, where every key is masked (SPEC §2, PITFALLS 4).
-        scores = jnp.where(mask, scores, jnp.finfo(scores.dtype).min)  # (B, h, Tq, Tk)
-        probabilities = jax.nn.softmax(scores, axis=-1)
-        weights = self.attention_dropout(probabilities, rngs=rngs).astype(q.dtype)
-        y = weights @ v.astype(q.dtype)  # (B, h, Tq, dh)
-        out = self.o(y.transpose(0, 2, 1, 3).reshape(B, Tq, d))
+        y, weights = attention(q, k, v, mask, self.attention_dropout, rngs, record is not None)
+        out = self.o(y.reshape(B, Tq, d))  # (B, Tq, h, dh) -> (B, Tq, d): heads side by side
         if record is not None:
-            record[name], record[name + ".weights"] = out, probabilities
+            record[name], record[name + ".weights"] = out, weights
         return out
 
-    def __call__(self, x_q: jax.Array, x_kv: jax.Array, mask: jax.Array,
-                 rngs: nnx.Rngs | None = None, record: Stages | None = None, name: str = "") -> jax.Array:
+    def __call__(self, x_q: Array, x_kv: Array, mask: Array,
+                 rngs: nnx.Rngs | None = None, record: Stages | None = None, name: str = "") -> Array:
         return self.attend(x_q, *self.project_kv(x_kv), mask, rngs, record, name)
 
 
@@ -151,21 +107,19 @@ class FeedForward(nnx.Module):
     def __init__(self, cfg: ModelConfig, dtype: jnp.dtype, rngs: nnx.Rngs):
         self.linear1 = nnx.Linear(cfg.d_model, cfg.d_ff, use_bias=cfg.ffn_bias, dtype=dtype, rngs=rngs)
         self.linear2 = nnx.Linear(cfg.d_ff, cfg.d_model, use_bias=cfg.ffn_bias, dtype=dtype, rngs=rngs)
-        self.activation = cfg.activation
-        self.dropout = nnx.Dropout(cfg.activation_dropout_rate)
+        self.activation, self.dropout = cfg.activation, nnx.Dropout(cfg.activation_dropout_rate)
 
-    def __call__(self, x: jax.Array, rngs: nnx.Rngs | None = None, record: Stages | None = None,
-                 name: str = "") -> jax.Array:
+    def __call__(self, x: Array, rngs: nnx.Rngs | None = None, record: Stages | None = None,
+                 name: str = "") -> Array:
         out = self.linear2(self.dropout(activation(self.activation, self.linear1(x)), rngs=rngs))
         if record is not None:
             record[name] = out
         return out
 
 
-def residual(norm: nnx.LayerNorm, x: jax.Array, sublayer, cfg: ModelConfig,
-             dropout: nnx.Dropout, rngs: nnx.Rngs | None) -> jax.Array:
-    """Post-norm LN(x + Dropout(Sublayer(x))) as in §3.1 and §5.4, or pre-norm
-    x + Dropout(Sublayer(LN(x)))."""
+def residual(norm: nnx.LayerNorm, x: Array, sublayer, cfg: ModelConfig,
+             dropout: nnx.Dropout, rngs: nnx.Rngs | None) -> Array:
+    """Post-norm LN(x + Dropout(Sublayer(x))) (§3.1, §5.4), or pre-norm x + Dropout(Sublayer(LN(x)))."""
     if cfg.norm_first:
         return x + dropout(sublayer(norm(x)), rngs=rngs)
     return norm(x + dropout(sublayer(x), rngs=rngs))
@@ -190,8 +144,8 @@ class EncoderLayer(nnx.Module):
         self.ffn, self.ffn_norm = FeedForward(cfg, dtype, rngs), norm_layer(cfg, dtype, rngs)
         self.dropout = nnx.Dropout(cfg.dropout)
 
-    def __call__(self, x: jax.Array, mask: jax.Array, rngs: nnx.Rngs | None = None,
-                 record: Stages | None = None, name: str = "") -> jax.Array:
+    def __call__(self, x: Array, mask: Array, rngs: nnx.Rngs | None = None,
+                 record: Stages | None = None, name: str = "") -> Array:
         """With `record`, the fine stages `name.self_attn(.weights)` and `name.ffn`."""
         x = residual(self.self_attn_norm, x,
                      lambda h: self.self_attn(h, h, mask, rngs, record, f"{name}.self_attn"), self.cfg,
@@ -212,9 +166,8 @@ class DecoderLayer(nnx.Module):
         self.ffn, self.ffn_norm = FeedForward(cfg, dtype, rngs), norm_layer(cfg, dtype, rngs)
         self.dropout = nnx.Dropout(cfg.dropout)
 
-    def __call__(self, x: jax.Array, memory: jax.Array, self_mask: jax.Array,
-                 cross_mask: jax.Array, rngs: nnx.Rngs | None = None, record: Stages | None = None,
-                 name: str = "") -> jax.Array:
+    def __call__(self, x: Array, memory: Array, self_mask: Array, cross_mask: Array,
+                 rngs: nnx.Rngs | None = None, record: Stages | None = None, name: str = "") -> Array:
         """With `record`, the fine stages `name.self_attn(.weights)`, `name.cross_attn(.weights)`
         and `name.ffn`."""
         x = residual(self.self_attn_norm, x,
@@ -226,14 +179,14 @@ class DecoderLayer(nnx.Module):
         return residual(self.ffn_norm, x, lambda h: self.ffn(h, rngs, record, f"{name}.ffn"), self.cfg,
                         self.dropout, rngs)
 
-    def step(self, x: jax.Array, cache: LayerCache, t: jax.Array, self_mask: jax.Array,
-             cross_mask: jax.Array) -> tuple[jax.Array, LayerCache]:
-        """__call__() for one new token at position t [N, 1, d]: its key and value are written
-        into the fixed-size cache, cross-attention reuses the cached encoder keys/values.
-        Returns the new cache too: JAX arrays are immutable."""
+    def step(self, x: Array, cache: LayerCache, t: Array, self_mask: Array,
+             cross_mask: Array) -> tuple[Array, LayerCache]:
+        """__call__() for one new token at position t [N, 1, d]: its key and value are written into the
+        fixed-size cache, cross-attention reuses the cached encoder keys/values. Returns the new cache
+        too: JAX arrays are immutable."""
         written = {}
 
-        def self_attn(h: jax.Array) -> jax.Array:
+        def self_attn(h: Array) -> Array:
             k, v = self.self_attn.project_kv(h)
             k, v = k.astype(cache.self_k.dtype), v.astype(cache.self_v.dtype)
             written["k"] = jax.lax.dynamic_update_slice_in_dim(cache.self_k, k, t, axis=2)
@@ -246,17 +199,6 @@ class DecoderLayer(nnx.Module):
                      self.cfg, self.dropout, None)
         x = residual(self.ffn_norm, x, self.ffn, self.cfg, self.dropout, None)
         return x, cache._replace(self_k=written["k"], self_v=written["v"])
-
-
-class LayerCache(NamedTuple):
-    """One decoder layer's keys and values (N, h, length, dh) for incremental decoding:
-    self-attention over the L output positions (filled as decoding goes), cross-attention over
-    the S source positions (computed once). A NamedTuple, so a pytree for lax loops."""
-
-    self_k: jax.Array
-    self_v: jax.Array
-    cross_k: jax.Array
-    cross_v: jax.Array
 
 
 class Stack(nnx.Module):
@@ -279,15 +221,11 @@ class Generator(nnx.Module):
         self.bias = nnx.Param(jnp.zeros((V,))) if cfg.output_bias else None
         self.dtype, self.logit_scale = dtype, cfg.logit_scale
 
-    def __call__(self, hidden: jax.Array, tgt_table: nnx.Embed) -> jax.Array:
+    def __call__(self, hidden: Array, tgt_table: nnx.Embed) -> Array:
         kernel = tgt_table.embedding[...].T if self.kernel is None else self.kernel[...]
         logits = hidden @ kernel.astype(self.dtype)
         logits = logits if self.logit_scale == 1.0 else logits * self.logit_scale  # SPEC §2 (Flax: 1/sqrt(d))
         return logits if self.bias is None else logits + self.bias[...].astype(self.dtype)
-
-
-class Positions(nnx.Variable):
-    """The sinusoidal table: state, but not a trainable parameter and not in the checkpoint."""
 
 
 class Transformer(nnx.Module):
@@ -297,33 +235,20 @@ class Transformer(nnx.Module):
         self.cfg = cfg
         names = embedding_names(cfg)
         for name in dict.fromkeys((names.src, names.tgt)):  # one table when shared
-            setattr(self, name.split(".")[0],
-                    nnx.Embed(self._vocab(name), cfg.d_model, dtype=dtype, rngs=rngs))
+            vocab = cfg.tgt_vocab_size if name.startswith("tgt") else cfg.src_vocab_size
+            setattr(self, name.split(".")[0], nnx.Embed(vocab, cfg.d_model, dtype=dtype, rngs=rngs))
         self.encoder = Stack(cfg, EncoderLayer, cfg.num_encoder_layers, dtype, rngs)
         self.decoder = Stack(cfg, DecoderLayer, cfg.num_decoder_layers, dtype, rngs)
         self.generator = Generator(cfg, dtype)
         self.dropout = nnx.Dropout(cfg.dropout)
-        self.positions = Positions(self.positions_table(cfg, dtype=jnp.promote_types(dtype, jnp.float32)))
+        self.positions = Positions(jnp.asarray(model_table(cfg), dtype=jnp.promote_types(dtype, jnp.float32)))
 
-    @staticmethod
-    def positions_table(cfg: ModelConfig, rows: int | None = None,
-                        dtype: jnp.dtype = jnp.float32) -> jax.Array:
-        """The first `rows` positions (min(max_len, POSITION_ROWS) if None), computed in float64
-        by the reference and cast once to the parameters' type (see positional_encoding)."""
-        rows = min(cfg.max_len, POSITION_ROWS) if rows is None else rows
-        table = positional_encoding(cfg.positional_encoding, rows, cfg.d_model)
-        return jnp.asarray(table, dtype=dtype)
-
-    def position_table(self, rows: int) -> jax.Array:
-        """The sinusoidal table, at least `rows` positions long (see POSITION_ROWS). State cannot
-        grow inside jit, so a longer table is built at trace time (`rows` is static) as a
-        constant of that compiled shape, where torch_impl grows its buffer."""
+    def position_table(self, rows: int) -> Array:
+        """The sinusoidal table, at least `rows` positions long: a longer one is built at trace time
+        (`rows` is static) as a constant of that compiled shape (rosetta/positional.py)."""
         if rows > self.positions.shape[0]:
-            return self.positions_table(self.cfg, rows, self.positions.dtype)
+            return jnp.asarray(model_table(self.cfg, rows), dtype=self.positions.dtype)
         return self.positions[...]
-
-    def _vocab(self, name: str) -> int:
-        return self.cfg.tgt_vocab_size if name.startswith("tgt") else self.cfg.src_vocab_size
 
     @property
     def src_table(self) -> nnx.Embed:
@@ -333,13 +258,11 @@ class Transformer(nnx.Module):
     def tgt_table(self) -> nnx.Embed:
         return getattr(self, embedding_names(self.cfg).tgt.split(".")[0])
 
-    def embed(self, table: nnx.Embed, ids: jax.Array, offset: int | jax.Array = 0,
-              rngs: nnx.Rngs | None = None, rows: int | None = None,
-              positions: jax.Array | None = None) -> jax.Array:
-        """Dropout(E[x] * sqrt(d_model) + PE[pos]), §3.4-3.5 and §5.4. `rows`: how many positions
-        the caller will use in all (decode_step: the cache length; a traced offset needs it),
-        offset + length if None. `positions` [B, T]: given per token (packed rows restart them
-        at 0 per segment)."""
+    def embed(self, table: nnx.Embed, ids: Array, offset: int | Array = 0, rngs: nnx.Rngs | None = None,
+              rows: int | None = None, positions: Array | None = None) -> Array:
+        """Dropout(E[x] * sqrt(d_model) + PE[pos]), §3.4-3.5 and §5.4. `rows`: how many positions the
+        caller will use in all (decode_step: the cache length; a traced offset needs it), offset +
+        length if None. `positions` [B, T]: given per token (packed rows restart them at 0 per segment)."""
         x = table(ids)
         if self.cfg.scale_embeddings:
             x = x * math.sqrt(self.cfg.d_model)
@@ -347,29 +270,25 @@ class Transformer(nnx.Module):
         pe = jax.lax.dynamic_slice_in_dim(pe, offset, ids.shape[1]) if positions is None else pe[positions]
         return self.dropout(x + pe.astype(x.dtype), rngs=rngs)
 
-    def encode(self, src: jax.Array, stages: Stages | None = None, rngs: nnx.Rngs | None = None,
-               fine: bool = False, src_segments: jax.Array | None = None,
-               src_positions: jax.Array | None = None) -> jax.Array:
+    def encode(self, src: Array, stages: Stages | None = None, rngs: nnx.Rngs | None = None,
+               fine: bool = False, src_segments: Array | None = None,
+               src_positions: Array | None = None) -> Array:
         """The encoder stack: src [B, S] -> memory [B, S, d]; `fine` adds the sublayer stages.
         Packed rows give `src_segments` and `src_positions` [B, S] (docs/packing.md)."""
         stages = {} if stages is None else stages
         record = stages if fine else None
         x = stages["src_embed"] = self.embed(self.src_table, src, rngs=rngs, positions=src_positions)
-        if src_segments is None:
-            mask = source_mask(src, self.cfg.pad_id)
-        else:
-            mask = segment_mask(src_segments, src_segments)
+        mask = (source_mask(src, self.cfg.pad_id) if src_segments is None
+                else segment_mask(src_segments, src_segments))
         for i, layer in enumerate(self.encoder.layers):
             x = stages[f"encoder.layers.{i}"] = layer(x, mask, rngs, record, f"encoder.layers.{i}")
-        if self.encoder.final_norm is not None:
-            x = self.encoder.final_norm(x)
+        x = x if self.encoder.final_norm is None else self.encoder.final_norm(x)
         stages["encoder"] = x
         return x
 
-    def decode(self, tgt: jax.Array, memory: jax.Array, src: jax.Array,
-               stages: Stages | None = None, rngs: nnx.Rngs | None = None, fine: bool = False,
-               tgt_segments: jax.Array | None = None, tgt_positions: jax.Array | None = None,
-               src_segments: jax.Array | None = None) -> jax.Array:
+    def decode(self, tgt: Array, memory: Array, src: Array, stages: Stages | None = None,
+               rngs: nnx.Rngs | None = None, fine: bool = False, tgt_segments: Array | None = None,
+               tgt_positions: Array | None = None, src_segments: Array | None = None) -> Array:
         """The decoder stack: tgt [B, T] (starting with the start token) -> hidden [B, T, d];
         `fine` adds the sublayer stages. Packed rows give `tgt_segments`, `tgt_positions` [B, T]
         and the `src_segments` [B, S] of the memory (docs/packing.md)."""
@@ -384,12 +303,11 @@ class Transformer(nnx.Module):
         for i, layer in enumerate(self.decoder.layers):
             x = stages[f"decoder.layers.{i}"] = layer(x, memory, self_mask, cross_mask, rngs, record,
                                                       f"decoder.layers.{i}")
-        if self.decoder.final_norm is not None:
-            x = self.decoder.final_norm(x)
+        x = x if self.decoder.final_norm is None else self.decoder.final_norm(x)
         stages["decoder"] = x
         return x
 
-    def init_cache(self, memory: jax.Array, length: int) -> list[LayerCache]:
+    def init_cache(self, memory: Array, length: int) -> list[LayerCache]:
         """Empty self-attention caches for `length` output positions; cross-attention keys and
         values of `memory` [N, S, d], computed once."""
         caches = []
@@ -400,11 +318,10 @@ class Transformer(nnx.Module):
                                      jnp.zeros((N, h, length, dh), cross_k.dtype), cross_k, cross_v))
         return caches
 
-    def decode_step(self, tokens: jax.Array, t: jax.Array, cache: list[LayerCache],
-                    cross_mask: jax.Array) -> tuple[jax.Array, list[LayerCache]]:
-        """Logits [N, V] for the tokens [N] fed at position t, given the cache of positions
-        < t, and the updated cache. Every cached position is a real token (decoding never
-        emits pad_id)."""
+    def decode_step(self, tokens: Array, t: Array, cache: list[LayerCache],
+                    cross_mask: Array) -> tuple[Array, list[LayerCache]]:
+        """Logits [N, V] for the tokens [N] fed at position t, given the cache of positions < t, and
+        the updated cache. Every cached position is a real token (decoding never emits pad_id)."""
         length = cache[0].self_k.shape[2]
         x = self.embed(self.tgt_table, tokens[:, None], offset=t, rows=length)
         self_mask = (jnp.arange(length) <= t)[None, None, None, :]
@@ -412,14 +329,13 @@ class Transformer(nnx.Module):
         for layer, layer_cache in zip(self.decoder.layers, cache, strict=True):
             x, layer_cache = layer.step(x, layer_cache, t, self_mask, cross_mask)
             new_cache.append(layer_cache)
-        if self.decoder.final_norm is not None:
-            x = self.decoder.final_norm(x)
+        x = x if self.decoder.final_norm is None else self.decoder.final_norm(x)
         return self.generator(x, self.tgt_table)[:, 0], new_cache
 
-    def __call__(self, src: jax.Array, tgt: jax.Array, stages: Stages | None = None,
-                 rngs: nnx.Rngs | None = None, fine: bool = False, src_segments: jax.Array | None = None,
-                 tgt_segments: jax.Array | None = None, src_positions: jax.Array | None = None,
-                 tgt_positions: jax.Array | None = None, hidden: bool = False) -> jax.Array:
+    def __call__(self, src: Array, tgt: Array, stages: Stages | None = None,
+                 rngs: nnx.Rngs | None = None, fine: bool = False, src_segments: Array | None = None,
+                 tgt_segments: Array | None = None, src_positions: Array | None = None,
+                 tgt_positions: Array | None = None, hidden: bool = False) -> Array:
         """Logits [B, T, V] for source ids [B, S] and decoder input ids [B, T]; `stages` receives
         the coarse stages, and with `fine` the sublayer outputs and attention weights too. Packed
         rows (several pairs per row) give all four segment/position arrays (docs/packing.md).

@@ -3,7 +3,8 @@ one training step, canonical gradients for the parity tests, and `Trainer`, the 
 framework-free loop (rosetta/harness/loop.py) drives. Data-parallel training runs on JAX's own
 engine: one jitted step over a `jax.sharding.Mesh` of devices (single-process multi-device by
 default, several processes under torchrun via `jax.distributed`), with the parameters replicated
-or, with `shard=True`, sharded ZeRO-3 style (the design: rosetta/distributed.py).
+or, with `shard=True`, sharded ZeRO-3 style; the mesh and the layouts live in
+jax_impl/distributed.py (the design: rosetta/distributed.py, docs/distributed.md).
 
 Mirrors torch_impl/train.py function for function; diff them to see only framework differences.
 """
@@ -19,21 +20,32 @@ import jax.numpy as jnp
 import numpy as np
 import optax
 from flax import nnx
-from jax.experimental import multihost_utils
 from jax.sharding import Mesh, NamedSharding
 from jax.sharding import PartitionSpec as P
 
 from jax_impl.backend import DTYPES, Model, parity_mode
 from jax_impl.convert import build_model, flax_name, to_params
+from jax_impl.distributed import (
+    any_process,
+    dropout_draws,
+    init_distributed,
+    local_device,
+    make_mesh,
+    pin,
+    place,
+    put,
+    shard_variables,
+    whole,
+)
 from jax_impl.loss import chunked_loss, generator_params
 from jax_impl.model import Transformer
 from rosetta.checkpoint import check_params
 from rosetta.config import ModelConfig
 from rosetta.device import cpu_name, max_rss_bytes
-from rosetta.distributed import LaunchEnv, launch_env, split_rows
+from rosetta.distributed import launch_env, split_rows
 from rosetta.errors import RosettaError
 from rosetta.params import Params, param_shapes
-from rosetta.training import Batch, TrainConfig, check_state
+from rosetta.training import LOSSES, Batch, TrainConfig, check_state
 
 
 def loss_fn(logits: jax.Array, labels: jax.Array, pad_id: int, label_smoothing: float,
@@ -78,9 +90,6 @@ def make_optimizer(model: Transformer, train_cfg: TrainConfig) -> nnx.Optimizer:
     return nnx.Optimizer(model, tx, wrt=nnx.Param)
 
 
-LOSSES = ("plain", "chunked")  # chunked: no [tokens, V] logits (jax_impl/loss.py, docs/loss.md)
-
-
 @nnx.jit(static_argnames=("train_cfg", "mesh", "loss"))
 def _train_step(model: Transformer, optimizer: nnx.Optimizer, rngs: nnx.Rngs, src: jax.Array,
                 tgt: jax.Array, labels: jax.Array, num_tokens: jax.Array | None, train_cfg: TrainConfig,
@@ -113,20 +122,8 @@ def _train_step(model: Transformer, optimizer: nnx.Optimizer, rngs: nnx.Rngs, sr
         loss, grads = _accumulated(value_and_grad, model, rngs, src, tgt, labels, packing)
     optimizer.update(model, grads)
     if mesh is not None:
-        for node in (model, optimizer):
-            state = nnx.state(node)
-            nnx.update(node, jax.lax.with_sharding_constraint(state, nnx.get_named_sharding(state, mesh)))
+        pin((model, optimizer), mesh)
     return loss, lr, optax.tree.norm(grads)
-
-
-def dropout_draws(mesh: Mesh | None) -> contextlib.AbstractContextManager:
-    """How threefry draws the dropout masks while the step is traced. On one device: the classic
-    mode, which hashes one counter pair per two mask values; the partitionable default (JAX >= 0.5)
-    hashes one pair per value, and the masks of a `small` step on this project's 2-core CPU took
-    ~1 s of its ~4.8 s that way (benchmarks/results, docs/benchmarks.md). On a mesh of several
-    devices: partitionable, so each device draws only its rows, and every layout draws the same
-    masks. Either way each mask is Bernoulli(1 - rate) exactly; only the stream differs."""
-    return jax.threefry_partitionable(mesh is not None and mesh.size > 1)
 
 
 def _accumulated(value_and_grad: Callable, model: Transformer, rngs: nnx.Rngs, src: jax.Array,
@@ -224,94 +221,6 @@ def _eval_loss(model: Transformer, src: jax.Array, tgt: jax.Array, labels: jax.A
     return loss_fn(model(src, tgt), labels, model.cfg.pad_id, label_smoothing)
 
 
-def _device(name: str | None) -> jax.Device:
-    """'cpu', 'gpu', 'cuda' or 'cuda:1' (torch's spelling) -> that JAX device of this process;
-    None: the default."""
-    if not name:
-        return jax.local_devices()[0]
-    platform, _, index = name.partition(":")
-    try:
-        return jax.local_devices(backend=platform)[int(index or 0)]
-    except (RuntimeError, ValueError, IndexError) as e:
-        raise RosettaError(f"JAX has no device {name!r} here ({e})") from None
-
-
-def init_distributed(env: LaunchEnv) -> None:
-    """Join the launch (torchrun's MASTER_ADDR, RANK, WORLD_SIZE) through JAX's coordinator on
-    MASTER_PORT + 1 (MASTER_PORT is torch's). Before JAX starts its backends; once per process.
-    On CPU the collectives run over gloo; under a launcher with several processes per machine
-    each takes its own accelerator, LOCAL_RANK."""
-    if jax.distributed.is_initialized():
-        return
-    jax.config.update("jax_cpu_collectives_implementation", "gloo")  # CPU only; harmless on GPUs
-    # Several processes on one machine: one accelerator each (the CPU client ignores this).
-    local = [env.local_rank] if env.local_processes > 1 else None
-    try:
-        jax.distributed.initialize(coordinator_address=f"{env.master_addr}:{env.master_port + 1}",
-                                   num_processes=env.num_processes, process_id=env.rank,
-                                   local_device_ids=local, initialization_timeout=max(1, int(env.timeout_s)))
-    except (RuntimeError, ValueError) as e:
-        raise RosettaError(f"process {env.rank} of {env.num_processes} could not join JAX's coordinator at "
-                           f"{env.master_addr}:{env.master_port + 1} (jax.distributed.initialize must run "
-                           f"before anything else in the process uses JAX): {e}") from None
-
-
-def _mesh_devices(name: str | None, num_devices: int | None) -> list[jax.Device]:
-    """The data-parallel devices, in mesh order: the first `num_devices` local devices of the
-    platform of `name` in every process (None: all of them; 'cuda:1' starts at that device and
-    alone takes only it), process by process."""
-    first = _device(name)
-    local = jax.local_devices(backend=first.platform)
-    local = local[local.index(first):]
-    if num_devices is None:
-        num_devices = 1 if name and ":" in name else len(local)
-    if isinstance(num_devices, bool) or not isinstance(num_devices, int) or num_devices < 1:
-        raise RosettaError(f"num_devices must be an integer >= 1, not {num_devices!r}")
-    if num_devices > len(local):
-        hint = ("; for more host devices set XLA_FLAGS=--xla_force_host_platform_device_count=N before "
-                "JAX starts" if first.platform == "cpu" else "")
-        seen = f"{len(local)} {first.platform} device{'' if len(local) == 1 else 's'}"
-        where = f" from {name!r} on" if name and ":" in name else ""
-        raise RosettaError(f"num_devices={num_devices}: JAX sees {seen}{where} here{hint}")
-    if jax.process_count() == 1:
-        return local[:num_devices]
-    # Every process makes the same choice; jax.devices() lists the others' devices too.
-    everyone = sorted(jax.devices(first.platform), key=lambda d: (d.process_index, d.id))
-    offset = jax.local_devices(backend=first.platform).index(first)
-    return [d for p in range(jax.process_count())
-            for d in [d for d in everyone if d.process_index == p][offset:offset + num_devices]]
-
-
-def _shard_spec(shape: tuple[int, ...], size: int) -> tuple[str | None, ...]:
-    """ZeRO-3 placement: "data" on the first axis that the mesh size divides, else replicated."""
-    for axis, n in enumerate(shape):
-        if n % size == 0:
-            return (None,) * axis + ("data",) + (None,) * (len(shape) - axis - 1)
-    return (None,) * len(shape)
-
-
-def _put(value: jax.Array, sharding: NamedSharding) -> jax.Array:
-    """`value` (the same on every process) laid out as `sharding`; across processes each one
-    builds only its own shards."""
-    if jnp.issubdtype(value.dtype, jax.dtypes.prng_key):  # typed keys travel as their raw words
-        data = _put(jax.random.key_data(value), NamedSharding(sharding.mesh, P()))
-        return jax.random.wrap_key_data(data, impl=jax.random.key_impl(value))
-    if sharding.is_fully_addressable:
-        return jax.device_put(value, sharding)
-    host = np.asarray(value)
-    return jax.make_array_from_callback(host.shape, sharding, lambda index: host[index])
-
-
-def _numpy(value: jax.Array) -> np.ndarray:
-    """A writable NumPy copy of the whole of `value`, whichever process holds which shards
-    (a collective across processes for a sharded one: every process calls it)."""
-    if jnp.issubdtype(value.dtype, jax.dtypes.prng_key):
-        value = jax.random.key_data(value)  # the raw uint32 words of the typed key
-    if value.is_fully_addressable or value.is_fully_replicated:
-        return np.array(value)
-    return np.array(multihost_utils.process_allgather(value, tiled=True))
-
-
 # -- The harness adapter ---------------------------------------------------------------------
 
 class Trainer:
@@ -358,8 +267,8 @@ class Trainer:
         env = launch_env()
         if env.distributed:
             init_distributed(env)
-        self.device = _device(device)  # this process's first device: eval, memory statistics
-        self.mesh = Mesh(np.array(_mesh_devices(device, num_devices)), ("data",))
+        self.device = local_device(device)  # this process's first device: eval, memory statistics
+        self.mesh = make_mesh(device, num_devices)
         self.world_size = self.mesh.size
         self.num_processes, self.rank = jax.process_count(), jax.process_index()
         self.is_main = self.rank == 0
@@ -368,26 +277,12 @@ class Trainer:
             self.model = build_model(cfg, params, DTYPES[dtype])  # abstract, then the weights set
             self.optimizer = make_optimizer(self.model, train_cfg)
             if self.shard:
-                # Flax NNX's sharding metadata: `out_sharding` names each weight's and each Adam
-                # moment's mesh axes (by shape alone, so a moment is laid out as its weight);
-                # nnx.get_named_sharding reads it in `_place` and in the step. Set after the
-                # optimizer exists: Flax would otherwise shard the moments eagerly at creation,
-                # which needs every device to be this process's.
-                for node, kind in ((self.model, nnx.Param), (self.optimizer, nnx.Variable)):
-                    for _, variable in nnx.to_flat_state(nnx.state(node, kind)):
-                        variable.set_metadata(out_sharding=_shard_spec(variable.shape, self.world_size))
+                shard_variables(self.model, self.optimizer, self.world_size)  # after the optimizer exists
             self.rngs = nnx.Rngs(dropout=train_cfg.seed)
-            self._place()
+            place((self.model, self.optimizer, self.rngs), self.mesh)
             self._train_step = make_train_step(self.model, self.optimizer, self.rngs, train_cfg, self.mesh,
                                                loss)
         self.device_name = cpu_name() if self.device.platform == "cpu" else self.device.device_kind
-
-    def _place(self) -> None:
-        """Every variable of the model, optimizer and generator laid out on the mesh by its
-        metadata (replicated where it has none)."""
-        for node in (self.model, self.optimizer, self.rngs):
-            state = nnx.state(node)
-            nnx.update(node, jax.tree.map(_put, state, nnx.get_named_sharding(state, self.mesh)))
 
     def _global_batch(self, batch: Batch) -> tuple[tuple[jax.Array, ...], dict[str, jax.Array], int]:
         """src, tgt_in, labels as [K, W·m, L] arrays, rows sharded over "data": block w·K + k of
@@ -401,7 +296,7 @@ class Trainer:
         def stack(field: str) -> jax.Array:
             ids = np.stack([getattr(b, field) for b in blocks])  # [W·K, m, L]
             ids = ids.reshape(workers, k, rows, -1).transpose(1, 0, 2, 3).reshape(k, workers * rows, -1)
-            return _put(ids, sharding)
+            return put(ids, sharding)
 
         packing = {name: stack(name) for name in batch.packing()}
         return (stack("src"), stack("tgt_in"), stack("labels")), packing, rows
@@ -436,9 +331,7 @@ class Trainer:
     def any_process(self, flag: bool) -> bool:
         """Whether `flag` holds on any process of the launch (a collective; alone: `flag`), so that
         every process stops at the same step (a time budget read from each one's own clock)."""
-        if self.num_processes == 1:
-            return bool(flag)
-        return bool(np.asarray(multihost_utils.process_allgather(np.asarray(bool(flag)))).any())
+        return any_process(flag)
 
     def eval_loss(self, batches: Iterable[Batch]) -> float:
         """The training loss (label-smoothed) without dropout, averaged over every non-pad label
@@ -450,7 +343,7 @@ class Trainer:
         try:
             with self._context():
                 for batch in batches:
-                    ids = (_put(np.asarray(a), replicated) for a in (batch.src, batch.tgt_in, batch.labels))
+                    ids = (put(np.asarray(a), replicated) for a in (batch.src, batch.tgt_in, batch.labels))
                     loss, n = _eval_loss(self.model, *ids, self.train_cfg.label_smoothing)
                     total += float(loss) * int(n)
                     count += int(n)
@@ -465,7 +358,7 @@ class Trainer:
         dtype = np.float64 if self.dtype == "float64" else np.float32
         if self.num_processes == 1:
             return to_params(self.model, dtype)
-        flat = {flax_name(path): _numpy(variable.get_value()).astype(dtype)
+        flat = {flax_name(path): whole(variable.get_value()).astype(dtype)
                 for path, variable in nnx.to_flat_state(nnx.state(self.model, nnx.Param))}
         check_params(self.cfg, flat, source="flax state")
         return {name: flat[name] for name in param_shapes(self.cfg)}  # checkpoint order
@@ -490,9 +383,9 @@ class Trainer:
         layout, so a resume may use another number of devices (every process calls it)."""
         state: dict[str, np.ndarray] = {"step": np.asarray(self.step_count, dtype=np.int64)}
         for path, variable in nnx.to_flat_state(nnx.state(self.optimizer)):
-            state[f"optimizer.{flax_name(path)}"] = _numpy(variable.get_value())
+            state[f"optimizer.{flax_name(path)}"] = whole(variable.get_value())
         for path, variable in nnx.to_flat_state(nnx.state(self.rngs)):
-            state[f"rng.{flax_name(path)}"] = _numpy(variable.get_value())
+            state[f"rng.{flax_name(path)}"] = whole(variable.get_value())
         return state
 
     def _state_shapes(self) -> dict[str, tuple[int, ...]]:
@@ -519,4 +412,4 @@ class Trainer:
                     new = np.array(saved, dtype=old.dtype)
                 variable.set_value(new)
             nnx.update(self.rngs, nnx.from_flat_state(flat))
-            self._place()
+            place((self.model, self.optimizer, self.rngs), self.mesh)

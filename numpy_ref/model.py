@@ -167,6 +167,15 @@ def decoder_layer(
                     cfg)
 
 
+def generator(params: Params, cfg: ModelConfig, hidden: np.ndarray) -> np.ndarray:
+    """Logits [B, T, V] = logit_scale * (hidden W_out) (+ b_out); tied tables use W_out = E^T (§3.4)."""
+    names = embedding_names(cfg)
+    kernel = params[names.tgt].T if names.output is None else params[names.output]
+    logits = hidden @ kernel
+    logits = logits if cfg.logit_scale == 1.0 else logits * cfg.logit_scale  # SPEC §2 (Flax: 1/sqrt(d))
+    return logits + params["generator.bias"] if cfg.output_bias else logits
+
+
 def embed(table: np.ndarray, ids: np.ndarray, cfg: ModelConfig, offset: int = 0,
           positions: np.ndarray | None = None) -> np.ndarray:
     """E[x] * sqrt(d_model) + PE[pos], §3.4-3.5; positions count from `offset`, or are given
@@ -189,10 +198,7 @@ def encode(params: Params, cfg: ModelConfig, src: np.ndarray, stages: Stages | N
     stages = {} if stages is None else stages
     record = stages if fine else None
     x = stages["src_embed"] = embed(params[embedding_names(cfg).src], src, cfg, positions=src_positions)
-    if src_segments is None:
-        mask = source_mask(src, cfg.pad_id)
-    else:
-        mask = segment_mask(src_segments, src_segments)
+    mask = source_mask(src, cfg.pad_id) if src_segments is None else segment_mask(src_segments, src_segments)
     for i in range(cfg.num_encoder_layers):
         name = f"encoder.layers.{i}"
         x = stages[name] = encoder_layer(sub(params, name), x, mask, cfg, record, name)
@@ -226,15 +232,6 @@ def decode(
         x = layer_norm(sub(params, "decoder.final_norm"), x, cfg.layer_norm_eps)
     stages["decoder"] = x
     return x
-
-
-def generator(params: Params, cfg: ModelConfig, hidden: np.ndarray) -> np.ndarray:
-    """Logits [B, T, V] = logit_scale * (hidden W_out) (+ b_out); tied tables use W_out = E^T (§3.4)."""
-    names = embedding_names(cfg)
-    kernel = params[names.tgt].T if names.output is None else params[names.output]
-    logits = hidden @ kernel
-    logits = logits if cfg.logit_scale == 1.0 else logits * cfg.logit_scale  # SPEC §2 (Flax: 1/sqrt(d))
-    return logits + params["generator.bias"] if cfg.output_bias else logits
 
 
 def forward(

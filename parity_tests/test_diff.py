@@ -425,7 +425,7 @@ def test_marian_directory_against_its_converted_checkpoint(tmp_path, capsys):
 
 
 def test_contract_positions_ignore_padding(tiny):
-    """A difference only at pad positions is no difference (SPEC §5)."""
+    """A difference only at pad positions is no difference (SPEC §2)."""
     cfg, params, src, tgt = tiny
     assert (src == cfg.pad_id).any() and (tgt == cfg.pad_id).any()
     a = from_params(cfg, params, "numpy", "float64").stages(src, tgt, fine=True)

@@ -14,7 +14,7 @@ import numpy as np
 import pytest
 import torch
 
-from jax_impl.model import fused_attention
+from jax_impl.ops import fused_attention
 from numpy_ref import model as ref
 from parity_tests.conftest import variant_config
 from rosetta import from_params, init_params
@@ -252,7 +252,7 @@ def test_jax_fused_attention_equals_the_explicit_path_with_a_row_without_keys(dt
 
 
 def test_xla_dot_product_attention_gives_uniform_weights_where_no_key_is_left():
-    # Why the XLA path needs no fix (jax_impl/model.py's fused_attention keeps one anyway, for cuDNN).
+    # Why the XLA path needs no fix (jax_impl/ops.py's fused_attention keeps one anyway, for cuDNN).
     rng = np.random.default_rng(0)
     q, k, v = (jnp.asarray(rng.standard_normal((1, 4, 2, 8)), jnp.float32) for _ in range(3))
     mask = jnp.zeros((1, 2, 4, 4), dtype=bool)

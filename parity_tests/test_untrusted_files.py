@@ -23,9 +23,8 @@ import pytest
 from hypothesis import HealthCheck, assume, event, given, settings
 from hypothesis import strategies as st
 
-import jax_impl.model
 import rosetta
-import torch_impl.model
+import rosetta.positional
 from parity_tests.safetensors_bytes import join, split
 from rosetta import InputError, ModelConfig, RosettaError, from_params, init_params, preset, save_checkpoint
 from rosetta.backends import BackendModel
@@ -327,8 +326,7 @@ def test_longer_sequences_grow_the_table_with_the_reference_values(monkeypatch, 
     # A 4-row table built with the model: every longer sequence, in every entry point (the
     # forward pass, step-by-step decoding with its cache, beam search), must still see the
     # reference's positions.
-    monkeypatch.setattr(torch_impl.model, "POSITION_ROWS", 4)
-    monkeypatch.setattr(jax_impl.model, "POSITION_ROWS", 4)
+    monkeypatch.setattr(rosetta.positional, "POSITION_ROWS", 4)
     cfg = CFG.replace(max_len=40)
     src, tgt = random_batch(cfg, batch=2, src_len=13, tgt_len=11, seed=3)
     reference = from_params(cfg, {k: v.astype(np.float64) for k, v in PARAMS.items()}, "numpy", "float64")

@@ -32,16 +32,22 @@ from __future__ import annotations
 import argparse
 import json
 import logging
-import math
-import re
 import sys
-from collections.abc import Callable
 
-from rosetta.checkpoint import check_writable, load_checkpoint, save_checkpoint
+from rosetta.checkpoint import load_checkpoint, save_checkpoint
+from rosetta.cli_args import (
+    add_search_args,
+    integer,
+    non_negative_int,
+    non_negative_real,
+    nonempty_path,
+    output_file,
+    positive_int,
+    real,
+)
 from rosetta.config import PRESETS, ModelConfig, preset
 from rosetta.diff import commands as diff_commands
 from rosetta.errors import RosettaError
-from rosetta.generation import ALPHA_MAX, LENGTH_RULES
 from rosetta.inputs import parse_id_line, split_lines
 from rosetta.interop.convert import FORMATS
 from rosetta.params import init_params, param_count
@@ -56,61 +62,6 @@ class _Parser(argparse.ArgumentParser):
 
     def error(self, message: str) -> None:  # type: ignore[override]
         raise UsageError(message)
-
-
-# -- Argument types: the value's syntax and range, refused by argparse with the flag's name ------
-
-_INTEGER = re.compile(r"-?[0-9]+")  # ASCII digits: int() alone would take "1_0" and "٥"
-_REAL = re.compile(r"-?([0-9]+\.?[0-9]*|\.[0-9]+)([eE][-+]?[0-9]+)?")  # no nan, inf, "1_0"
-
-
-def _integer(minimum: int | None = None) -> Callable[[str], int]:
-    def parse(text: str) -> int:
-        if not _INTEGER.fullmatch(text) or (minimum is not None and int(text) < minimum):
-            bound = "" if minimum is None else f" >= {minimum}"
-            raise argparse.ArgumentTypeError(f"must be an integer{bound}, got {text!r}")
-        return int(text)
-
-    return parse
-
-
-def _real(minimum: float | None = None, maximum: float | None = None) -> Callable[[str], float]:
-    def parse(text: str) -> float:
-        value = float(text) if _REAL.fullmatch(text) else math.nan
-        if not math.isfinite(value) or (minimum is not None and value < minimum) \
-                or (maximum is not None and value > maximum):
-            bound = "" if minimum is None else f" >= {minimum:g}"
-            bound += "" if maximum is None else f" and <= {maximum:g}"
-            raise argparse.ArgumentTypeError(f"must be a finite number{bound}, got {text!r}")
-        return value
-
-    return parse
-
-
-def nonempty_path(text: str) -> str:
-    """A file or directory name: "" is refused (Path("") is the current directory, and a test
-    `if args.hyps:` would skip the flag without a word)."""
-    if not text:
-        raise argparse.ArgumentTypeError("must name a file or directory, got ''")
-    return text
-
-
-def output_file(text: str) -> str:
-    """A file a command will write: refused here, before any work, if it cannot be one (a
-    directory, a file where a parent directory should be: rosetta.checkpoint.check_writable,
-    which atomic_write applies again when it writes)."""
-    try:
-        check_writable(nonempty_path(text))
-    except RosettaError as e:
-        raise argparse.ArgumentTypeError(str(e)) from None
-    return text
-
-
-positive_int = _integer(minimum=1)
-non_negative_int = _integer(minimum=0)
-integer = _integer()  # `train` checks the range itself (rosetta/harness/loop.py: check_run)
-non_negative_real = _real(minimum=0.0)
-real = _real()  # `train` checks the range itself, as for `integer`
 
 
 def _overrides(pairs: list[str]) -> dict:
@@ -220,7 +171,7 @@ def cmd_config(args: argparse.Namespace) -> int:
 
 
 def _run_config(args: argparse.Namespace):
-    from rosetta.harness.loop import RunConfig
+    from rosetta.harness.run_config import RunConfig
 
     buckets = None
     if args.buckets:
@@ -276,7 +227,8 @@ def cmd_train(args: argparse.Namespace) -> int:
     from pathlib import Path
 
     from rosetta.distributed import TIMEOUT_VARIABLE, launch_env
-    from rosetta.harness.loop import check_run, train
+    from rosetta.harness.loop import train
+    from rosetta.harness.run_config import check_run
 
     if args.recipe:
         args = _apply_recipe(args)
@@ -357,22 +309,6 @@ def cmd_convert(args: argparse.Namespace) -> int:
         written = marian.write_tokenizer(tokenizer, done.path, done.config)
         print(f"wrote {written} (PreTrainedTokenizerFast) from {tokenizer}")
     return 0
-
-
-def _add_search_args(p: argparse.ArgumentParser, beam: int) -> None:
-    """Backend and search flags shared by `generate` and `translate`."""
-    p.add_argument("--backend", default="numpy", help="numpy, torch or jax")
-    p.add_argument("--dtype", default=None, help="compute dtype (default: the backend's first)")
-    p.add_argument("--beam", type=positive_int, default=beam,
-                   help="beam size (the paper's 4), at most the target vocabulary; 1 = greedy search")
-    p.add_argument("--alpha", type=_real(0.0, ALPHA_MAX), default=0.6,
-                   help=f"length penalty exponent (Wu et al. 2016), 0 to {ALPHA_MAX:g}")
-    p.add_argument("--margin", type=non_negative_int, default=50,
-                   help="max output length = source length + margin")
-    p.add_argument("--batch-size", type=positive_int, default=32, help="sentences decoded at once")
-    p.add_argument("--length-rule", choices=LENGTH_RULES, default="wu",
-                   help="beam score: wu = log P / ((5 + n) / 6)^alpha (Wu et al. 2016); hf = Hugging Face "
-                        "generate's beam search, log P / n^alpha")
 
 
 def _add_train_args(p: argparse.ArgumentParser) -> None:
@@ -482,7 +418,7 @@ def build_parser() -> argparse.ArgumentParser:
 
     p = cmds.add_parser("generate", help="decode token ids read from stdin (one sentence a line)")
     p.add_argument("--checkpoint", type=nonempty_path, required=True)
-    _add_search_args(p, beam=1)
+    add_search_args(p, beam=1)
     p.add_argument("--scores", action="store_true", help="print each score after a tab")
     p.set_defaults(func=cmd_generate)
 
@@ -501,7 +437,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--checkpoint", type=nonempty_path, help="or: a model.safetensors file ...")
     p.add_argument("--tokenizer", type=nonempty_path,
                    help="... and its tokenizer.json (none: lines are token ids)")
-    _add_search_args(p, beam=4)
+    add_search_args(p, beam=4)
     p.set_defaults(func=cmd_translate)
 
     p = cmds.add_parser("convert", help="convert a model between formats: rosetta, marian, flax-wmt",
@@ -550,7 +486,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--tgt", help='decoder input ids, start token first, e.g. "1 8 9"')
     p.add_argument("--seed", type=non_negative_int, default=0, help="the random sentence pair")
     p.set_defaults(func=diff_commands.cmd_attention)
-    from rosetta.harness.commands import add_parsers  # it imports this module's argument types
+    from rosetta.harness.commands import add_parsers  # `average` and `evaluate`
 
     add_parsers(cmds)  # average, evaluate
     return parser

@@ -8,6 +8,8 @@ from __future__ import annotations
 
 import numpy as np
 
+from rosetta.config import ModelConfig
+
 
 def positional_encoding(kind: str, length: int, d_model: int, offset: int = 0) -> np.ndarray:
     """Sinusoidal table [length, d] for positions offset..offset+length-1 (paper §3.5).
@@ -28,3 +30,26 @@ def positional_encoding(kind: str, length: int, d_model: int, offset: int = 0) -
     else:  # all sines, then all cosines (Marian, tensor2tensor)
         table[:, : d_model // 2], table[:, d_model // 2 :] = np.sin(angles), np.cos(angles)
     return table
+
+
+# A model's table covers the first min(max_len, POSITION_ROWS) positions when the model is built,
+# and longer ones only once a longer sequence runs: its size follows the sequences actually run,
+# not the config's max_len, which comes from a possibly hostile file (10^8 positions would take
+# gigabytes). torch_impl grows its buffer (grown_rows); jax_impl builds a longer table at trace
+# time, a constant of that compiled shape (state cannot grow inside jit). numpy_ref builds each
+# table at the length it needs.
+POSITION_ROWS = 1024
+
+
+def model_table(cfg: ModelConfig, rows: int | None = None) -> np.ndarray:
+    """The table a model holds: its first `rows` positions, min(max_len, POSITION_ROWS) if None
+    (when the model is built), in float64; each backend casts it once to its parameters' type."""
+    rows = min(cfg.max_len, POSITION_ROWS) if rows is None else rows
+    return positional_encoding(cfg.positional_encoding, rows, cfg.d_model)
+
+
+def grown_rows(rows: int, built: int, max_len: int) -> int:
+    """The rows of a table replacing one of `built` rows for a sequence needing `rows` > `built`:
+    at least `rows`, and double the old table (at most max_len), so that lengths growing one at a
+    time rebuild it a logarithmic number of times."""
+    return max(rows, min(2 * built, max_len))

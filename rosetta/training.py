@@ -1,6 +1,7 @@
 """The training recipe (SPEC §4), framework-free: the hyperparameters both trainable backends
-read, the learning-rate schedule of the paper (§5.3, eq. 3), the batch a training step takes,
-and the check every trainer applies to the optimizer state it is asked to resume from.
+read, the names of the ways to compute the loss, the learning-rate schedule of the paper (§5.3,
+eq. 3), the batch a training step takes, and the check every trainer applies to the optimizer
+state it is asked to resume from.
 
 torch_impl/train.py and jax_impl/train.py implement the loss, the optimizer and one training
 step from these, identically; parity_tests/test_training_math.py checks that they agree.
@@ -20,6 +21,10 @@ import numpy as np
 
 from rosetta.config import parse_json, strict_from_dict
 from rosetta.errors import CheckpointError, ConfigError
+
+# `rosetta train --loss`: the logits then the loss, or the output projection and the loss chunk by
+# chunk without the [tokens, V] logits (docs/loss.md). Each trainer maps the names to its functions.
+LOSSES: tuple[str, ...] = ("plain", "chunked")
 
 
 @dataclass(frozen=True)

@@ -1,8 +1,9 @@
 """The Transformer (Vaswani et al. 2017) as PyTorch modules.
 
-Mirrors numpy_ref/model.py box for box and name for name, and jax_impl/model.py line for
-line; diff them to see only framework differences. Module attribute names are the canonical
-checkpoint names, so torch_impl/convert.py only renames leaves and transposes kernels.
+Mirrors numpy_ref/model.py box for box and name for name, and jax_impl/model.py line for line; diff
+them to see only framework differences (PyTorch-only speed paths live in torch_impl/ops.py). Module
+attribute names are the canonical checkpoint names, so torch_impl/convert.py only renames leaves
+and transposes kernels.
 
 Shapes: B batch, S source length, T target length, d d_model, h heads, dh d_head, V vocab.
 """
@@ -10,29 +11,23 @@ Shapes: B batch, S source length, T target length, d d_model, h heads, dh d_head
 from __future__ import annotations
 
 import math
-from dataclasses import dataclass
 
 import torch
 import torch.nn.functional as F
-from torch import nn
+from torch import Tensor, nn
 
 from rosetta.config import ModelConfig
 from rosetta.inputs import check_packing
 from rosetta.params import embedding_names
-from rosetta.positional import positional_encoding
+from rosetta.positional import model_table
+from torch_impl.ops import Dropout, LayerCache, attention, grow_positions
 
-Stages = dict[str, torch.Tensor]
-
-# The sinusoidal table covers the first min(max_len, POSITION_ROWS) positions when the model is
-# built and grows (doubling, at most to max_len) the first time a longer sequence runs: its size
-# follows the sequences actually run, not the config's max_len, which comes from a possibly
-# hostile file (10^8 positions would take gigabytes). jax_impl/model.py does the same.
-POSITION_ROWS = 1024
+Stages = dict[str, Tensor]
 
 
 # -- Building blocks -----------------------------------------------------------------------
 
-def activation(name: str, x: torch.Tensor) -> torch.Tensor:
+def activation(name: str, x: Tensor) -> Tensor:
     if name == "relu":
         return F.relu(x)
     if name == "gelu":  # exact erf form, PyTorch's default (jax.nn.gelu's is tanh: PITFALLS 6)
@@ -44,32 +39,14 @@ def activation(name: str, x: torch.Tensor) -> torch.Tensor:
     raise ValueError(f"unknown activation {name!r}")
 
 
-class Dropout(nn.Dropout):
-    """Inverted dropout (§5.4: zero each value with probability p, scale the rest by 1/(1-p)).
-    On CPUs the mask comes from 16 random bits per value (one 64-bit draw from torch's generator
-    gives four): torch's CPU `bernoulli_` draws a float per value and was ~20% of a `small`
-    training step on this project's CPU (docs/benchmarks.md). p is rounded to a multiple of 2^-16
-    (0.1 -> 0.100006) and the scale is exactly 1/(1-p) for that p. GPUs keep F.dropout's kernel;
-    attention-weight dropout stays inside SDPA; jax_impl keeps nnx.Dropout (its own stream anyway)."""
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        if not self.training or self.p == 0.0 or x.device.type != "cpu":
-            return super().forward(x)
-        dropped = min(round(self.p * 65536), 65535)  # of the 65536 values a 16-bit draw takes, those dropped
-        words = torch.empty((x.numel() + 3) // 4, dtype=torch.int64, device=x.device)
-        bits = words.random_(-2**63, None).view(torch.int16)[:x.numel()].view(x.shape)  # full 64-bit range
-        keep = bits >= dropped - 32768  # int16 draws are uniform on [-32768, 32767]
-        return x * (keep.to(x.dtype) * (65536 / (65536 - dropped)))
-
-
 # -- Masks (True = may attend) -------------------------------------------------------------
 
-def source_mask(src: torch.Tensor, pad_id: int) -> torch.Tensor:
+def source_mask(src: Tensor, pad_id: int) -> Tensor:
     """[B, 1, 1, S]: every query may attend to every non-pad source key."""
     return (src != pad_id)[:, None, None, :]
 
 
-def target_mask(tgt: torch.Tensor, pad_id: int) -> torch.Tensor:
+def target_mask(tgt: Tensor, pad_id: int) -> Tensor:
     """[B, 1, T, T]: causal, and never a pad key; position 0 (the start token) is never
     padding, even when the start token equals pad_id (PITFALLS 12)."""
     valid = tgt != pad_id
@@ -78,7 +55,7 @@ def target_mask(tgt: torch.Tensor, pad_id: int) -> torch.Tensor:
     return causal[None, None, :, :] & valid[:, None, None, :]
 
 
-def segment_mask(q_segments: torch.Tensor, k_segments: torch.Tensor, causal: bool = False) -> torch.Tensor:
+def segment_mask(q_segments: Tensor, k_segments: Tensor, causal: bool = False) -> Tensor:
     """[B, 1, Tq, Tk] for packed rows (docs/packing.md; Flax WMT's segmentation masks): a query
     attends only to keys of its own segment, never to padding (segment 0); causal too for decoder
     self-attention. A padding query has no key left: uniform weights (SPEC §2)."""
@@ -99,39 +76,29 @@ class MultiHeadAttention(nn.Module):
         self.q, self.k, self.v, self.o = (nn.Linear(d, d, bias=bias) for _ in range(4))
         self.num_heads, self.attention_dropout = cfg.num_heads, cfg.attention_dropout
 
-    def split_heads(self, x: torch.Tensor) -> torch.Tensor:  # (B, T, d) -> (B, h, T, dh)
+    def split_heads(self, x: Tensor) -> Tensor:  # (B, T, d) -> (B, h, T, dh)
         B, T, d = x.shape
         return x.view(B, T, self.num_heads, d // self.num_heads).transpose(1, 2)
 
-    def project_kv(self, x_kv: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    def project_kv(self, x_kv: Tensor) -> tuple[Tensor, Tensor]:
         """Keys and values (B, h, Tk, dh): what a decoding cache stores."""
         return self.split_heads(self.k(x_kv)), self.split_heads(self.v(x_kv))
 
-    def attend(self, x_q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
-               mask: torch.Tensor, record: Stages | None = None, name: str = "") -> torch.Tensor:
-        """With `record`, the fine stages `name` (the o projection's output) and `name.weights`
-        (the softmax) go into it."""
+    def attend(self, x_q: Tensor, k: Tensor, v: Tensor, mask: Tensor,
+               record: Stages | None = None, name: str = "") -> Tensor:
+        """Eq. 1 for x_q (B, Tq, d) over k, v (B, h, Tk, dh), by torch_impl/ops.py. With `record`, the
+        fine stages `name` (the o projection's output) and `name.weights` (the softmax) go into it."""
         B, Tq, d = x_q.shape
         q = self.split_heads(self.q(x_q))
-        # An additive mask holding the dtype's most negative finite value (SPEC §2), not a
-        # boolean one: SDPA turns boolean masks into -inf, and a row whose keys are all masked
-        # then gives NaN or zeros instead of uniform weights (PITFALLS 4). Fused kernels
-        # (memory-efficient, cuDNN) take additive masks too.
-        bias = torch.zeros((), dtype=q.dtype, device=q.device).masked_fill(~mask, torch.finfo(q.dtype).min)
-        dropout = self.attention_dropout if self.training else 0.0
-        y = F.scaled_dot_product_attention(q, k.to(q.dtype), v.to(q.dtype), attn_mask=bias,
-                                           dropout_p=dropout)  # (B, h, Tq, dh)
-        out = self.o(y.transpose(1, 2).reshape(B, Tq, d))
+        dropout = self.attention_dropout if self.training else 0.0  # a rate: SDPA drops inside
+        y, weights = attention(q, k, v, mask, dropout, record is not None)
+        out = self.o(y.reshape(B, Tq, d))  # (B, Tq, h, dh) -> (B, Tq, d): heads side by side
         if record is not None:
-            # SDPA does not return its probabilities: recompute them the reference's way (only
-            # when asked, so the fast path stays one fused kernel).
-            scores = q @ k.to(q.dtype).transpose(-2, -1) / math.sqrt(q.shape[-1])
-            scores = scores.masked_fill(~mask, torch.finfo(scores.dtype).min)
-            record[name], record[name + ".weights"] = out, scores.softmax(dim=-1)
+            record[name], record[name + ".weights"] = out, weights
         return out
 
-    def forward(self, x_q: torch.Tensor, x_kv: torch.Tensor, mask: torch.Tensor,
-                record: Stages | None = None, name: str = "") -> torch.Tensor:
+    def forward(self, x_q: Tensor, x_kv: Tensor, mask: Tensor,
+                record: Stages | None = None, name: str = "") -> Tensor:
         return self.attend(x_q, *self.project_kv(x_kv), mask, record, name)
 
 
@@ -142,20 +109,17 @@ class FeedForward(nn.Module):
         super().__init__()
         self.linear1 = nn.Linear(cfg.d_model, cfg.d_ff, bias=cfg.ffn_bias)
         self.linear2 = nn.Linear(cfg.d_ff, cfg.d_model, bias=cfg.ffn_bias)
-        self.activation = cfg.activation
-        self.dropout = Dropout(cfg.activation_dropout_rate)
+        self.activation, self.dropout = cfg.activation, Dropout(cfg.activation_dropout_rate)
 
-    def forward(self, x: torch.Tensor, record: Stages | None = None, name: str = "") -> torch.Tensor:
+    def forward(self, x: Tensor, record: Stages | None = None, name: str = "") -> Tensor:
         out = self.linear2(self.dropout(activation(self.activation, self.linear1(x))))
         if record is not None:
             record[name] = out
         return out
 
 
-def residual(norm: nn.LayerNorm, x: torch.Tensor, sublayer, cfg: ModelConfig,
-             dropout: nn.Dropout) -> torch.Tensor:
-    """Post-norm LN(x + Dropout(Sublayer(x))) as in §3.1 and §5.4, or pre-norm
-    x + Dropout(Sublayer(LN(x)))."""
+def residual(norm: nn.LayerNorm, x: Tensor, sublayer, cfg: ModelConfig, dropout: nn.Dropout) -> Tensor:
+    """Post-norm LN(x + Dropout(Sublayer(x))) (§3.1, §5.4), or pre-norm x + Dropout(Sublayer(LN(x)))."""
     if cfg.norm_first:
         return x + dropout(sublayer(norm(x)))
     return norm(x + dropout(sublayer(x)))
@@ -178,8 +142,7 @@ class EncoderLayer(nn.Module):
         self.ffn, self.ffn_norm = FeedForward(cfg), norm_layer(cfg)
         self.dropout = Dropout(cfg.dropout)
 
-    def forward(self, x: torch.Tensor, mask: torch.Tensor, record: Stages | None = None,
-                name: str = "") -> torch.Tensor:
+    def forward(self, x: Tensor, mask: Tensor, record: Stages | None = None, name: str = "") -> Tensor:
         """With `record`, the fine stages `name.self_attn(.weights)` and `name.ffn`."""
         x = residual(self.self_attn_norm, x,
                      lambda h: self.self_attn(h, h, mask, record, f"{name}.self_attn"), self.cfg,
@@ -199,8 +162,8 @@ class DecoderLayer(nn.Module):
         self.ffn, self.ffn_norm = FeedForward(cfg), norm_layer(cfg)
         self.dropout = Dropout(cfg.dropout)
 
-    def forward(self, x: torch.Tensor, memory: torch.Tensor, self_mask: torch.Tensor,
-                cross_mask: torch.Tensor, record: Stages | None = None, name: str = "") -> torch.Tensor:
+    def forward(self, x: Tensor, memory: Tensor, self_mask: Tensor,
+                cross_mask: Tensor, record: Stages | None = None, name: str = "") -> Tensor:
         """With `record`, the fine stages `name.self_attn(.weights)`, `name.cross_attn(.weights)`
         and `name.ffn`."""
         x = residual(self.self_attn_norm, x,
@@ -212,35 +175,21 @@ class DecoderLayer(nn.Module):
         return residual(self.ffn_norm, x, lambda h: self.ffn(h, record, f"{name}.ffn"), self.cfg,
                         self.dropout)
 
-    def step(self, x: torch.Tensor, cache: LayerCache, t: int, self_mask: torch.Tensor,
-             cross_mask: torch.Tensor) -> torch.Tensor:
+    def step(self, x: Tensor, cache: LayerCache, t: int, self_mask: Tensor, cross_mask: Tensor) -> Tensor:
         """forward() for one new token at position t [N, 1, d]: its key and value are written
         into the preallocated cache, cross-attention reuses the cached encoder keys/values."""
-        def self_attn(h: torch.Tensor) -> torch.Tensor:
+        def self_attn(h: Tensor) -> Tensor:
             k, v = self.self_attn.project_kv(h)
             cache.self_k[:, :, t: t + 1], cache.self_v[:, :, t: t + 1] = k, v
             # Only positions <= t are attended (eager PyTorch need not keep shapes static, as
             # jax_impl must): the same weights as the whole masked cache, without its work.
-            return self.self_attn.attend(h, cache.self_k[:, :, :t + 1], cache.self_v[:, :, :t + 1],
-                                         self_mask)
+            return self.self_attn.attend(h, cache.self_k[:, :, :t + 1], cache.self_v[:, :, :t + 1], self_mask)
 
         x = residual(self.self_attn_norm, x, self_attn, self.cfg, self.dropout)
         x = residual(self.cross_attn_norm, x,
                      lambda h: self.cross_attn.attend(h, cache.cross_k, cache.cross_v, cross_mask),
                      self.cfg, self.dropout)
         return residual(self.ffn_norm, x, self.ffn, self.cfg, self.dropout)
-
-
-@dataclass
-class LayerCache:
-    """One decoder layer's keys and values (N, h, length, dh) for incremental decoding:
-    self-attention over the L output positions (filled as decoding goes), cross-attention over
-    the S source positions (computed once)."""
-
-    self_k: torch.Tensor
-    self_v: torch.Tensor
-    cross_k: torch.Tensor
-    cross_v: torch.Tensor
 
 
 class Stack(nn.Module):
@@ -264,7 +213,7 @@ class Generator(nn.Module):
         self.bias = nn.Parameter(torch.empty(V)) if cfg.output_bias else None
         self.logit_scale = cfg.logit_scale
 
-    def forward(self, hidden: torch.Tensor, tgt_table: nn.Embedding) -> torch.Tensor:
+    def forward(self, hidden: Tensor, tgt_table: nn.Embedding) -> Tensor:
         weight = tgt_table.weight if self.weight is None else self.weight
         logits = F.linear(hidden, weight)
         logits = logits if self.logit_scale == 1.0 else logits * self.logit_scale  # SPEC §2 (Flax: 1/sqrt(d))
@@ -279,18 +228,21 @@ class Transformer(nn.Module):
         self.cfg = cfg
         names = embedding_names(cfg)
         for name in dict.fromkeys((names.src, names.tgt)):  # one table when shared
-            self.add_module(name.split(".")[0], nn.Embedding(self._vocab(name), cfg.d_model))
+            vocab = cfg.tgt_vocab_size if name.startswith("tgt") else cfg.src_vocab_size
+            self.add_module(name.split(".")[0], nn.Embedding(vocab, cfg.d_model))
         self.encoder = Stack(cfg, EncoderLayer, cfg.num_encoder_layers)
         self.decoder = Stack(cfg, DecoderLayer, cfg.num_decoder_layers)
         self.generator = Generator(cfg)
         self.dropout = Dropout(cfg.dropout)
         # float64, cast with the parameters; a real tensor even on the meta device (from_numpy ignores
         # the default device); not persistent: it is not part of the checkpoint.
-        table = positional_encoding(cfg.positional_encoding, min(cfg.max_len, POSITION_ROWS), cfg.d_model)
-        self.register_buffer("positions", torch.from_numpy(table), persistent=False)
+        self.register_buffer("positions", torch.from_numpy(model_table(cfg)), persistent=False)
 
-    def _vocab(self, name: str) -> int:
-        return self.cfg.tgt_vocab_size if name.startswith("tgt") else self.cfg.src_vocab_size
+    def position_table(self, rows: int) -> Tensor:
+        """The sinusoidal table, at least `rows` positions long: grown if shorter (rosetta/positional.py)."""
+        if rows > self.positions.shape[0]:
+            grow_positions(self, rows)
+        return self.positions
 
     @property
     def src_table(self) -> nn.Embedding:
@@ -300,21 +252,8 @@ class Transformer(nn.Module):
     def tgt_table(self) -> nn.Embedding:
         return getattr(self, embedding_names(self.cfg).tgt.split(".")[0])
 
-    @torch.compiler.disable  # replaces a buffer: eager, once per new length, even when compiled
-    def _grow_positions(self, rows: int) -> None:
-        rows = max(rows, min(2 * self.positions.shape[0], self.cfg.max_len))
-        table = positional_encoding(self.cfg.positional_encoding, rows, self.cfg.d_model)
-        with torch.inference_mode(False):  # a plain tensor, usable by training later
-            self.positions = torch.from_numpy(table).to(self.positions.device, self.positions.dtype)
-
-    def position_table(self, rows: int) -> torch.Tensor:
-        """The sinusoidal table, at least `rows` positions long (see POSITION_ROWS)."""
-        if rows > self.positions.shape[0]:
-            self._grow_positions(rows)
-        return self.positions
-
-    def embed(self, table: nn.Embedding, ids: torch.Tensor, offset: int = 0,
-              rows: int | None = None, positions: torch.Tensor | None = None) -> torch.Tensor:
+    def embed(self, table: nn.Embedding, ids: Tensor, offset: int = 0,
+              rows: int | None = None, positions: Tensor | None = None) -> Tensor:
         """Dropout(E[x] * sqrt(d_model) + PE[pos]), §3.4-3.5 and §5.4. `rows`: how many positions
         the caller will use in all (decode_step: the cache length), offset + length if None.
         `positions` [B, T]: given per token (packed rows restart them at 0 per segment)."""
@@ -325,29 +264,24 @@ class Transformer(nn.Module):
         pe = pe[offset: offset + ids.shape[1]] if positions is None else pe[positions]
         return self.dropout(x + pe.to(x.dtype))
 
-    def encode(self, src: torch.Tensor, stages: Stages | None = None, fine: bool = False,
-               src_segments: torch.Tensor | None = None,
-               src_positions: torch.Tensor | None = None) -> torch.Tensor:
+    def encode(self, src: Tensor, stages: Stages | None = None, fine: bool = False,
+               src_segments: Tensor | None = None, src_positions: Tensor | None = None) -> Tensor:
         """The encoder stack: src [B, S] -> memory [B, S, d]; `fine` adds the sublayer stages.
         Packed rows give `src_segments` and `src_positions` [B, S] (docs/packing.md)."""
         stages = {} if stages is None else stages
         record = stages if fine else None
         x = stages["src_embed"] = self.embed(self.src_table, src, positions=src_positions)
-        if src_segments is None:
-            mask = source_mask(src, self.cfg.pad_id)
-        else:
-            mask = segment_mask(src_segments, src_segments)
+        mask = (source_mask(src, self.cfg.pad_id) if src_segments is None
+                else segment_mask(src_segments, src_segments))
         for i, layer in enumerate(self.encoder.layers):
             x = stages[f"encoder.layers.{i}"] = layer(x, mask, record, f"encoder.layers.{i}")
-        if self.encoder.final_norm is not None:
-            x = self.encoder.final_norm(x)
+        x = x if self.encoder.final_norm is None else self.encoder.final_norm(x)
         stages["encoder"] = x
         return x
 
-    def decode(self, tgt: torch.Tensor, memory: torch.Tensor, src: torch.Tensor,
-               stages: Stages | None = None, fine: bool = False, tgt_segments: torch.Tensor | None = None,
-               tgt_positions: torch.Tensor | None = None,
-               src_segments: torch.Tensor | None = None) -> torch.Tensor:
+    def decode(self, tgt: Tensor, memory: Tensor, src: Tensor, stages: Stages | None = None,
+               fine: bool = False, tgt_segments: Tensor | None = None, tgt_positions: Tensor | None = None,
+               src_segments: Tensor | None = None) -> Tensor:
         """The decoder stack: tgt [B, T] (starting with the start token) -> hidden [B, T, d];
         `fine` adds the sublayer stages. Packed rows give `tgt_segments`, `tgt_positions` [B, T]
         and the `src_segments` [B, S] of the memory (docs/packing.md)."""
@@ -362,12 +296,11 @@ class Transformer(nn.Module):
         for i, layer in enumerate(self.decoder.layers):
             x = stages[f"decoder.layers.{i}"] = layer(x, memory, self_mask, cross_mask, record,
                                                       f"decoder.layers.{i}")
-        if self.decoder.final_norm is not None:
-            x = self.decoder.final_norm(x)
+        x = x if self.decoder.final_norm is None else self.decoder.final_norm(x)
         stages["decoder"] = x
         return x
 
-    def init_cache(self, memory: torch.Tensor, length: int) -> list[LayerCache]:
+    def init_cache(self, memory: Tensor, length: int) -> list[LayerCache]:
         """Empty self-attention caches for `length` output positions; cross-attention keys and
         values of `memory` [N, S, d], computed once."""
         caches = []
@@ -378,8 +311,7 @@ class Transformer(nn.Module):
                                      cross_k.new_zeros(N, h, length, dh), cross_k, cross_v))
         return caches
 
-    def decode_step(self, tokens: torch.Tensor, t: int, cache: list[LayerCache],
-                    cross_mask: torch.Tensor) -> torch.Tensor:
+    def decode_step(self, tokens: Tensor, t: int, cache: list[LayerCache], cross_mask: Tensor) -> Tensor:
         """Logits [N, V] for the tokens [N] fed at position t, given the cache of positions
         < t. Every cached position is a real token (decoding never emits pad_id)."""
         length = cache[0].self_k.shape[2]
@@ -387,14 +319,13 @@ class Transformer(nn.Module):
         self_mask = torch.ones((1, 1, 1, t + 1), dtype=torch.bool, device=x.device)  # positions <= t
         for layer, layer_cache in zip(self.decoder.layers, cache, strict=True):
             x = layer.step(x, layer_cache, t, self_mask, cross_mask)
-        if self.decoder.final_norm is not None:
-            x = self.decoder.final_norm(x)
+        x = x if self.decoder.final_norm is None else self.decoder.final_norm(x)
         return self.generator(x, self.tgt_table)[:, 0]
 
-    def forward(self, src: torch.Tensor, tgt: torch.Tensor, stages: Stages | None = None,
-                fine: bool = False, src_segments: torch.Tensor | None = None,
-                tgt_segments: torch.Tensor | None = None, src_positions: torch.Tensor | None = None,
-                tgt_positions: torch.Tensor | None = None, hidden: bool = False) -> torch.Tensor:
+    def forward(self, src: Tensor, tgt: Tensor, stages: Stages | None = None,
+                fine: bool = False, src_segments: Tensor | None = None,
+                tgt_segments: Tensor | None = None, src_positions: Tensor | None = None,
+                tgt_positions: Tensor | None = None, hidden: bool = False) -> Tensor:
         """Logits [B, T, V] for source ids [B, S] and decoder input ids [B, T]; `stages` receives
         the coarse stages, and with `fine` the sublayer outputs and attention weights too. Packed
         rows (several pairs per row) give all four segment/position arrays (docs/packing.md).

@@ -2,7 +2,8 @@
 training step, canonical gradients for the parity tests, and `Trainer`, the adapter the
 framework-free loop (rosetta/harness/loop.py) drives. Data-parallel training runs on torch's own
 engine: one process per device under torchrun, DistributedDataParallel, or FSDP2's `fully_shard`
-with `shard=True` (the design: rosetta/distributed.py, docs/distributed.md).
+with `shard=True`; the process group and the engine live in torch_impl/distributed.py (the design:
+rosetta/distributed.py, docs/distributed.md).
 
 Mirrors jax_impl/train.py function for function; diff them to see only framework differences.
 """
@@ -10,26 +11,33 @@ Mirrors jax_impl/train.py function for function; diff them to see only framework
 from __future__ import annotations
 
 import contextlib
-import datetime
 import logging
 from collections.abc import Callable, Iterable, Iterator, Mapping, Sequence
 from typing import Any, ClassVar
 
 import numpy as np
 import torch
-import torch.distributed as dist
-from torch.distributed.fsdp import FSDPModule, fully_shard
-from torch.distributed.tensor import DTensor, distribute_tensor
-from torch.nn.parallel import DistributedDataParallel
 
 from rosetta.config import ModelConfig
 from rosetta.device import cpu_name, max_rss_bytes
-from rosetta.distributed import LaunchEnv, launch_env, rank_seed, split_rows
+from rosetta.distributed import launch_env, rank_seed, split_rows
 from rosetta.errors import RosettaError
 from rosetta.params import Params
-from rosetta.training import Batch, TrainConfig, check_state, learning_rate
-from torch_impl.backend import DTYPES, Model, default_device, float32_matmul_precision, parity_mode
+from rosetta.training import LOSSES, Batch, TrainConfig, check_state, learning_rate
+from torch_impl.backend import DTYPES, Model, float32_matmul_precision, parity_mode
 from torch_impl.convert import from_state_dict
+from torch_impl.distributed import (
+    all_sum,
+    any_process,
+    every_process,
+    gradient_sync,
+    init_distributed,
+    local_device,
+    replicate,
+    shard_like,
+    unwrap,
+    whole,
+)
 from torch_impl.loss import chunked_loss, generator_params
 from torch_impl.model import Transformer
 
@@ -73,11 +81,6 @@ def _autocast(device: torch.device, dtype: torch.dtype | None) -> contextlib.Abs
     return torch.autocast(device.type, dtype=dtype) if dtype is not None else contextlib.nullcontext()
 
 
-def _unwrap(module: torch.nn.Module) -> Transformer:
-    """The Transformer inside a DistributedDataParallel wrapper (FSDP2 shards it in place)."""
-    return module.module if isinstance(module, DistributedDataParallel) else module
-
-
 def forward_loss(module: Transformer, src: torch.Tensor, tgt: torch.Tensor, labels: torch.Tensor,
                  label_smoothing: float, autocast: torch.dtype | None = None,
                  num_tokens: torch.Tensor | None = None,
@@ -86,7 +89,7 @@ def forward_loss(module: Transformer, src: torch.Tensor, tgt: torch.Tensor, labe
     `packing`: a packed batch's segment and position arrays (docs/packing.md)."""
     with _autocast(src.device, autocast):  # the backward pass runs outside autocast, as torch advises
         logits = module(src, tgt, **(packing or {}))
-        return loss_fn(logits, labels, _unwrap(module).cfg.pad_id, label_smoothing, num_tokens)[0]
+        return loss_fn(logits, labels, unwrap(module).cfg.pad_id, label_smoothing, num_tokens)[0]
 
 
 def chunked_forward_loss(module: Transformer, src: torch.Tensor, tgt: torch.Tensor, labels: torch.Tensor,
@@ -98,35 +101,14 @@ def chunked_forward_loss(module: Transformer, src: torch.Tensor, tgt: torch.Tens
     The tied table is used outside the wrapper's forward; its one gradient still reaches DDP's hook."""
     with _autocast(src.device, autocast):
         hidden = module(src, tgt, hidden=True, **(packing or {}))
-    model = _unwrap(module)
+    model = unwrap(module)
     weight, bias = generator_params(model)
     return chunked_loss(hidden, weight, bias, labels, model.cfg.pad_id, label_smoothing, num_tokens,
                         logit_scale=model.cfg.logit_scale)[0]
 
 
-LOSSES: dict[str, Callable[..., torch.Tensor]] = {"plain": forward_loss, "chunked": chunked_forward_loss}
-
-
-@contextlib.contextmanager
-def _gradient_sync(replica: torch.nn.Module, sync: bool) -> Iterator[None]:
-    """Let DDP / FSDP2 reduce gradients over workers in this backward pass only if `sync`: the
-    last micro-batch of an accumulated step reduces the sum of all of them, once."""
-    if isinstance(replica, DistributedDataParallel) and not sync:
-        with replica.no_sync():
-            yield
-    elif isinstance(replica, FSDPModule) and not sync:
-        replica.set_requires_gradient_sync(False)
-        try:
-            yield
-        finally:
-            replica.set_requires_gradient_sync(True)
-    else:
-        yield
-
-
-def _full(tensor: torch.Tensor) -> torch.Tensor:
-    """A DTensor shard gathered whole (a collective: every process calls it); others as they are."""
-    return tensor.full_tensor() if isinstance(tensor, DTensor) else tensor
+# Each of rosetta.training.LOSSES by name: its forward pass and loss.
+FORWARDS: dict[str, Callable[..., torch.Tensor]] = {"plain": forward_loss, "chunked": chunked_forward_loss}
 
 
 def _train_step(replica: torch.nn.Module, optimizer: torch.optim.Optimizer,
@@ -138,19 +120,19 @@ def _train_step(replica: torch.nn.Module, optimizer: torch.optim.Optimizer,
     """`train_step` on this worker's micro-batches of one global batch (rosetta/distributed.py:
     each loss is its sum over the global `num_tokens`), also returning the global gradient norm
     before clipping (a 0-d tensor): the harness stops a run at the first non-finite one."""
-    module = _unwrap(replica)
+    module = unwrap(replica)
     module.train()
     optimizer.zero_grad(set_to_none=True)
     total = None
     for k, (src, tgt, labels, *packing) in enumerate(micro_batches):  # packing: one optional dict
-        with _gradient_sync(replica, k == len(micro_batches) - 1):
+        with gradient_sync(replica, k == len(micro_batches) - 1):
             loss = forward(replica, src, tgt, labels, train_cfg.label_smoothing, autocast, num_tokens,
                            *packing)
             # DDP and FSDP2 average gradients over the W workers; the global mean needs their sum.
             (loss * world_size if world_size > 1 else loss).backward()
         total = loss.detach() if total is None else total + loss.detach()
     if world_size > 1:
-        dist.all_reduce(total)  # the global batch's loss, reported identically on every process
+        all_sum(total)  # the global batch's loss, reported identically on every process
     grads = [p.grad for p in module.parameters() if p.grad is not None]
     grad_norm = torch.nn.utils.get_total_norm(grads)
     if train_cfg.clip_norm is not None:
@@ -160,7 +142,7 @@ def _train_step(replica: torch.nn.Module, optimizer: torch.optim.Optimizer,
     lr = optimizer.param_groups[0]["lr"]
     optimizer.step()
     scheduler.step()
-    return total, lr, _full(grad_norm).detach()
+    return total, lr, whole(grad_norm).detach()
 
 
 def train_step(module: Transformer, optimizer: torch.optim.Optimizer,
@@ -185,10 +167,10 @@ def make_train_step(module: Transformer, optimizer: torch.optim.Optimizer,
     needs this to skip a per-call graph walk; eager PyTorch has none to skip.) `compile` runs
     the forward pass and the loss as one torch.compile graph, its backward compiled too: the loss
     over a 37k vocabulary alone is ~3x faster compiled than eager on an H100. `loss`: one of
-    LOSSES."""
+    rosetta.training.LOSSES."""
     if loss not in LOSSES:
         raise RosettaError(f"loss must be one of {', '.join(LOSSES)}, got {loss!r}")
-    forward = torch.compile(LOSSES[loss]) if compile else LOSSES[loss]
+    forward = torch.compile(FORWARDS[loss]) if compile else FORWARDS[loss]
 
     def step(src: torch.Tensor, tgt: torch.Tensor, labels: torch.Tensor,
              num_tokens: torch.Tensor | None = None,
@@ -211,39 +193,6 @@ def gradients(module: Transformer, src: torch.Tensor, tgt: torch.Tensor, labels:
              for name, p in module.named_parameters()}
     module.zero_grad(set_to_none=True)
     return float(loss.detach()), from_state_dict(module.cfg, grads)
-
-
-
-def _device(name: str | None, env: LaunchEnv | None = None) -> torch.device:
-    """'cpu', 'cuda' or 'cuda:1' -> that torch device, checked; None: CUDA if available, else CPU.
-    Under a launcher a bare 'cuda' means this process's own GPU, cuda:LOCAL_RANK."""
-    try:
-        device = torch.device(name or default_device())
-    except RuntimeError as e:
-        raise RosettaError(f"torch has no device {name!r}: {e}") from None
-    if device.type == "cuda" and not torch.cuda.is_available():
-        raise RosettaError(f"torch has no device {name!r} here (no CUDA)")
-    if device.type == "cuda" and device.index is None and env is not None and env.distributed:
-        device = torch.device("cuda", env.local_rank)
-    return device
-
-
-def init_distributed(env: LaunchEnv, device: torch.device) -> None:
-    """Join the launch's process group (torchrun's MASTER_ADDR/PORT, RANK, WORLD_SIZE): NCCL on
-    GPUs, gloo on CPUs. A collective that waits `env.timeout_s` for a peer ends with an error, not
-    a hang. Once per process; every trainer of the process shares the group."""
-    if dist.is_initialized():
-        return
-    if device.type == "cuda":
-        torch.cuda.set_device(device)
-    try:
-        dist.init_process_group("nccl" if device.type == "cuda" else "gloo", rank=env.rank,
-                                world_size=env.num_processes,
-                                timeout=datetime.timedelta(seconds=env.timeout_s),
-                                device_id=device if device.type == "cuda" else None)
-    except (RuntimeError, ValueError) as e:
-        raise RosettaError(f"process {env.rank} of {env.num_processes} could not join the process group at "
-                           f"{env.master_addr}:{env.master_port}: {e}") from None
 
 
 # -- The harness adapter ---------------------------------------------------------------------
@@ -281,7 +230,7 @@ class Trainer:
             raise RosettaError(f"loss must be one of {', '.join(LOSSES)}, got {loss!r}")
         if loss == "chunked" and shard:  # FSDP2 reshards the tied table once the forward pass ends
             raise RosettaError("--loss chunked does not combine with --shard yet: use one of them")
-        self.forward = LOSSES[loss]
+        self.forward = FORWARDS[loss]
         if isinstance(accumulate, bool) or not isinstance(accumulate, int) or accumulate < 1:
             raise RosettaError(f"accumulate must be an integer >= 1, got {accumulate!r}")
         if num_devices not in (None, 1):
@@ -296,13 +245,13 @@ class Trainer:
         self.accumulate, self.shard = accumulate, shard
         self.world_size, self.num_processes, self.rank = env.num_processes, env.num_processes, env.rank
         self.is_main = env.is_main
-        self.device = _device(device, env)
+        self.device = local_device(device, env)
         if env.distributed:
             init_distributed(env, self.device)
         model = Model(cfg, params, dtype, device=str(self.device))  # meta device, then the weights
         self.module, self.autocast = model.module, DTYPES[dtype][1]
         self.parity = self.device.type == "cpu" if parity is None else parity
-        self.replica = self._replicate(env)
+        self.replica = replicate(self.module, self.device, env, self.shard)
         self.optimizer, self.scheduler = make_optimizer(self.module, train_cfg)  # after fully_shard
         self.device_name = (torch.cuda.get_device_name(self.device) if self.device.type == "cuda"
                             else cpu_name())
@@ -311,20 +260,6 @@ class Trainer:
             self._rng = self._get_rng()
         if self.device.type == "cuda":
             torch.cuda.reset_peak_memory_stats(self.device)
-
-    def _replicate(self, env: LaunchEnv) -> torch.nn.Module:
-        """The module the forward pass runs through: itself (one process), DDP around it, or itself
-        sharded in place by FSDP2 (each layer one unit, the root the embeddings and the rest)."""
-        if self.shard:
-            for p in self.module.parameters():  # FSDP2 shards contiguous tensors only; Linear weights
-                p.data = p.data.contiguous()  # arrive as transposed views of the canonical [in, out]
-            for layer in [*self.module.encoder.layers, *self.module.decoder.layers]:
-                fully_shard(layer)
-            return fully_shard(self.module)
-        if env.distributed:
-            ids = [self.device.index] if self.device.type == "cuda" else None
-            return DistributedDataParallel(self.module, device_ids=ids)  # broadcasts rank 0's weights
-        return self.module
 
     # -- precision and randomness ------------------------------------------------------------
     def _rng_devices(self) -> list[torch.device]:
@@ -382,11 +317,7 @@ class Trainer:
     def any_process(self, flag: bool) -> bool:
         """Whether `flag` holds on any process of the launch (a collective; alone: `flag`), so that
         every process stops at the same step (a time budget read from each one's own clock)."""
-        if self.num_processes == 1:
-            return bool(flag)
-        value = torch.tensor(int(bool(flag)), device=self.device)
-        dist.all_reduce(value, op=dist.ReduceOp.MAX)
-        return bool(value.item())
+        return any_process(flag, self.num_processes, self.device)
 
     def eval_loss(self, batches: Iterable[Batch]) -> float:
         """The training loss (label-smoothed) without dropout, averaged over every non-pad label
@@ -409,7 +340,7 @@ class Trainer:
     def params(self) -> Params:
         """The current weights as canonical NumPy copies, float32 (float64 for a float64 trainer;
         sharded: gathered whole, a collective that every process calls)."""
-        state = {name: _full(value) for name, value in self.module.state_dict().items()}
+        state = {name: whole(value) for name, value in self.module.state_dict().items()}
         return from_state_dict(self.cfg, state, np.float64 if self.dtype == "float64" else np.float32)
 
     def backend_model(self) -> Model:
@@ -434,16 +365,13 @@ class Trainer:
         opt = self.optimizer.state_dict()
         for index, (name, _) in enumerate(self.module.named_parameters()):
             for key, value in opt["state"].get(index, {}).items():
-                state[f"optimizer.{name}.{key}"] = _full(value).detach().cpu().numpy().copy()
+                state[f"optimizer.{name}.{key}"] = whole(value).detach().cpu().numpy().copy()
         state["optimizer.lr"] = np.asarray(opt["param_groups"][0]["lr"], dtype=np.float64)
         sched = self.scheduler.state_dict()
         state["scheduler.last_epoch"] = np.asarray(sched["last_epoch"], dtype=np.int64)
         state["scheduler.step_count"] = np.asarray(sched["_step_count"], dtype=np.int64)
         state["scheduler.last_lr"] = np.asarray(sched["_last_lr"], dtype=np.float64)
-        every = [self._rng] * self.num_processes
-        if self.num_processes > 1:
-            dist.all_gather_object(every, self._rng)
-        for rank, rng in enumerate(every):
+        for rank, rng in enumerate(every_process(self._rng, self.num_processes)):
             prefix = "rng." if rank == 0 else f"rng.rank{rank}."
             for device, value in rng.items():
                 state[prefix + device] = value.numpy().copy()
@@ -467,7 +395,7 @@ class Trainer:
         opt = self.optimizer.state_dict()
         for index, (name, p) in enumerate(self.module.named_parameters()):
             if f"optimizer.{name}.step" in state:
-                opt["state"][index] = {key: self._like(p, state[f"optimizer.{name}.{key}"])
+                opt["state"][index] = {key: shard_like(p, state[f"optimizer.{name}.{key}"])
                                        for key in ("step", "exp_avg", "exp_avg_sq")}
         opt["param_groups"][0]["lr"] = float(state["optimizer.lr"])
         self.optimizer.load_state_dict(opt)  # moves the moments to the parameters' device
@@ -477,13 +405,6 @@ class Trainer:
                      _last_lr=[float(x) for x in np.atleast_1d(state["scheduler.last_lr"])])
         self.scheduler.load_state_dict(sched)
         self._load_rng(state, others)
-
-    def _like(self, param: torch.Tensor, value: np.ndarray) -> torch.Tensor:
-        """A saved (whole) optimizer tensor laid out as `param`: sharded like it under FSDP2."""
-        tensor = torch.from_numpy(np.array(value))
-        if isinstance(param, DTensor) and tensor.ndim:
-            return distribute_tensor(tensor.to(param.device), param.device_mesh, param.placements)
-        return tensor
 
     def _load_rng(self, state: Mapping[str, np.ndarray], others: Mapping[str, np.ndarray]) -> None:
         """This process's generator: process 0's is `rng.<device>`, process r's `rng.rank<r>.<device>`.

@@ -1,7 +1,7 @@
 """Stage by stage comparison of two forward passes: where do they part?
 
 The metric is rosetta.parity's relative error ||a - b|| / ||b|| (b: the second side, usually the
-reference), taken only at the positions the contract covers (SPEC §5): a pad source position's
+reference), taken only at the positions the contract covers (SPEC §2): a pad source position's
 encoder output, or a pad target position's decoder output, is whatever each framework's masking
 leaves there and means nothing.
 """

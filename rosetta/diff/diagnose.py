@@ -66,7 +66,7 @@ def stage_errors(cfg: ModelConfig, src: np.ndarray, tgt: np.ndarray, ours: Stage
         if seen.shape != value.shape:
             raise InputError(f"observed stage {stage!r} has shape {seen.shape}; the model "
                              f"gives {value.shape} for this src and tgt")
-        # The contract positions of rosetta diff's own table (SPEC §5): padded positions hold
+        # The contract positions of rosetta diff's own table (SPEC §2): padded positions hold
         # whatever masking leaves there. Attention weights [B, h, Tq, Tk] at their query rows.
         where = contract_positions(cfg.pad_id, src, tgt, stage)
         if (stage_kind(stage) or "").endswith("_w"):

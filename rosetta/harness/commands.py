@@ -75,7 +75,7 @@ def cmd_evaluate(args: argparse.Namespace) -> int:
 def add_parsers(cmds: argparse._SubParsersAction) -> None:
     """Register `average` and `evaluate` on rosetta/cli.py's subcommands."""
     from rosetta.average import DEFAULT_LAST
-    from rosetta.cli import _add_search_args, nonempty_path, output_file, positive_int
+    from rosetta.cli_args import add_search_args, nonempty_path, output_file, positive_int
 
     p = cmds.add_parser("average", help="average checkpoints into one (paper §6.1: the last 5)",
                         epilog="CKPT: a model.safetensors file, a checkpoint directory, a checkpoints/latest "
@@ -102,7 +102,7 @@ def add_parsers(cmds: argparse._SubParsersAction) -> None:
     p.add_argument("--data-dir", type=nonempty_path,
                    help="Multi30k directory (default $ROSETTA_DATA_DIR or ../shared/data/multi30k)")
     p.add_argument("--limit", type=positive_int, help="the first N sentences only (default all)")
-    _add_search_args(p, beam=4)  # the search flags of `generate` and `translate` (paper §6.1: beam 4)
+    add_search_args(p, beam=4)  # the search flags of `generate` and `translate` (paper §6.1: beam 4)
     p.add_argument("--hyps", type=output_file, metavar="FILE", help="also write the hypotheses, one a line")
     p.add_argument("--out", type=output_file, required=True, metavar="FILE.json",
                    help="where to write the JSON report")

@@ -16,7 +16,7 @@ from rosetta.harness.report import check_overwritable, written_by_rosetta
 from rosetta.harness.run_dir import foreign_checkpoint_entries
 
 if TYPE_CHECKING:
-    from rosetta.harness.loop import RunConfig
+    from rosetta.harness.run_config import RunConfig
 
 
 def run_dir_state(run_dir: Path) -> str:

@@ -1,0 +1,80 @@
+"""JAX-only speed paths and helpers of jax_impl/model.py: attention through
+jax.nn.dot_product_attention where it is faster (and the choice of when), the incremental-decoding
+cache (a pytree), and the variable type of the positional table. torch_impl/ops.py holds PyTorch's;
+numpy_ref/model.py computes the same numbers the plain way (and decodes without a cache).
+
+Shapes: B batch, h heads, Tq query length, Tk key length, dh d_head.
+"""
+
+from __future__ import annotations
+
+import math
+from typing import NamedTuple
+
+import jax
+import jax.numpy as jnp
+from flax import nnx
+
+
+def attention(q: jax.Array, k: jax.Array, v: jax.Array, mask: jax.Array, dropout: nnx.Dropout,
+              rngs: nnx.Rngs | None = None, weights: bool = False) -> tuple[jax.Array, jax.Array | None]:
+    """Eq. 1, softmax(q k^T / sqrt(dh), masked) v, for q (B, h, Tq, dh), k, v (B, h, Tk, dh) and
+    a boolean mask broadcastable to (B, h, Tq, Tk), with `dropout` on the attention weights:
+    (B, Tq, h, dh), and with `weights` the softmax (before dropout). Keys and values (a cache's
+    dtype, maybe) are cast to the queries' type."""
+    k, v = k.astype(q.dtype), v.astype(q.dtype)
+    dropout_off = dropout.rate == 0 or dropout.deterministic
+    # Not on CPU: there XLA's dot_product_attention (transposed to BTNH and back) measured
+    # ~12% slower per `small` training step than the explicit path (docs/benchmarks.md).
+    if not weights and dropout_off and jax.default_backend() != "cpu":
+        return fused_attention(q, k, v, mask), None
+    # The explicit path: its probabilities are recorded, or dropped out (the fused call has
+    # no attention dropout), or the CPU. Scores and softmax in float32 at least (float64 stays
+    # float64) even for bfloat16, as fused kernels do.
+    wide = jnp.promote_types(q.dtype, jnp.float32)
+    scores = (q @ k.transpose(0, 1, 3, 2)).astype(wide) / math.sqrt(q.shape[-1])
+    # Masked scores are replaced by the most negative finite value: uniform weights, not
+    # NaN, where every key is masked (SPEC §2, PITFALLS 4).
+    scores = jnp.where(mask, scores, jnp.finfo(scores.dtype).min)  # (B, h, Tq, Tk)
+    probabilities = jax.nn.softmax(scores, axis=-1)
+    y = dropout(probabilities, rngs=rngs).astype(q.dtype) @ v  # (B, h, Tq, dh)
+    return y.transpose(0, 2, 1, 3), probabilities if weights else None
+
+
+def fused_attention(q: jax.Array, k: jax.Array, v: jax.Array, mask: jax.Array) -> jax.Array:
+    """softmax(q k^T / sqrt(dh), masked) v for q (B, h, Tq, dh), k, v (B, h, Tk, dh) and a
+    boolean mask broadcastable to (B, h, Tq, Tk), in one jax.nn.dot_product_attention call: cuDNN's
+    fused kernel on a GPU for 16-bit types, XLA's implementation elsewhere. Returns (B, Tq, h, dh)."""
+    q, k, v = (x.transpose(0, 2, 1, 3) for x in (q, k, v))  # BTNH, its layout
+    mask = jnp.broadcast_to(mask, (q.shape[0], mask.shape[1], q.shape[1], k.shape[1]))
+    # SPEC §2: a query with no key left gets uniform weights, i.e. the mean of the values. XLA's
+    # path fills masked scores with -0.7 * finfo.max and would agree; cuDNN's kernels need not
+    # (zeros or NaN, and NaN in gradients), so such a row attends to every key and its output is
+    # replaced below, whichever path ran.
+    no_key = ~mask.any(axis=-1, keepdims=True)  # (B, h or 1, Tq, 1)
+    mask = mask | no_key
+    y = None
+    if jax.default_backend() == "gpu" and q.dtype in (jnp.bfloat16, jnp.float16):
+        try:
+            y = jax.nn.dot_product_attention(q, k, v, mask=mask, implementation="cudnn")
+        except Exception:  # noqa: BLE001 - a shape or GPU cuDNN cannot take: XLA's path below
+            y = None
+    if y is None:
+        y = jax.nn.dot_product_attention(q, k, v, mask=mask, implementation="xla")
+    return jnp.where(no_key.transpose(0, 2, 1, 3), v.mean(axis=1, keepdims=True), y)
+
+
+class LayerCache(NamedTuple):
+    """One decoder layer's keys and values (N, h, length, dh) for incremental decoding, a speed
+    path: self-attention over the L output positions (filled as decoding goes), cross-attention
+    over the S source positions (computed once). A NamedTuple, so a pytree for lax loops."""
+
+    self_k: jax.Array
+    self_v: jax.Array
+    cross_k: jax.Array
+    cross_v: jax.Array
+
+
+class Positions(nnx.Variable):
+    """The sinusoidal table: state, but not a trainable parameter and not in the checkpoint
+    (torch_impl registers a non-persistent buffer)."""

@@ -1,0 +1,85 @@
+"""The command line's shared argument types and flag groups: each value's syntax and range,
+refused by argparse naming the flag (rosetta/cli.py's `main` prints it as one line). A leaf:
+rosetta/cli.py and every command group's parsers (rosetta/harness/commands.py, the benchmarks)
+import it, and it imports none of them."""
+
+from __future__ import annotations
+
+import argparse
+import math
+import re
+from collections.abc import Callable
+
+from rosetta.checkpoint import check_writable
+from rosetta.errors import RosettaError
+from rosetta.generation import ALPHA_MAX, LENGTH_RULES
+
+# -- Argument types: the value's syntax and range, refused by argparse with the flag's name ------
+
+_INTEGER = re.compile(r"-?[0-9]+")  # ASCII digits: int() alone would take "1_0" and "٥"
+_REAL = re.compile(r"-?([0-9]+\.?[0-9]*|\.[0-9]+)([eE][-+]?[0-9]+)?")  # no nan, inf, "1_0"
+
+
+def integer_type(minimum: int | None = None) -> Callable[[str], int]:
+    def parse(text: str) -> int:
+        if not _INTEGER.fullmatch(text) or (minimum is not None and int(text) < minimum):
+            bound = "" if minimum is None else f" >= {minimum}"
+            raise argparse.ArgumentTypeError(f"must be an integer{bound}, got {text!r}")
+        return int(text)
+
+    return parse
+
+
+def real_type(minimum: float | None = None, maximum: float | None = None) -> Callable[[str], float]:
+    def parse(text: str) -> float:
+        value = float(text) if _REAL.fullmatch(text) else math.nan
+        if not math.isfinite(value) or (minimum is not None and value < minimum) \
+                or (maximum is not None and value > maximum):
+            bound = "" if minimum is None else f" >= {minimum:g}"
+            bound += "" if maximum is None else f" and <= {maximum:g}"
+            raise argparse.ArgumentTypeError(f"must be a finite number{bound}, got {text!r}")
+        return value
+
+    return parse
+
+
+def nonempty_path(text: str) -> str:
+    """A file or directory name: "" is refused (Path("") is the current directory, and a test
+    `if args.hyps:` would skip the flag without a word)."""
+    if not text:
+        raise argparse.ArgumentTypeError("must name a file or directory, got ''")
+    return text
+
+
+def output_file(text: str) -> str:
+    """A file a command will write: refused here, before any work, if it cannot be one (a
+    directory, a file where a parent directory should be: rosetta.checkpoint.check_writable,
+    which atomic_write applies again when it writes)."""
+    try:
+        check_writable(nonempty_path(text))
+    except RosettaError as e:
+        raise argparse.ArgumentTypeError(str(e)) from None
+    return text
+
+
+positive_int = integer_type(minimum=1)
+non_negative_int = integer_type(minimum=0)
+integer = integer_type()  # `train` checks the range itself (rosetta/harness/loop.py: check_run)
+non_negative_real = real_type(minimum=0.0)
+real = real_type()  # `train` checks the range itself, as for `integer`
+
+
+def add_search_args(p: argparse.ArgumentParser, beam: int) -> None:
+    """Backend and search flags shared by `generate` and `translate`."""
+    p.add_argument("--backend", default="numpy", help="numpy, torch or jax")
+    p.add_argument("--dtype", default=None, help="compute dtype (default: the backend's first)")
+    p.add_argument("--beam", type=positive_int, default=beam,
+                   help="beam size (the paper's 4), at most the target vocabulary; 1 = greedy search")
+    p.add_argument("--alpha", type=real_type(0.0, ALPHA_MAX), default=0.6,
+                   help=f"length penalty exponent (Wu et al. 2016), 0 to {ALPHA_MAX:g}")
+    p.add_argument("--margin", type=non_negative_int, default=50,
+                   help="max output length = source length + margin")
+    p.add_argument("--batch-size", type=positive_int, default=32, help="sentences decoded at once")
+    p.add_argument("--length-rule", choices=LENGTH_RULES, default="wu",
+                   help="beam score: wu = log P / ((5 + n) / 6)^alpha (Wu et al. 2016); hf = Hugging Face "
+                        "generate's beam search, log P / n^alpha")

@@ -1,0 +1,79 @@
+"""PyTorch-only speed paths of torch_impl/model.py: attention as one fused SDPA kernel, dropout
+from 16 random bits a value on CPUs, the incremental-decoding cache (written in place), and the
+positional buffer's growth outside compiled graphs. jax_impl/ops.py holds JAX's; numpy_ref/model.py
+computes the same numbers the plain way (and decodes without a cache).
+
+Shapes: B batch, h heads, Tq query length, Tk key length, dh d_head.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from rosetta.positional import grown_rows, model_table
+
+
+def attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Tensor, dropout: float,
+              weights: bool = False) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """Eq. 1, softmax(q k^T / sqrt(dh), masked) v, for q (B, h, Tq, dh), k, v (B, h, Tk, dh) and
+    a boolean mask broadcastable to (B, h, Tq, Tk), in one F.scaled_dot_product_attention call
+    (attention-weight dropout inside it): (B, Tq, h, dh), and with `weights` the softmax. Keys and
+    values (a cache's dtype, maybe) are cast to the queries' type."""
+    # An additive mask holding the dtype's most negative finite value (SPEC §2), not a
+    # boolean one: SDPA turns boolean masks into -inf, and a row whose keys are all masked
+    # then gives NaN or zeros instead of uniform weights (PITFALLS 4). Fused kernels
+    # (memory-efficient, cuDNN) take additive masks too.
+    bias = torch.zeros((), dtype=q.dtype, device=q.device).masked_fill(~mask, torch.finfo(q.dtype).min)
+    y = F.scaled_dot_product_attention(q, k.to(q.dtype), v.to(q.dtype), attn_mask=bias,
+                                       dropout_p=dropout)  # (B, h, Tq, dh)
+    if not weights:
+        return y.transpose(1, 2), None
+    # SDPA does not return its probabilities: recompute them the reference's way (only
+    # when asked, so the fast path stays one fused kernel).
+    scores = q @ k.to(q.dtype).transpose(-2, -1) / math.sqrt(q.shape[-1])
+    scores = scores.masked_fill(~mask, torch.finfo(scores.dtype).min)
+    return y.transpose(1, 2), scores.softmax(dim=-1)
+
+
+class Dropout(nn.Dropout):
+    """Inverted dropout (§5.4: zero each value with probability p, scale the rest by 1/(1-p)).
+    On CPUs the mask comes from 16 random bits per value (one 64-bit draw from torch's generator
+    gives four): torch's CPU `bernoulli_` draws a float per value and was ~20% of a `small`
+    training step on this project's CPU (docs/benchmarks.md). p is rounded to a multiple of 2^-16
+    (0.1 -> 0.100006) and the scale is exactly 1/(1-p) for that p. GPUs keep F.dropout's kernel;
+    attention-weight dropout stays inside SDPA; jax_impl keeps nnx.Dropout (its own stream anyway)."""
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if not self.training or self.p == 0.0 or x.device.type != "cpu":
+            return super().forward(x)
+        dropped = min(round(self.p * 65536), 65535)  # of the 65536 values a 16-bit draw takes, those dropped
+        words = torch.empty((x.numel() + 3) // 4, dtype=torch.int64, device=x.device)
+        bits = words.random_(-2**63, None).view(torch.int16)[:x.numel()].view(x.shape)  # full 64-bit range
+        keep = bits >= dropped - 32768  # int16 draws are uniform on [-32768, 32767]
+        return x * (keep.to(x.dtype) * (65536 / (65536 - dropped)))
+
+
+@dataclass
+class LayerCache:
+    """One decoder layer's keys and values (N, h, length, dh) for incremental decoding, a speed
+    path: self-attention over the L output positions (filled as decoding goes, in place),
+    cross-attention over the S source positions (computed once)."""
+
+    self_k: torch.Tensor
+    self_v: torch.Tensor
+    cross_k: torch.Tensor
+    cross_v: torch.Tensor
+
+
+@torch.compiler.disable  # replaces a buffer: eager, once per new length, even when compiled
+def grow_positions(model: nn.Module, rows: int) -> None:
+    """Replaces `model.positions` by a table of at least `rows` positions (rosetta/positional.py's
+    grown_rows), on the same device and in the same dtype."""
+    table = model_table(model.cfg, grown_rows(rows, model.positions.shape[0], model.cfg.max_len))
+    with torch.inference_mode(False):  # a plain tensor, usable by training later
+        model.positions = torch.from_numpy(table).to(model.positions.device, model.positions.dtype)
