@@ -1,7 +1,7 @@
 """The training recipe (SPEC §4), framework-free: the hyperparameters both trainable backends
 read, the names of the ways to compute the loss, the learning-rate schedule of the paper (§5.3,
-eq. 3), the batch a training step takes, and the check every trainer applies to the optimizer
-state it is asked to resume from.
+eq. 3), the batch a training step takes, the check every trainer applies to the optimizer
+state it is asked to resume from, and `Trainer`, the protocol every trainer follows.
 
 torch_impl/train.py and jax_impl/train.py implement the loss, the optimizer and one training
 step from these, identically; parity_tests/test_training_math.py checks that they agree.
@@ -13,14 +13,18 @@ import dataclasses
 import json
 import math
 import numbers
-from collections.abc import Mapping
+from collections.abc import Iterable, Mapping
 from dataclasses import dataclass
-from typing import Any
+from typing import TYPE_CHECKING, Any, ClassVar, Protocol
 
 import numpy as np
 
 from rosetta.config import parse_json, strict_from_dict
 from rosetta.errors import CheckpointError, ConfigError
+
+if TYPE_CHECKING:
+    from rosetta.backends import BackendModel
+    from rosetta.params import Params
 
 # `rosetta train --loss`: the logits then the loss, or the output projection and the loss chunk by
 # chunk without the [tokens, V] logits (docs/loss.md). Each trainer maps the names to its functions.
@@ -165,3 +169,45 @@ def check_state(state: Mapping[str, np.ndarray], shapes: Mapping[str, tuple[int,
             bad = int(np.size(value) - np.isfinite(value).sum())
             raise CheckpointError(f"{framework} trainer state {key} holds {bad} NaN or infinite value(s) "
                                   f"of {np.size(value)}: refusing to resume from it")
+
+
+class Trainer(Protocol):
+    """What rosetta/harness/loop.py drives: torch_impl/train.py's and jax_impl/train.py's
+    `Trainer` (and torch_impl/peer_train.py's), built as Trainer(cfg, params, train_cfg, device=,
+    dtype=, accumulate=, shard=, num_devices=, loss=) from canonical weights."""
+
+    framework: ClassVar[str]  # "torch", "jax", "peer"
+    dtypes: ClassVar[tuple[str, ...]]  # the compute dtypes it trains in
+    device_name: str
+    world_size: int  # data-parallel workers (devices or processes)
+    num_processes: int
+    is_main: bool  # process 0: the one that writes
+    accumulate: int  # micro-batches per update
+    shard: bool  # parameters and optimizer state split over the workers
+
+    @property
+    def step_count(self) -> int:
+        """Updates done so far."""
+
+    def step(self, batch: Batch) -> dict[str, Any]:
+        """One update on the global `batch`: {step, loss, lr, grad_norm, token counts, world_size,
+        worker_rows}."""
+
+    def any_process(self, flag: bool) -> bool:
+        """Whether `flag` holds on any process of the launch."""
+
+    def eval_loss(self, batches: Iterable[Batch]) -> float:
+        """The label-smoothed loss without dropout, token-weighted over `batches`."""
+
+    def params(self) -> Params:
+        """The current weights, canonical."""
+
+    def backend_model(self) -> BackendModel:
+        """A backend model on a copy of the current weights (generate, logits)."""
+
+    def peak_memory_bytes(self) -> int: ...
+
+    def state_dict(self) -> dict[str, np.ndarray]:
+        """Everything besides the weights an exact resume needs."""
+
+    def load_state_dict(self, state: Mapping[str, np.ndarray]) -> None: ...

@@ -69,6 +69,7 @@ from rosetta.harness.run_dir import (
 from rosetta.harness.tasks import TaskData, load_task
 from rosetta.harness.trainer_state import load_trainer_state, save_trainer_state
 from rosetta.params import init_params
+from rosetta.training import Trainer
 
 log = logging.getLogger(__name__)
 
@@ -102,7 +103,7 @@ def check_device(run: RunConfig, env: LaunchEnv) -> None:
             raise RosettaError(f"--device {run.device}: {e}") from None
 
 
-def trainer_class(backend: str) -> type:
+def trainer_class(backend: str) -> type[Trainer]:
     """The framework's `Trainer` (imports the framework)."""
     try:
         module = importlib.import_module(TRAINERS[backend])
@@ -144,7 +145,7 @@ def _batching(run: RunConfig, cfg: ModelConfig) -> dict[str, Any]:
                 eos_id=cfg.eos_id)
 
 
-def evaluate(trainer: Any, task: TaskData, loss_batches: list[Batch], gen_batches: list[Batch],
+def evaluate(trainer: Trainer, task: TaskData, loss_batches: list[Batch], gen_batches: list[Batch],
              num_gen: int, run: RunConfig) -> dict[str, Any]:
     """Validation loss, and BLEU (sacrebleu) of `model.generate` through the backend interface:
     greedy by default, beam search with `run.beam` > 1; exact-match accuracy for synthetic tasks."""
@@ -208,13 +209,13 @@ class _Run:
         self.stopped = "steps"  # or "time_budget", "target_bleu": what ended the loop (_loop)
 
     # -- start or resume -------------------------------------------------------------------
-    def _trainer(self, params: dict) -> Any:
+    def _trainer(self, params: dict) -> Trainer:
         run = self.run
-        Trainer = trainer_class(self.backend)
-        return Trainer(self.cfg, params, self.train_cfg, device=run.device, dtype=run.dtype,
-                       accumulate=run.accumulate, shard=run.shard, num_devices=run.devices, loss=run.loss)
+        cls = trainer_class(self.backend)
+        return cls(self.cfg, params, self.train_cfg, device=run.device, dtype=run.dtype,
+                   accumulate=run.accumulate, shard=run.shard, num_devices=run.devices, loss=run.loss)
 
-    def start(self) -> Any:
+    def start(self) -> Trainer:
         if self.run.resume:
             if self.main:
                 clean_temporaries(self.ckpt_root)
@@ -274,7 +275,7 @@ class _Run:
                     f"--resume to continue from step {step}")
         return CheckpointError(f"{what}; no earlier checkpoint in {self.ckpt_root} is intact to resume from")
 
-    def _resume(self, ckpt_dir: Path) -> Any:
+    def _resume(self, ckpt_dir: Path) -> Trainer:
         try:
             state, ckpt, trainer_state = self._read_checkpoint(ckpt_dir)
         except RosettaError as e:
@@ -307,7 +308,7 @@ class _Run:
         return trainer
 
     # -- checkpoints -----------------------------------------------------------------------
-    def save(self, trainer: Any, elapsed: float) -> Path | None:
+    def save(self, trainer: Trainer, elapsed: float) -> Path | None:
         """Checkpoint the current step. Every process calls it (gathering sharded weights and
         optimizer state is a collective); process 0 writes."""
         step = trainer.step_count
@@ -359,7 +360,7 @@ class _Run:
             write_plot(self.dir / "plot.png", {self.backend: records}, title=f"{run.task}: {self.backend}")
         return result
 
-    def _loop(self, trainer: Any, log_file: Any, progress: Any) -> None:
+    def _loop(self, trainer: Trainer, log_file: Any, progress: Any) -> None:
         """Steps until `total_steps`: log, evaluate and checkpoint on their cadences and at the end.
         An evaluation at step s is logged before checkpoint s, so a resume never repeats it.
         `log_file` None: a process other than 0, which trains and evaluates but writes nothing."""
@@ -425,7 +426,7 @@ class _Run:
                      else f"validation BLEU reached --target-bleu {run.target_bleu:g}")
         self.stopped = stop or "steps"
 
-    def _evaluate_average(self, trainer: Any) -> dict[str, Any]:
+    def _evaluate_average(self, trainer: Trainer) -> dict[str, Any]:
         """The average of the last `--average-last` checkpoints (paper §6.1), written beside them as
         averaged.safetensors and evaluated like a checkpoint (BLEU of the backend's decoding)."""
         from rosetta.average import resolve_checkpoints, write_average
@@ -457,7 +458,7 @@ class _Run:
                             f"gradient norm {norm}): stopped without saving that step; {kept} (a lower "
                             f"--lr-factor, a longer --warmup or --clip-norm may help)")
 
-    def _train_record(self, trainer: Any, batch: Batch, metrics: dict[str, Any], seconds: float,
+    def _train_record(self, trainer: Trainer, batch: Batch, metrics: dict[str, Any], seconds: float,
                       peak: float | None, first: bool) -> dict[str, Any]:
         src_lengths, tgt_lengths = batch_lengths(batch.src, batch.labels, self.cfg.pad_id)
         flops = real_training_flops(self.cfg, src_lengths, tgt_lengths)
@@ -487,7 +488,7 @@ class _Run:
         }
 
 
-def _parallel_facts(trainer: Any) -> dict[str, Any]:
+def _parallel_facts(trainer: Trainer) -> dict[str, Any]:
     """How a run is spread over devices, for run.json and the summary."""
     return {"world_size": trainer.world_size, "processes": trainer.num_processes,
             "accumulate": trainer.accumulate, "shard": trainer.shard}
