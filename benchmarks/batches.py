@@ -51,6 +51,7 @@ from rosetta.config import PRESETS
 from rosetta.flops import mfu, peak_flops, training_flops
 from rosetta.harness.batching import BatchIterator
 from rosetta.harness.tasks import load_task
+from rosetta.inputs import Packing
 from rosetta.training import Batch, TrainConfig
 from torch_impl import train as torch_train
 from torch_impl.backend import Model as TorchModel
@@ -110,6 +111,12 @@ def real_flops(cfg, batch: Batch) -> int:
                for s, t in zip(src_lens, tgt_lens, strict=True) if t > 0)
 
 
+def _packing(batch: Batch, convert) -> Packing | None:
+    """The batch's packing argument (docs/packing.md) in the framework's arrays; None if unpacked."""
+    packing = batch.packing()
+    return None if packing is None else Packing(*(convert(a) for a in packing))
+
+
 def runners(cfg, params, peer, batches: list[Batch], dtype: str, device: str, with_peer: bool) -> dict:
     """name -> a function running one training step on each batch in turn."""
     tc = TrainConfig(warmup_steps=4000)
@@ -118,15 +125,14 @@ def runners(cfg, params, peer, batches: list[Batch], dtype: str, device: str, wi
         optimizer, scheduler = torch_train.make_optimizer(module, tc)
         step = torch_train.make_train_step(module, optimizer, scheduler, tc, autocast_dtype(dtype))
         tensors = [([torch.from_numpy(a).to(device) for a in (b.src, b.tgt_in, b.labels)],
-                    {k: torch.from_numpy(v).to(device) for k, v in b.packing().items()} or None)
-                   for b in batches]
+                    _packing(b, lambda a: torch.from_numpy(a).to(device))) for b in batches]
         return lambda: [step(*arrays, packing=packing)[0] for arrays, packing in tensors]
 
     def jax_run() -> callable:
         model = build_model(cfg, params, JAX_DTYPES[dtype])
         step = jax_train.make_train_step(model, jax_train.make_optimizer(model, tc), nnx.Rngs(dropout=0), tc)
         arrays = [([jnp.asarray(a) for a in (b.src, b.tgt_in, b.labels)],
-                   {k: jnp.asarray(v) for k, v in b.packing().items()}) for b in batches]
+                   _packing(b, jnp.asarray)) for b in batches]
         return lambda: [step(*a, packing=p)[0] for a, p in arrays]
 
     found = {"torch": torch_run(TorchModel(cfg, params, "float32", device).module)}

@@ -12,7 +12,7 @@ import time
 from collections.abc import Callable
 from pathlib import Path
 
-from rosetta.checkpoint import atomic_write_bytes
+from rosetta.files import atomic_write_bytes
 
 RESULTS = Path(__file__).parent / "results"
 

@@ -19,7 +19,7 @@ import re
 from pathlib import Path
 
 from benchmarks.common import RESULTS, replace_block
-from rosetta.checkpoint import atomic_write_bytes
+from rosetta.files import atomic_write_bytes
 
 ROOT = Path(__file__).parent.parent
 BENCHMARK_DOC = ROOT / "docs" / "benchmarks.md"  # the page that shows the newest tables

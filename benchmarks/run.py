@@ -47,7 +47,7 @@ from jax_impl.backend import DTYPES as JAX_DTYPES
 from jax_impl.backend import Model as JaxModel
 from jax_impl.convert import build_model
 from rosetta import from_params, preset
-from rosetta.checkpoint import atomic_write_bytes
+from rosetta.files import atomic_write_bytes
 from rosetta.flops import forward_flops, mfu, peak_flops, training_flops
 from rosetta.parity import random_batch
 from rosetta.training import TrainConfig

@@ -19,7 +19,7 @@ from jax import Array
 
 from jax_impl.ops import LayerCache, Positions, attention
 from rosetta.config import ModelConfig
-from rosetta.inputs import check_packing
+from rosetta.inputs import Packing, check_packing
 from rosetta.params import embedding_names
 from rosetta.positional import model_table
 
@@ -271,15 +271,15 @@ class Transformer(nnx.Module):
         return self.dropout(x + pe.astype(x.dtype), rngs=rngs)
 
     def encode(self, src: Array, stages: Stages | None = None, rngs: nnx.Rngs | None = None,
-               fine: bool = False, src_segments: Array | None = None,
-               src_positions: Array | None = None) -> Array:
+               fine: bool = False, packing: Packing | None = None) -> Array:
         """The encoder stack: src [B, S] -> memory [B, S, d]; `fine` adds the sublayer stages.
-        Packed rows give `src_segments` and `src_positions` [B, S] (docs/packing.md)."""
+        Packed rows give `packing`: its `src_segments` and `src_positions` [B, S] (docs/packing.md)."""
         stages = {} if stages is None else stages
         record = stages if fine else None
-        x = stages["src_embed"] = self.embed(self.src_table, src, rngs=rngs, positions=src_positions)
-        mask = (source_mask(src, self.cfg.pad_id) if src_segments is None
-                else segment_mask(src_segments, src_segments))
+        positions = None if packing is None else packing.src_positions
+        x = stages["src_embed"] = self.embed(self.src_table, src, rngs=rngs, positions=positions)
+        mask = (source_mask(src, self.cfg.pad_id) if packing is None
+                else segment_mask(packing.src_segments, packing.src_segments))
         for i, layer in enumerate(self.encoder.layers):
             x = stages[f"encoder.layers.{i}"] = layer(x, mask, rngs, record, f"encoder.layers.{i}")
         x = x if self.encoder.final_norm is None else self.encoder.final_norm(x)
@@ -287,19 +287,19 @@ class Transformer(nnx.Module):
         return x
 
     def decode(self, tgt: Array, memory: Array, src: Array, stages: Stages | None = None,
-               rngs: nnx.Rngs | None = None, fine: bool = False, tgt_segments: Array | None = None,
-               tgt_positions: Array | None = None, src_segments: Array | None = None) -> Array:
+               rngs: nnx.Rngs | None = None, fine: bool = False, packing: Packing | None = None) -> Array:
         """The decoder stack: tgt [B, T] (starting with the start token) -> hidden [B, T, d];
-        `fine` adds the sublayer stages. Packed rows give `tgt_segments`, `tgt_positions` [B, T]
-        and the `src_segments` [B, S] of the memory (docs/packing.md)."""
+        `fine` adds the sublayer stages. Packed rows give `packing`: its `tgt_segments`,
+        `tgt_positions` [B, T] and the `src_segments` [B, S] of the memory (docs/packing.md)."""
         stages = {} if stages is None else stages
         record = stages if fine else None
-        x = stages["tgt_embed"] = self.embed(self.tgt_table, tgt, rngs=rngs, positions=tgt_positions)
-        if tgt_segments is None:
+        positions = None if packing is None else packing.tgt_positions
+        x = stages["tgt_embed"] = self.embed(self.tgt_table, tgt, rngs=rngs, positions=positions)
+        if packing is None:
             self_mask, cross_mask = target_mask(tgt, self.cfg.pad_id), source_mask(src, self.cfg.pad_id)
         else:  # segments decide padding: the start token of every segment is real, even if == pad_id
-            self_mask = segment_mask(tgt_segments, tgt_segments, causal=True)
-            cross_mask = segment_mask(tgt_segments, src_segments)
+            self_mask = segment_mask(packing.tgt_segments, packing.tgt_segments, causal=True)
+            cross_mask = segment_mask(packing.tgt_segments, packing.src_segments)
         for i, layer in enumerate(self.decoder.layers):
             x = stages[f"decoder.layers.{i}"] = layer(x, memory, self_mask, cross_mask, rngs, record,
                                                       f"decoder.layers.{i}")
@@ -332,18 +332,16 @@ class Transformer(nnx.Module):
         x = x if self.decoder.final_norm is None else self.decoder.final_norm(x)
         return self.generator(x, self.tgt_table)[:, 0], new_cache
 
-    def __call__(self, src: Array, tgt: Array, stages: Stages | None = None,
-                 rngs: nnx.Rngs | None = None, fine: bool = False, src_segments: Array | None = None,
-                 tgt_segments: Array | None = None, src_positions: Array | None = None,
-                 tgt_positions: Array | None = None, hidden: bool = False) -> Array:
+    def __call__(self, src: Array, tgt: Array, stages: Stages | None = None, rngs: nnx.Rngs | None = None,
+                 fine: bool = False, packing: Packing | None = None, hidden: bool = False) -> Array:
         """Logits [B, T, V] for source ids [B, S] and decoder input ids [B, T]; `stages` receives
         the coarse stages, and with `fine` the sublayer outputs and attention weights too. Packed
-        rows (several pairs per row) give all four segment/position arrays (docs/packing.md).
+        rows (several pairs per row) give `packing`, all four segment/position arrays (docs/packing.md).
         `hidden`: the decoder's output [B, T, d] instead, for the chunked loss (jax_impl/loss.py)."""
         stages = {} if stages is None else stages
-        check_packing(src, tgt, src_segments, tgt_segments, src_positions, tgt_positions)
-        memory = self.encode(src, stages, rngs, fine, src_segments, src_positions)
-        out = self.decode(tgt, memory, src, stages, rngs, fine, tgt_segments, tgt_positions, src_segments)
+        packing = packing if check_packing(src, tgt, packing) else None
+        memory = self.encode(src, stages, rngs, fine, packing)
+        out = self.decode(tgt, memory, src, stages, rngs, fine, packing)
         if hidden:
             return out
         logits = stages["logits"] = self.generator(out, self.tgt_table)

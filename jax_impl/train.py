@@ -44,8 +44,9 @@ from rosetta.config import ModelConfig
 from rosetta.device import cpu_name, max_rss_bytes
 from rosetta.distributed import launch_env, split_rows
 from rosetta.errors import RosettaError
-from rosetta.params import Params, param_shapes
-from rosetta.training import LOSSES, Batch, TrainConfig, check_state
+from rosetta.inputs import Packing
+from rosetta.params import Params, canonical_dtype, param_shapes
+from rosetta.training import Batch, TrainConfig, check_state, check_trainer_args
 
 
 def loss_fn(logits: jax.Array, labels: jax.Array, pad_id: int, label_smoothing: float,
@@ -93,7 +94,7 @@ def make_optimizer(model: Transformer, train_cfg: TrainConfig) -> nnx.Optimizer:
 @nnx.jit(static_argnames=("train_cfg", "mesh", "loss"))
 def _train_step(model: Transformer, optimizer: nnx.Optimizer, rngs: nnx.Rngs, src: jax.Array,
                 tgt: jax.Array, labels: jax.Array, num_tokens: jax.Array | None, train_cfg: TrainConfig,
-                mesh: Mesh | None = None, packing: dict[str, jax.Array] | None = None,
+                mesh: Mesh | None = None, packing: Packing | None = None,
                 loss: str = "plain") -> tuple[jax.Array, jax.Array, jax.Array]:
     """`train_step` on K micro-batches `src, tgt, labels` [K, rows, L] (K = 1: one batch), also
     returning the global gradient norm before clipping (a 0-d array): the harness stops a run at
@@ -103,14 +104,12 @@ def _train_step(model: Transformer, optimizer: nnx.Optimizer, rngs: nnx.Rngs, sr
     over the devices and inserts the gradient all-reduce (and, for sharded parameters, the
     all-gathers); the new state is pinned to the variables' shardings, so the next call hits
     the same compiled step. `packing`: a packed batch's segment and position arrays [K, rows, L]
-    (docs/packing.md)."""
-    packing = packing or {}
-
+    (docs/packing.md), a pytree: None or a Packing of arrays, each compiled once per shape."""
     chunked = loss == "chunked"
 
     def loss_of(model: Transformer, rngs: nnx.Rngs, src: jax.Array, tgt: jax.Array,
-                labels: jax.Array, packing: dict[str, jax.Array]) -> jax.Array:
-        out = model(src, tgt, rngs=rngs, hidden=chunked, **packing)
+                labels: jax.Array, packing: Packing | None) -> jax.Array:
+        out = model(src, tgt, rngs=rngs, hidden=chunked, packing=packing)
         if chunked:
             return chunked_loss(out, *generator_params(model), labels, model.cfg.pad_id,
                                 train_cfg.label_smoothing, num_tokens, logit_scale=model.cfg.logit_scale)[0]
@@ -127,10 +126,10 @@ def _train_step(model: Transformer, optimizer: nnx.Optimizer, rngs: nnx.Rngs, sr
 
 
 def _accumulated(value_and_grad: Callable, model: Transformer, rngs: nnx.Rngs, src: jax.Array,
-                 tgt: jax.Array, labels: jax.Array, packing: dict[str, jax.Array]
+                 tgt: jax.Array, labels: jax.Array, packing: Packing | None
                  ) -> tuple[jax.Array, nnx.State]:
     """The summed loss and gradients of K micro-batches [K, rows, L] (`_train_step`)."""
-    first = jax.tree.map(lambda a: a[0], packing)
+    first = jax.tree.map(lambda a: a[0], packing)  # None stays None: a pytree without leaves
     loss, grads = value_and_grad(model, rngs, src[0], tgt[0], labels[0], first)
     if src.shape[0] > 1:
         # The other micro-batches in a lax.scan, not a Python loop: XLA may not reorder it, so
@@ -170,7 +169,7 @@ def make_train_step(model: Transformer, optimizer: nnx.Optimizer, rngs: nnx.Rngs
                     train_cfg: TrainConfig, mesh: Mesh | None = None, loss: str = "plain"
                     ) -> Callable[..., tuple[jax.Array, jax.Array, jax.Array]]:
     """`train_step` with the model, optimizer and generator bound: step(src, tgt, labels,
-    num_tokens=None) -> (loss, lr, global gradient norm before clipping); 2-d ids are one
+    num_tokens=None, packing=None) -> (loss, lr, global gradient norm before clipping); 2-d ids are one
     batch, 3-d ones [K, rows, L] K micro-batches of one update (`_train_step`). nnx.jit walks
     the whole object graph in Python on every call (about 50 ms per call for a 6+6-layer model
     on this project's CPU, as long as a whole `base` step on an H100); nnx.cached_partial walks
@@ -181,12 +180,12 @@ def make_train_step(model: Transformer, optimizer: nnx.Optimizer, rngs: nnx.Rngs
     cached = nnx.cached_partial(_train_step, model, optimizer, rngs)
 
     def step(src: jax.Array, tgt: jax.Array, labels: jax.Array, num_tokens: jax.Array | int | None = None,
-             packing: dict[str, jax.Array] | None = None) -> tuple[jax.Array, jax.Array, jax.Array]:
+             packing: Packing | None = None) -> tuple[jax.Array, jax.Array, jax.Array]:
         src, tgt, labels = (jnp.asarray(a) for a in (src, tgt, labels))
-        packing = {name: jnp.asarray(a) for name, a in (packing or {}).items()}
+        packing = None if packing is None else Packing(*(jnp.asarray(a) for a in packing))
         if src.ndim == 2:
             src, tgt, labels = src[None], tgt[None], labels[None]
-            packing = {name: a[None] for name, a in packing.items()}
+            packing = jax.tree.map(lambda a: a[None], packing)
         return cached(src, tgt, labels, num_tokens, train_cfg=train_cfg, mesh=mesh, packing=packing,
                       loss=loss)
 
@@ -251,17 +250,11 @@ class Trainer:
                  device: str | None = None, dtype: str = "float32", parity: bool | None = None,
                  accumulate: int = 1, shard: bool = False, num_devices: int | None = None,
                  loss: str = "plain"):
-        if dtype not in self.dtypes:
-            raise RosettaError(f"the jax trainer computes in {', '.join(self.dtypes)}, not {dtype!r}")
+        check_trainer_args("jax", self.dtypes, dtype, loss, accumulate)
         if dtype == "float64" and not jax.config.read("jax_enable_x64"):
             raise RosettaError("the jax trainer computes in float64 only with 64-bit JAX: set "
                                "JAX_ENABLE_X64=1 before JAX starts, or train "
                                "inside `with jax.enable_x64(True):`")
-        if loss not in LOSSES:
-            raise RosettaError(f"loss must be one of {', '.join(LOSSES)}, got {loss!r}")
-        if isinstance(accumulate, bool) or not isinstance(accumulate, int) or accumulate < 1:
-            raise RosettaError(f"accumulate (micro-batches per update) must be an integer >= 1, not "
-                               f"{accumulate!r}")
         self.cfg, self.train_cfg, self.dtype = cfg, train_cfg, dtype
         self.accumulate, self.shard = accumulate, bool(shard)
         env = launch_env()
@@ -284,7 +277,7 @@ class Trainer:
                                                loss)
         self.device_name = cpu_name() if self.device.platform == "cpu" else self.device.device_kind
 
-    def _global_batch(self, batch: Batch) -> tuple[tuple[jax.Array, ...], dict[str, jax.Array], int]:
+    def _global_batch(self, batch: Batch) -> tuple[tuple[jax.Array, ...], Packing | None, int]:
         """src, tgt_in, labels as [K, W·m, L] arrays, rows sharded over "data": block w·K + k of
         `split_rows` (worker w's k-th micro-batch) is rows w·m..(w+1)·m of micro-batch k. Also a
         packed batch's segment and position arrays laid out alike, and m."""
@@ -298,7 +291,7 @@ class Trainer:
             ids = ids.reshape(workers, k, rows, -1).transpose(1, 0, 2, 3).reshape(k, workers * rows, -1)
             return put(ids, sharding)
 
-        packing = {name: stack(name) for name in batch.packing()}
+        packing = Packing(*(stack(name) for name in Packing._fields)) if batch.packed else None
         return (stack("src"), stack("tgt_in"), stack("labels")), packing, rows
 
     # -- precision and placement -------------------------------------------------------------
@@ -355,7 +348,7 @@ class Trainer:
         """The current weights as canonical NumPy copies, float32 (float64 for a float64 trainer),
         whole on every process (a collective when they are sharded across processes: every
         process calls it)."""
-        dtype = np.float64 if self.dtype == "float64" else np.float32
+        dtype = canonical_dtype(self.dtype)
         if self.num_processes == 1:
             return to_params(self.model, dtype)
         flat = {flax_name(path): whole(variable.get_value()).astype(dtype)

@@ -15,7 +15,7 @@ import math
 import numpy as np
 
 from rosetta.config import ModelConfig
-from rosetta.inputs import check_packing
+from rosetta.inputs import Packing, check_packing
 from rosetta.params import Params, embedding_names
 from rosetta.positional import positional_encoding
 
@@ -191,14 +191,15 @@ def embed(table: np.ndarray, ids: np.ndarray, cfg: ModelConfig, offset: int = 0,
 
 
 def encode(params: Params, cfg: ModelConfig, src: np.ndarray, stages: Stages | None = None,
-           fine: bool = False, src_segments: np.ndarray | None = None,
-           src_positions: np.ndarray | None = None):
+           fine: bool = False, packing: Packing | None = None):
     """The encoder stack: src [B, S] -> memory [B, S, d]; `fine` adds the sublayer stages.
-    Packed rows give `src_segments` and `src_positions` [B, S] (docs/packing.md)."""
+    Packed rows give `packing`: its `src_segments` and `src_positions` [B, S] (docs/packing.md)."""
     stages = {} if stages is None else stages
     record = stages if fine else None
-    x = stages["src_embed"] = embed(params[embedding_names(cfg).src], src, cfg, positions=src_positions)
-    mask = source_mask(src, cfg.pad_id) if src_segments is None else segment_mask(src_segments, src_segments)
+    positions = None if packing is None else packing.src_positions
+    x = stages["src_embed"] = embed(params[embedding_names(cfg).src], src, cfg, positions=positions)
+    mask = (source_mask(src, cfg.pad_id) if packing is None
+            else segment_mask(packing.src_segments, packing.src_segments))
     for i in range(cfg.num_encoder_layers):
         name = f"encoder.layers.{i}"
         x = stages[name] = encoder_layer(sub(params, name), x, mask, cfg, record, name)
@@ -210,20 +211,20 @@ def encode(params: Params, cfg: ModelConfig, src: np.ndarray, stages: Stages | N
 
 def decode(
     params: Params, cfg: ModelConfig, tgt: np.ndarray, memory: np.ndarray, src: np.ndarray,
-    stages: Stages | None = None, fine: bool = False, tgt_segments: np.ndarray | None = None,
-    tgt_positions: np.ndarray | None = None, src_segments: np.ndarray | None = None,
+    stages: Stages | None = None, fine: bool = False, packing: Packing | None = None,
 ) -> np.ndarray:
     """The decoder stack: tgt [B, T] (starting with the start token) -> hidden [B, T, d];
-    `fine` adds the sublayer stages. Packed rows give `tgt_segments`, `tgt_positions` [B, T]
-    and the `src_segments` [B, S] of the memory (docs/packing.md)."""
+    `fine` adds the sublayer stages. Packed rows give `packing`: its `tgt_segments`,
+    `tgt_positions` [B, T] and the `src_segments` [B, S] of the memory (docs/packing.md)."""
     stages = {} if stages is None else stages
     record = stages if fine else None
-    x = stages["tgt_embed"] = embed(params[embedding_names(cfg).tgt], tgt, cfg, positions=tgt_positions)
-    if tgt_segments is None:
+    positions = None if packing is None else packing.tgt_positions
+    x = stages["tgt_embed"] = embed(params[embedding_names(cfg).tgt], tgt, cfg, positions=positions)
+    if packing is None:
         self_mask, cross_mask = target_mask(tgt, cfg.pad_id), source_mask(src, cfg.pad_id)
     else:  # segments decide padding: the start token of every segment is real, even if == pad_id
-        self_mask = segment_mask(tgt_segments, tgt_segments, causal=True)
-        cross_mask = segment_mask(tgt_segments, src_segments)
+        self_mask = segment_mask(packing.tgt_segments, packing.tgt_segments, causal=True)
+        cross_mask = segment_mask(packing.tgt_segments, packing.src_segments)
     for i in range(cfg.num_decoder_layers):
         name = f"decoder.layers.{i}"
         x = stages[name] = decoder_layer(sub(params, name), x, memory, self_mask, cross_mask, cfg,
@@ -236,17 +237,14 @@ def decode(
 
 def forward(
     params: Params, cfg: ModelConfig, src: np.ndarray, tgt: np.ndarray,
-    stages: Stages | None = None, fine: bool = False, src_segments: np.ndarray | None = None,
-    tgt_segments: np.ndarray | None = None, src_positions: np.ndarray | None = None,
-    tgt_positions: np.ndarray | None = None,
+    stages: Stages | None = None, fine: bool = False, packing: Packing | None = None,
 ) -> np.ndarray:
     """Logits [B, T, V] for source ids [B, S] and decoder input ids [B, T]; `stages` receives
     the coarse stages, and with `fine` the sublayer outputs and attention weights too. Packed
-    rows (several pairs per row) give all four segment/position arrays (docs/packing.md)."""
+    rows (several pairs per row) give `packing`, all four segment/position arrays (docs/packing.md)."""
     stages = {} if stages is None else stages
-    check_packing(src, tgt, src_segments, tgt_segments, src_positions, tgt_positions,
-                  check_range=True)
-    memory = encode(params, cfg, src, stages, fine, src_segments, src_positions)
-    hidden = decode(params, cfg, tgt, memory, src, stages, fine, tgt_segments, tgt_positions, src_segments)
+    packing = packing if check_packing(src, tgt, packing, check_range=True) else None
+    memory = encode(params, cfg, src, stages, fine, packing)
+    hidden = decode(params, cfg, tgt, memory, src, stages, fine, packing)
     logits = stages["logits"] = generator(params, cfg, hidden)
     return logits

@@ -1,13 +1,73 @@
-"""Shared fixtures: the config matrix every backend is tested on, and the batches."""
+"""Shared fixtures: the `backend` argument, the config matrix every backend is tested on, and
+the batches."""
 
 from __future__ import annotations
+
+import functools
+from collections.abc import Callable
 
 import numpy as np
 import pytest
 import torch
 
 from rosetta import ModelConfig, init_params, preset
+from rosetta.backends import BACKENDS, MODEL_BACKENDS, get_backend
+from rosetta.errors import RosettaError
 from rosetta.parity import random_batch
+
+# The marks that narrow the `backend` argument (pytest_generate_tests): which backends each keeps,
+# read from the registry, and its description.
+BACKEND_MARKS: dict[str, tuple[Callable[[str], bool], str]] = {
+    "trainable": (lambda name: BACKENDS[name].trainer is not None,
+                  "needs a backend that trains (PyTorch, JAX); the NumPy reference is forward-only. "
+                  "On a test that takes `backend`: the model backends that also have a trainer"),
+    "ported": (lambda name: BACKENDS[name].framework is not None,
+               "on a test that takes `backend`: the framework ports, not the float64 NumPy reference"),
+}
+
+
+def pytest_configure(config: pytest.Config) -> None:
+    registered = {line.split(":")[0].split("(")[0].strip() for line in config.getini("markers")}
+    for mark, (_, description) in BACKEND_MARKS.items():
+        if mark not in registered:  # pyproject.toml already registers `trainable`, for -m
+            config.addinivalue_line("markers", f"{mark}: {description}")
+
+
+@functools.cache
+def _missing(name: str) -> str | None:
+    """Why backend `name` cannot run here (its framework does not import), or None."""
+    try:
+        get_backend(name)
+    except RosettaError as e:
+        return str(e)
+    return None
+
+
+def _parametrized(metafunc: pytest.Metafunc) -> set[str]:
+    """The argument names the test's parametrize marks (its own, its class's, its module's) cover."""
+    names: set[str] = set()
+    for mark in metafunc.definition.iter_markers("parametrize"):
+        argnames = mark.args[0] if mark.args else mark.kwargs["argnames"]
+        names.update(argnames.split(",") if isinstance(argnames, str) else argnames)
+    return {name.strip() for name in names}
+
+
+@pytest.hookimpl(trylast=True)  # after the parametrize marks: the backend id stays last, `test_x[...-torch]`
+def pytest_generate_tests(metafunc: pytest.Metafunc) -> None:
+    """A test that takes `backend` (directly or through a fixture) and is not parametrized over it
+    runs once per model backend of the registry, rosetta.backends.MODEL_BACKENDS, ids the names.
+    `@pytest.mark.trainable` on the test keeps those that also have a trainer (torch, jax);
+    `@pytest.mark.ported` keeps the framework ports (not the NumPy reference). Only the test's own
+    marks narrow: a module's `pytestmark = pytest.mark.trainable` selects tests for -m, nothing else.
+    A backend whose framework does not import here is skipped, naming it; nothing else is skipped."""
+    if "backend" not in metafunc.fixturenames or "backend" in _parametrized(metafunc):
+        return
+    marks = {mark.name for mark in metafunc.definition.own_markers} & BACKEND_MARKS.keys()
+    names = [name for name in MODEL_BACKENDS if all(BACKEND_MARKS[mark][0](name) for mark in marks)]
+    metafunc.parametrize("backend", [
+        pytest.param(name, id=name, marks=[pytest.mark.skip(reason=_missing(name))] if _missing(name) else [])
+        for name in names])
+
 
 # The parity matrix: adding a config variant is one line. Each is the `tiny` preset with
 # the fields shown changed; together they cover every option of SPEC §1.

@@ -13,7 +13,6 @@ from numpy_ref.decode import length_penalty, log_softmax
 from rosetta import InputError, from_params, init_params, preset
 from rosetta.parity import random_batch, relative_error
 
-BACKENDS = ["numpy", "torch", "jax"]
 STEP_TOLERANCE = 1e-5  # float32 cached step logits vs float64 full recomputation
 SCORE_TOLERANCE = 1e-5  # beam scores across backends, relative
 
@@ -24,7 +23,6 @@ def _perturbed(cfg, seed=0):
             for k, v in init_params(cfg, seed).items()}
 
 
-@pytest.mark.parametrize("backend", BACKENDS)
 @pytest.mark.parametrize("overrides", [
     {}, dict(norm_first=True, activation="gelu", share_embeddings="none", output_bias=True),
     dict(positional_encoding="sinusoidal_concat_t2t", attention_bias=False, bos_id=0),
@@ -134,7 +132,7 @@ def test_torch_topk_ranks_ties_by_index_as_a_stable_sort(dtype):
         np.testing.assert_array_equal(values.numpy(), np.take_along_axis(x, want, -1))
 
 
-@pytest.mark.parametrize("backend", ["torch", "jax"])
+@pytest.mark.ported
 @pytest.mark.parametrize("beam_size", [1, 3])
 def test_cache_off_gives_the_same_search(backend, beam_size):
     cfg = preset("tiny", max_len=32)
@@ -165,7 +163,6 @@ def test_output_length_limit_and_eos():
     (dict(alpha=-1.0), "alpha must be a number >= 0"),
     (dict(max_len_margin=-3), "max_len_margin must be an integer >= 0"),
 ])
-@pytest.mark.parametrize("backend", BACKENDS)
 def test_bad_search_arguments_are_refused(backend, kwargs, message):
     cfg = preset("tiny")
     with pytest.raises(InputError, match=message):
@@ -184,7 +181,6 @@ def test_bad_search_arguments_are_refused(backend, kwargs, message):
     (dict(max_len_margin=True), "max_len_margin must be an integer >= 0, got True"),
     (dict(max_len_margin=np.float64(3.0)), "max_len_margin must be an integer >= 0"),
 ])
-@pytest.mark.parametrize("backend", BACKENDS)
 def test_search_arguments_follow_one_rule_in_every_backend(backend, kwargs, message):
     cfg = preset("tiny")  # target vocabulary: 64 tokens
     with pytest.raises(InputError) as err:

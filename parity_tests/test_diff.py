@@ -57,7 +57,7 @@ FINE_CONFIGS = {
 
 # -- 1. fine stages in every backend ----------------------------------------------------------
 
-@pytest.mark.parametrize("backend", ["torch", "jax"])
+@pytest.mark.ported
 @pytest.mark.parametrize("variant", sorted(FINE_CONFIGS))
 def test_fine_stages_match_the_float64_reference(backend, variant):
     cfg = preset("tiny", **FINE_CONFIGS[variant])
@@ -72,7 +72,6 @@ def test_fine_stages_match_the_float64_reference(backend, variant):
     assert all(r.rel > 0 for r in rows if r.stage != "src_embed")  # float32 really ran
 
 
-@pytest.mark.parametrize("backend", ["numpy", "torch", "jax"])
 def test_attention_weights_are_distributions_over_the_keys_that_exist(backend):
     cfg = preset("tiny")
     src, tgt = random_batch(cfg, 4, 7, 6, seed=3)

@@ -130,7 +130,7 @@ def test_torch_trainer_refuses_what_one_process_cannot_do():
         Trainer(cfg, params, TRAIN, device="cpu", shard=True)
     with pytest.raises(RosettaError, match="one device per process"):
         Trainer(cfg, params, TRAIN, device="cpu", num_devices=2)
-    with pytest.raises(RosettaError, match="accumulate must be an integer >= 1"):
+    with pytest.raises(RosettaError, match=r"accumulate \(micro-batches per update\) must be"):
         Trainer(cfg, params, TRAIN, device="cpu", accumulate=0)
 
 

@@ -15,6 +15,7 @@ import torch
 from transformers import MarianConfig, MarianMTModel
 
 import rosetta
+from rosetta.backends import MODEL_BACKENDS
 from rosetta.errors import CheckpointError, ConfigError
 from rosetta.interop.marian import is_marian, params_to_marian, read_marian, write_marian
 
@@ -37,7 +38,6 @@ CONFIGS = {
     "shared-untied-relu": dict(share_encoder_decoder_embeddings=True, tie_word_embeddings=False,
                                activation_function="relu", scale_embedding=False),
 }
-BACKENDS = ["numpy", "torch", "jax"]
 TOLERANCE = 1e-5  # relative, float32 Hugging Face vs each backend (numpy in float64)
 
 
@@ -87,7 +87,6 @@ def relative(a: np.ndarray, b: np.ndarray, where: np.ndarray) -> float:
     return float(np.linalg.norm((a - b)[where]) / np.linalg.norm(b[where]))
 
 
-@pytest.mark.parametrize("backend", BACKENDS)
 def test_marian_logits_in_every_backend(marian_dir, backend):
     model, path = marian_dir
     assert is_marian(path)
@@ -132,7 +131,7 @@ def test_marian_greedy_equals_generate(marian_dir, tmp_path):
     model.save_pretrained(tmp_path / "eos")
     cfg, params = read_marian(tmp_path / "eos")
     limits = (src != PAD).sum(axis=1) + margin
-    for backend in BACKENDS:
+    for backend in MODEL_BACKENDS:
         model_b = rosetta.from_params(cfg, params, backend=backend)
         ours = model_b.generate(src, beam_size=1, max_len_margin=margin)
         for b, row in enumerate(src):  # one sentence at a time: Hugging Face has one length limit per call
@@ -164,7 +163,7 @@ def test_marian_beam_with_the_hugging_face_rule_equals_generate(marian_dir, tmp_
     limits = (src != PAD).sum(axis=1) + margin
     theirs = [hf_beam(model, row[row != PAD], int(limit), alpha)
               for row, limit in zip(src, limits, strict=True)]
-    for backend in BACKENDS:
+    for backend in MODEL_BACKENDS:
         ours = rosetta.from_params(cfg, params, backend=backend).generate(
             src, beam_size=4, alpha=alpha, max_len_margin=margin, length_rule="hf")
         assert ours.tokens == theirs, backend

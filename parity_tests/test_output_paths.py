@@ -13,9 +13,10 @@ import numpy as np
 import pytest
 
 import rosetta
-from rosetta.checkpoint import atomic_write_bytes, save_checkpoint
+from rosetta.checkpoint import save_checkpoint
 from rosetta.cli import main
 from rosetta.errors import RosettaError
+from rosetta.files import atomic_write_bytes
 
 # Marian can hold this model exactly (post-norm, concatenated sinusoids, an output bias).
 MARIAN_CFG = dict(src_vocab_size=19, tgt_vocab_size=19, d_model=16, num_heads=2, num_encoder_layers=1,

@@ -11,11 +11,12 @@ import pytest
 
 from numpy_ref.model import forward as reference_forward
 from parity_tests.dp_case import FIRST_STEP_RTOL, LOSS_RTOL, WEIGHTS_RTOL, compare, train_float64
+from rosetta.backends import get_trainer
 from rosetta.checkpoint import load_checkpoint
 from rosetta.config import preset
 from rosetta.harness.batching import BatchIterator
 from rosetta.harness.data import synthetic_pairs
-from rosetta.harness.loop import RunConfig, train, trainer_class
+from rosetta.harness.loop import RunConfig, train
 from rosetta.params import init_params
 from rosetta.training import TrainConfig
 
@@ -50,14 +51,14 @@ def _reference_loss(params, cfg, pairs, batch, eps):
 
 
 @pytest.mark.parametrize("accumulate", [1, 2])
-@pytest.mark.parametrize("backend", ["torch", "jax"])
+@pytest.mark.trainable
 def test_a_packed_step_has_the_loss_of_its_pairs_run_alone(backend, accumulate):
     cfg = preset("tiny", **NO_DROPOUT)
     params = init_params(cfg, seed=0)
     pairs, batches = _packed_batches(cfg)
     assert batches[0].packed and (batches[0].src_segments.max(axis=1) > 1).any()  # rows hold several pairs
     tc = TrainConfig(warmup_steps=10)
-    trainer = trainer_class(backend)(cfg, params, tc, device="cpu", accumulate=accumulate)
+    trainer = get_trainer(backend)(cfg, params, tc, device="cpu", accumulate=accumulate)
     loss = trainer.step(batches[0])["loss"]
     want = _reference_loss(params, cfg, pairs, batches[0], tc.label_smoothing)
     assert loss == pytest.approx(want, rel=FIRST_STEP_RTOL)
@@ -106,7 +107,7 @@ def test_packed_trainers_are_one_algorithm(accumulate):
 
 
 @pytest.mark.parametrize("overrides", [{}, {"logit_scale": 0.25}], ids=["plain_logits", "logit_scale"])
-@pytest.mark.parametrize("backend", ["torch", "jax"])
+@pytest.mark.trainable
 def test_chunked_loss_trains_the_weights_of_the_plain_loss(backend, overrides):
     """Three updates with --loss chunked (torch_impl/loss.py, jax_impl/loss.py) give the plain loss's
     losses and weights, in float64 (k biases through the logits, PITFALLS 14; the bound: dp_case.py),

@@ -21,6 +21,7 @@ from rosetta import from_params, init_params
 from rosetta.errors import InputError
 from rosetta.harness.batching import BatchIterator
 from rosetta.harness.data import DataError
+from rosetta.inputs import Packing
 from rosetta.parity import relative_error
 
 LENGTH = 16  # the packed row length
@@ -90,7 +91,7 @@ def test_numpy_packed_row_gives_each_pair_its_own_logits(variant):
     cfg = variant_config(variant)
     params = _params(cfg, np.float64)
     batch = _packed(cfg, _pairs(cfg))
-    logits = ref.forward(params, cfg, batch.src, batch.tgt_in, **batch.packing())
+    logits = ref.forward(params, cfg, batch.src, batch.tgt_in, packing=batch.packing())
     _check_against_separate(cfg, batch, logits, params, 1e-12)
 
 
@@ -104,11 +105,13 @@ def test_backend_packed_row_matches_the_reference_run_separately(backend, dtype,
     model = from_params(cfg, _params(cfg, np.float32), backend, dtype)
     with model._context():
         if backend == "torch":
-            arrays = {k: torch.from_numpy(v) for k, v in batch.packing().items()}
-            logits = model.module(torch.from_numpy(batch.src), torch.from_numpy(batch.tgt_in), **arrays)
+            packing = Packing(*(torch.from_numpy(a) for a in batch.packing()))
+            logits = model.module(torch.from_numpy(batch.src), torch.from_numpy(batch.tgt_in),
+                                  packing=packing)
             logits = logits.float().numpy()
         else:
-            logits = model.module(jnp.asarray(batch.src), jnp.asarray(batch.tgt_in), **batch.packing())
+            packing = Packing(*(jnp.asarray(a) for a in batch.packing()))
+            logits = model.module(jnp.asarray(batch.src), jnp.asarray(batch.tgt_in), packing=packing)
             logits = np.asarray(logits.astype(jnp.float32))
     params64 = {k: v.astype(np.float64) for k, v in _params(cfg, np.float32).items()}  # the same weights
     _check_against_separate(cfg, batch, logits.astype(np.float64), params64, tolerance)
@@ -118,17 +121,18 @@ def test_unpacked_call_is_unchanged_and_partial_packing_is_refused():
     cfg = variant_config("post_norm_relu")
     params = _params(cfg, np.float64)
     batch = _packed(cfg, _pairs(cfg))
-    arrays = batch.packing()
+    packing = batch.packing()
     with pytest.raises(InputError, match="needs all of"):
-        ref.forward(params, cfg, batch.src, batch.tgt_in, src_segments=arrays["src_segments"])
+        ref.forward(params, cfg, batch.src, batch.tgt_in,
+                    packing=Packing(packing.src_segments, None, None, None))
     with pytest.raises(InputError, match="tgt_positions must lie"):
         ref.forward(params, cfg, batch.src, batch.tgt_in,
-                    **{**arrays, "tgt_positions": arrays["tgt_positions"] + LENGTH})
-    tensors = {k: torch.from_numpy(v) for k, v in arrays.items()}
-    tensors["src_positions"] = torch.zeros(1, 2, dtype=torch.long)
+                    packing=packing._replace(tgt_positions=packing.tgt_positions + LENGTH))
+    tensors = Packing(*(torch.from_numpy(a) for a in packing))
+    tensors = tensors._replace(src_positions=torch.zeros(1, 2, dtype=torch.long))
     model = from_params(cfg, _params(cfg, np.float32), "torch", "float32")
     with pytest.raises(InputError, match="src_positions has shape"):
-        model.module(torch.from_numpy(batch.src), torch.from_numpy(batch.tgt_in), **tensors)
+        model.module(torch.from_numpy(batch.src), torch.from_numpy(batch.tgt_in), packing=tensors)
 
 
 # -- the batcher ---------------------------------------------------------------------------

@@ -12,8 +12,9 @@ import numpy as np
 import pytest
 
 from rosetta.checkpoint import load_checkpoint
-from rosetta.cli import _apply_recipe, _run_config, build_parser
+from rosetta.cli import build_parser
 from rosetta.errors import RosettaError
+from rosetta.harness.commands import run_from_args
 from rosetta.harness.loop import RunConfig, check_run, train
 from rosetta.harness.recipes import RECIPES
 
@@ -112,14 +113,10 @@ def test_bad_budgets_and_targets_are_refused(field, value, message):
 
 def test_recipe_values_are_defaults_that_flags_override():
     argv = ["train", "--recipe", "multi30k", "--steps", "7", "--beam", "1", "--set", "dropout=0.2"]
-    args = build_parser().parse_args(argv)
-    args.argv = argv
-    run = _run_config(_apply_recipe(args))
+    run = run_from_args(build_parser().parse_args(argv))
     recipe = RECIPES["multi30k"]
     assert (run.preset, run.task, run.warmup, run.lr_factor, run.max_tokens) == (
         recipe["preset"], recipe["task"], recipe["warmup"], recipe["lr_factor"], recipe["max_tokens"])
     assert (run.steps, run.epochs, run.beam, run.overrides) == (7, None, 1, {"dropout": 0.2})
     with pytest.raises(RosettaError, match="unknown recipe"):
-        args = build_parser().parse_args(["train", "--recipe", "nope"])
-        args.argv = ["train", "--recipe", "nope"]
-        _apply_recipe(args)
+        run_from_args(build_parser().parse_args(["train", "--recipe", "nope"]))

@@ -17,10 +17,11 @@ import numpy as np
 import pytest
 
 from rosetta import CheckpointError, init_params, load_checkpoint, preset
+from rosetta.backends import get_trainer
 from rosetta.cli import main
 from rosetta.harness.batching import BatchIterator
 from rosetta.harness.data import synthetic_pairs
-from rosetta.harness.loop import RunConfig, train, trainer_class
+from rosetta.harness.loop import RunConfig, train
 from rosetta.harness.report import read_log
 from rosetta.harness.run_dir import latest_checkpoint, list_checkpoints
 from rosetta.harness.trainer_state import load_trainer_state, save_trainer_state
@@ -54,7 +55,7 @@ def tiny_batches(count: int) -> tuple:
 
 # -- Item 7: divergence stops the run; poisoned state is refused ----------------------------------
 
-@pytest.mark.parametrize("backend", ["torch", "jax"])
+@pytest.mark.trainable
 def test_a_diverging_run_stops_at_its_first_non_finite_step(backend, tmp_path, capsys):
     # Adam's first update moves every weight by about lr = 1e30 * 32^-0.5 * 10^-1.5 ~ 6e27; the
     # next forward pass multiplies such weights (6e27^2 > float32's 3.4e38): step 2 is not finite.
@@ -77,7 +78,7 @@ def test_a_diverging_run_stops_at_its_first_non_finite_step(backend, tmp_path, c
 
 
 def test_an_infinite_gradient_norm_alone_stops_the_run(tmp_path, capsys, monkeypatch):
-    Trainer = trainer_class("torch")
+    Trainer = get_trainer("torch")
     original = Trainer.step
 
     def step(self, batch):
@@ -102,9 +103,9 @@ def test_the_logged_gradient_norm_is_the_other_frameworks(backend, other):
 
     cfg, (batch,) = tiny_batches(1)
     params = init_params(cfg, seed=0)
-    trainer = trainer_class(backend)(cfg, params, TrainConfig(warmup_steps=10), device="cpu")
+    trainer = get_trainer(backend)(cfg, params, TrainConfig(warmup_steps=10), device="cpu")
     norm = trainer.step(batch)["grad_norm"]
-    reference = trainer_class(other)(cfg, params, TrainConfig(warmup_steps=10), device="cpu")
+    reference = get_trainer(other)(cfg, params, TrainConfig(warmup_steps=10), device="cpu")
     module = importlib.import_module(f"{other}_impl.train")
     if other == "torch":
         import torch
@@ -119,11 +120,11 @@ def test_the_logged_gradient_norm_is_the_other_frameworks(backend, other):
     assert norm == pytest.approx(expected, rel=1e-4)
 
 
-@pytest.mark.parametrize("backend", ["torch", "jax"])
+@pytest.mark.trainable
 @pytest.mark.parametrize("poison", [np.nan, np.inf])
 def test_poisoned_optimizer_state_is_refused_naming_the_tensor(backend, poison):
     cfg, (batch,) = tiny_batches(1)
-    Trainer = trainer_class(backend)
+    Trainer = get_trainer(backend)
     trainer = Trainer(cfg, init_params(cfg, seed=0), TrainConfig(warmup_steps=10), device="cpu")
     trainer.step(batch)
     state = trainer.state_dict()
@@ -161,7 +162,7 @@ class StepMeter:
 
     def __init__(self, monkeypatch, backend: str):
         self.calls, self.seconds, self.src_tokens, self.tgt_tokens = 0, 0.0, 0, 0
-        Trainer = trainer_class(backend)
+        Trainer = get_trainer(backend)
         original = Trainer.step
 
         def step(trainer, batch):
@@ -176,7 +177,7 @@ class StepMeter:
         monkeypatch.setattr(Trainer, "step", step)
 
 
-@pytest.mark.parametrize("backend", ["torch", "jax"])
+@pytest.mark.trainable
 def test_summary_totals_cover_every_step_not_only_logged_ones(backend, tmp_path, monkeypatch):
     meter = StepMeter(monkeypatch, backend)
     out = tmp_path / "totals"

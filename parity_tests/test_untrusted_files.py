@@ -27,10 +27,9 @@ import rosetta
 import rosetta.positional
 from parity_tests.safetensors_bytes import join, split
 from rosetta import InputError, ModelConfig, RosettaError, from_params, init_params, preset, save_checkpoint
-from rosetta.backends import BackendModel
+from rosetta.backends import MODEL_BACKENDS, BackendModel
 from rosetta.parity import random_batch, relative_error, target_positions
 
-BACKENDS = ("numpy", "torch", "jax")
 # One layer each way: a 98 KB file, quick to build in every framework.
 CFG = preset("tiny", num_encoder_layers=1, num_decoder_layers=1)
 SRC, TGT = random_batch(CFG, batch=2, src_len=7, tgt_len=5, seed=2)
@@ -98,7 +97,7 @@ class Original(bytes):
 @pytest.fixture(scope="module")
 def original(tmp_path_factory) -> Original:
     path = save_checkpoint(tmp_path_factory.mktemp("original") / "m.safetensors", CFG, PARAMS)
-    for backend in BACKENDS:  # import and compile once, outside the timed loads
+    for backend in MODEL_BACKENDS:  # import and compile once, outside the timed loads
         rosetta.load(path, backend=backend).logits(SRC, TGT)
     return Original(path.read_bytes())
 
@@ -150,7 +149,7 @@ def _check_every_backend(tmp_path, data: bytes, refusal: str | None = None) -> N
     path = tmp_path / "mutated.safetensors"
     path.write_bytes(data)
     with deadline(EXAMPLE_SECONDS):
-        for backend in BACKENDS:
+        for backend in MODEL_BACKENDS:
             outcome = _load(path, backend)
             event("loaded" if not isinstance(outcome, RosettaError) else type(outcome).__name__)
             if isinstance(outcome, RosettaError):
@@ -309,7 +308,7 @@ def test_edited_config_json(tmp_path, original, config):
 
 # -- positional tables follow the sequences run, not max_len ------------------------------------
 
-def test_hostile_max_len_allocates_no_table(tmp_path):
+def test_hostile_max_len_allocates_no_table(tmp_path, original):  # `original`: frameworks warmed up
     # Within LIMITS, yet a table this long would be 256 MB in float64: each framework builds
     # the first POSITION_ROWS rows, as for any config, and the file loads as the right model.
     cfg = CFG.replace(max_len=1_000_000)
@@ -321,7 +320,7 @@ def test_hostile_max_len_allocates_no_table(tmp_path):
         _check_model(model)
 
 
-@pytest.mark.parametrize("backend", ["torch", "jax"])
+@pytest.mark.ported
 def test_longer_sequences_grow_the_table_with_the_reference_values(monkeypatch, backend):
     # A 4-row table built with the model: every longer sequence, in every entry point (the
     # forward pass, step-by-step decoding with its cache, beam search), must still see the

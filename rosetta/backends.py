@@ -1,11 +1,13 @@
-"""The backend interface: every backend exposes a `Model` of the same shape, so swapping
-backends is changing one word:
+"""The backend interface and the one registry of backends. Every backend exposes a `Model` of
+the same shape, so swapping backends is changing one word:
 
     model = rosetta.load("model.safetensors", backend="torch")   # or "numpy", "jax"
     logits = model.logits(src, tgt)                               # NumPy in, NumPy out
 
-A backend is a module `<package>.backend` that defines `Model`, a `BackendModel` subclass.
-Adding a backend is one line in `BACKENDS`.
+`BACKENDS` says what each name stands for: its model (a module `<package>.backend` defining
+`Model`, a `BackendModel` subclass), its trainer (a module defining `Trainer`, the
+rosetta.training.Trainer protocol), the backend that decodes the weights it trains, and the
+framework it needs. Adding a backend is one line there.
 """
 
 from __future__ import annotations
@@ -14,8 +16,9 @@ import importlib
 import os
 from abc import ABC, abstractmethod
 from collections.abc import Mapping
+from dataclasses import dataclass
 from pathlib import Path
-from typing import ClassVar
+from typing import Any, ClassVar
 
 import numpy as np
 
@@ -26,13 +29,31 @@ from rosetta.generation import LENGTH_RULES, Generation, check_alpha, check_scor
 from rosetta.inputs import check_int, check_src, check_tgt
 from rosetta.params import Params
 
-BACKENDS: dict[str, str] = {
-    "numpy": "numpy_ref.backend",
-    "torch": "torch_impl.backend",
-    "jax": "jax_impl.backend",
+
+@dataclass(frozen=True)
+class Backend:
+    """What a backend name stands for."""
+
+    model: str | None  # module defining `Model`; None: it trains only
+    trainer: str | None  # module defining `Trainer`; None: forward and decoding only
+    decoder: str  # the backend whose Model decodes the weights this one trains (BLEU during training)
+    framework: str | None  # the pip extra that installs its framework (None: NumPy only)
+
+
+BACKENDS: dict[str, Backend] = {
+    "numpy": Backend("numpy_ref.backend", None, "numpy", None),
+    "torch": Backend("torch_impl.backend", "torch_impl.train", "torch", "torch"),
+    "jax": Backend("jax_impl.backend", "jax_impl.train", "jax", "jax"),
+    # torch.nn.Transformer trained with the torch recipe (torch_impl/peer_train.py); our torch model
+    # decodes its weights, so a BLEU difference is training alone.
+    "peer": Backend(None, "torch_impl.peer_train", "torch", "torch"),
 }
-INSTALL_HINTS = {"torch": "pip install 'rosetta-transformer[torch]'",
-                 "jax": "pip install 'rosetta-transformer[jax]'"}
+MODEL_BACKENDS: tuple[str, ...] = tuple(name for name, b in BACKENDS.items() if b.model)
+TRAINING_BACKENDS: tuple[str, ...] = tuple(name for name, b in BACKENDS.items() if b.trainer)
+
+
+def install_hint(name: str) -> str:
+    return f"pip install 'rosetta-transformer[{BACKENDS[name].framework}]'"
 
 
 class BackendModel(ABC):
@@ -160,20 +181,41 @@ class BackendModel(ABC):
 
 def get_backend(name: str) -> type[BackendModel]:
     """The `Model` class of backend `name`, with a clear error if its framework is missing."""
-    if name not in BACKENDS:
-        raise RosettaError(f"unknown backend {name!r}; choose one of {', '.join(BACKENDS)}")
+    if name not in MODEL_BACKENDS:
+        raise RosettaError(f"unknown backend {name!r}; choose one of {', '.join(MODEL_BACKENDS)}")
     try:
-        module = importlib.import_module(BACKENDS[name])
+        module = importlib.import_module(BACKENDS[name].model)
     except ImportError as e:
-        hint = INSTALL_HINTS.get(name, "")
-        raise RosettaError(f"backend {name!r} is not installed ({e.name} missing): {hint}") from None
+        raise RosettaError(f"backend {name!r} is not installed ({e.name} missing): {install_hint(name)}") \
+            from None
     return module.Model
 
 
+def check_trainable(name: str) -> None:
+    """Refuse a name that cannot train, without importing any framework."""
+    if name == "numpy":
+        raise RosettaError("backend 'numpy' is the forward-only reference and cannot train; "
+                           "train with torch or jax (and translate with numpy)")
+    if name not in TRAINING_BACKENDS:
+        raise RosettaError(f"unknown training backend {name!r}; choose from {', '.join(TRAINING_BACKENDS)}")
+
+
+def get_trainer(name: str) -> Any:
+    """The `Trainer` class of backend `name` (imports its framework): a rosetta.training.Trainer,
+    which names this module (its `backend_model`), so it is not imported here."""
+    check_trainable(name)
+    try:
+        module = importlib.import_module(BACKENDS[name].trainer)
+    except ImportError as e:
+        raise RosettaError(f"backend {name!r} cannot train here ({e.name} is not installed): "
+                           f"{install_hint(name)}") from None
+    return module.Trainer
+
+
 def available_backends() -> list[str]:
-    """The backends whose framework imports here, in `BACKENDS` order."""
+    """The model backends whose framework imports here, in `BACKENDS` order."""
     found = []
-    for name in BACKENDS:
+    for name in MODEL_BACKENDS:
         try:
             get_backend(name)
         except RosettaError:

@@ -7,8 +7,9 @@ names, shapes and types that match that config. Only then are the tensors read (
 file carries the integrity record `sha256`, hashed), so no file makes the reader allocate much
 more than the file's own size. Whatever is wrong is refused with a message that names it.
 
-Saving is atomic: the bytes go to a temporary file beside the target, are fsynced, and only
-then renamed over the final name, so a crash never leaves a half-written checkpoint.
+Saving is atomic (rosetta/files.py): the bytes go to a temporary file beside the target, are
+fsynced, and only then renamed over the final name, so a crash never leaves a half-written
+checkpoint.
 """
 
 from __future__ import annotations
@@ -17,11 +18,7 @@ import hashlib
 import json
 import os
 import re
-import secrets
-import socket
-import stat
-import time
-from collections.abc import Callable, Iterable, Mapping
+from collections.abc import Iterable, Mapping
 from dataclasses import dataclass
 from pathlib import Path
 from typing import BinaryIO
@@ -31,7 +28,8 @@ import numpy as np
 import safetensors
 
 from rosetta.config import ModelConfig, strict_json_loads
-from rosetta.errors import CheckpointError, ConfigError, RosettaError
+from rosetta.errors import CheckpointError, ConfigError
+from rosetta.files import atomic_write
 from rosetta.params import Params, checkpoint_size, param_shapes
 
 FORMAT = "rosetta-transformer/1"
@@ -191,128 +189,6 @@ def write_safetensors(path: Path, tensors: Mapping[str, np.ndarray], metadata: M
             f.write(_raw(value))
 
     atomic_write(path, write)
-
-
-# -- atomic writes ------------------------------------------------------------------------------
-
-# A temporary file is `.{target name}.{host}.{pid}.{random}.tmp`, beside the target. Each save
-# first removes the stale temporaries of its own target, those whose writer can no longer
-# rename them into place:
-# - written on this host (the temporary's name carries the host name): the writer's pid is no
-#   longer running. A live pid keeps the file, our own included (another thread may be saving
-#   the same target); a reused pid can only keep a stale file longer, never remove a live
-#   writer's.
-# - written on another host (a shared file system), or named the old way (`.{name}.XXXXXXXX.tmp`,
-#   no pid): untouched for STALE_AFTER_S. A writer that is alive writes or renames long before.
-STALE_AFTER_S = 24 * 3600
-_HOST = re.sub(r"[^A-Za-z0-9-]", "-", socket.gethostname())[:64] or "host"
-
-
-def _temporary_pattern(name: str) -> re.Pattern[str]:
-    """Matches this target's temporaries: group 1 the host and group 2 the pid of ours, both
-    None for tempfile.mkstemp's old names."""
-    ours = r"([A-Za-z0-9-]+)\.(\d{1,10})\.[0-9a-f]{8}"
-    old = r"[a-z0-9_]{8}"
-    return re.compile(rf"\.{re.escape(name)}\.(?:{ours}|{old})\.tmp")
-
-
-def _pid_alive(pid: int) -> bool:
-    if not 0 < pid < 2**31:  # 0 and -1 would address process groups, not one writer
-        return False
-    try:
-        os.kill(pid, 0)  # signal 0: the existence check, nothing is sent
-    except ProcessLookupError:
-        return False
-    except PermissionError:  # alive, another user's
-        return True
-    return True
-
-
-def _is_stale(entry: Path, host: str | None, pid: str | None) -> bool:
-    if host == _HOST and pid is not None:
-        return not _pid_alive(int(pid))
-    return time.time() - entry.lstat().st_mtime > STALE_AFTER_S
-
-
-def remove_stale_temporaries(path: Path) -> None:
-    """Remove the temporaries that killed saves of `path` left behind (rule above)."""
-    pattern = _temporary_pattern(path.name)
-    try:
-        entries = list(path.parent.iterdir())
-    except OSError:
-        return
-    for entry in entries:
-        match = pattern.fullmatch(entry.name)
-        try:
-            if match and _is_stale(entry, match.group(1), match.group(2)):
-                entry.unlink()
-        except OSError:  # gone already, or not ours to remove: never fail a save over it
-            continue
-
-
-def _create_temporary(path: Path) -> tuple[int, Path]:
-    """A new temporary file beside `path`, created as open() creates files: mode 0666 less
-    the umask (tempfile.mkstemp would force 0600)."""
-    flags = os.O_WRONLY | os.O_CREAT | os.O_EXCL | getattr(os, "O_CLOEXEC", 0)
-    while True:
-        tmp = path.parent / f".{path.name}.{_HOST}.{os.getpid()}.{secrets.token_hex(4)}.tmp"
-        try:
-            return os.open(tmp, flags, 0o666), tmp
-        except FileExistsError:
-            continue
-
-
-def check_writable(path: str | os.PathLike) -> Path:
-    """`path` as a file that can be written, or a RosettaError naming it: an empty name, a
-    directory in its place, or a file where one of its parent directories should be (the
-    IsADirectoryError, FileExistsError or NotADirectoryError a write would end in)."""
-    if not str(path):
-        raise RosettaError("cannot write a file with an empty name")
-    path = Path(path)
-    if path.is_dir():
-        raise RosettaError(f"cannot write {path}: it is a directory")
-    for parent in path.parents:  # the nearest one that exists must be a directory
-        if parent.exists() or parent.is_symlink():
-            if not parent.is_dir():
-                what = "a file" if parent.exists() else "a broken symlink"
-                raise RosettaError(f"cannot write {path}: {parent} is {what}, not a directory")
-            break
-    return path
-
-
-def atomic_write(path: str | os.PathLike, write: Callable[[BinaryIO], object]) -> None:
-    """Call `write(f)` on a temporary file beside `path`, fsync, then rename over `path`. A
-    new file gets the umask's mode, a replaced one keeps its mode. A path that cannot be a
-    file is refused first (check_writable)."""
-    path = check_writable(path)
-    path.parent.mkdir(parents=True, exist_ok=True)
-    remove_stale_temporaries(path)
-    try:
-        keep_mode: int | None = stat.S_IMODE(os.stat(path).st_mode)
-    except FileNotFoundError:
-        keep_mode = None
-    fd, tmp = _create_temporary(path)
-    try:
-        with os.fdopen(fd, "wb") as f:
-            if keep_mode is not None:
-                os.fchmod(f.fileno(), keep_mode)
-            write(f)
-            f.flush()
-            os.fsync(f.fileno())
-        os.replace(tmp, path)  # atomic on POSIX: readers see the old file or the new one
-    except BaseException:
-        tmp.unlink(missing_ok=True)
-        raise
-    dir_fd = os.open(path.parent, os.O_RDONLY)
-    try:
-        os.fsync(dir_fd)  # make the rename itself durable
-    finally:
-        os.close(dir_fd)
-
-
-def atomic_write_bytes(path: str | os.PathLike, data: bytes) -> None:
-    """Write `data` to `path` atomically (see atomic_write)."""
-    atomic_write(path, lambda f: f.write(data))
 
 
 # -- reading ------------------------------------------------------------------------------------

@@ -31,23 +31,22 @@ from __future__ import annotations
 
 import argparse
 import json
-import logging
 import sys
 
 from rosetta.checkpoint import load_checkpoint, save_checkpoint
 from rosetta.cli_args import (
     add_search_args,
-    integer,
     non_negative_int,
     non_negative_real,
     nonempty_path,
     output_file,
+    parse_overrides,
     positive_int,
-    real,
 )
 from rosetta.config import PRESETS, ModelConfig, preset
 from rosetta.diff import commands as diff_commands
 from rosetta.errors import RosettaError
+from rosetta.harness import commands as harness_commands
 from rosetta.inputs import parse_id_line, split_lines
 from rosetta.interop.convert import FORMATS
 from rosetta.params import init_params, param_count
@@ -64,20 +63,6 @@ class _Parser(argparse.ArgumentParser):
         raise UsageError(message)
 
 
-def _overrides(pairs: list[str]) -> dict:
-    """`field=value` pairs; values parse as JSON (numbers, true/false), else as strings."""
-    out = {}
-    for pair in pairs:
-        if "=" not in pair:
-            raise RosettaError(f"--set takes field=value, got {pair!r}")
-        key, text = pair.split("=", 1)
-        try:
-            out[key] = json.loads(text)
-        except json.JSONDecodeError:
-            out[key] = text
-    return out
-
-
 def _model_source(args: argparse.Namespace) -> tuple[ModelConfig, dict]:
     """(config, canonical params) from --checkpoint, or from --preset with seeded init."""
     if args.checkpoint:
@@ -85,7 +70,7 @@ def _model_source(args: argparse.Namespace) -> tuple[ModelConfig, dict]:
             raise RosettaError("--set changes a preset; a checkpoint carries its own config")
         ckpt = load_checkpoint(args.checkpoint)
         return ckpt.config, ckpt.params
-    cfg = preset(args.preset, **_overrides(args.set))
+    cfg = preset(args.preset, **parse_overrides(args.set))
     return cfg, init_params(cfg, args.seed)
 
 
@@ -121,7 +106,7 @@ def cmd_parity(args: argparse.Namespace) -> int:
 
 
 def cmd_init(args: argparse.Namespace) -> int:
-    cfg = preset(args.preset, **_overrides(args.set))
+    cfg = preset(args.preset, **parse_overrides(args.set))
     path = save_checkpoint(args.out, cfg, init_params(cfg, args.seed), args.dtype)
     print(f"wrote {path} ({param_count(cfg):,} parameters, {args.dtype})")
     return 0
@@ -164,101 +149,9 @@ def cmd_generate(args: argparse.Namespace) -> int:
 
 
 def cmd_config(args: argparse.Namespace) -> int:
-    cfg = preset(args.preset, **_overrides(args.set))
+    cfg = preset(args.preset, **parse_overrides(args.set))
     print(json.dumps(cfg.to_dict(), indent=2))
     print(f"# {param_count(cfg):,} parameters", file=sys.stderr)
-    return 0
-
-
-def _run_config(args: argparse.Namespace):
-    from rosetta.harness.run_config import RunConfig
-
-    buckets = None
-    if args.buckets:
-        try:
-            buckets = tuple(int(b) for b in args.buckets.split(","))
-        except ValueError:
-            raise RosettaError(f"--buckets takes comma-separated lengths (16,32,64), got {args.buckets!r}") \
-                from None
-    return RunConfig(
-        backends=tuple(args.backend), out=args.out, preset=args.preset, overrides=_overrides(args.set),
-        task=args.task, pair=args.pair, data_dir=args.data_dir, vocab_size=args.vocab_size,
-        train_size=args.train_size, eval_size=args.eval_size, eval_split=args.eval_split,
-        synthetic_max_len=args.synthetic_max_len, max_tokens=args.max_tokens, buckets=buckets,
-        steps=args.steps, epochs=args.epochs, eval_every=args.eval_every,
-        checkpoint_every=args.checkpoint_every, keep=args.keep, log_every=args.log_every,
-        resume=args.resume, overwrite=args.overwrite, dtype=args.dtype, device=args.device,
-        warmup=args.warmup, lr_factor=args.lr_factor, label_smoothing=args.label_smoothing,
-        clip_norm=args.clip_norm, seed=args.seed, beam=args.beam, alpha=args.alpha,
-        max_len_margin=args.margin, bleu_samples=args.bleu_samples, peak_tflops=args.peak_tflops,
-        progress=args.progress, accumulate=args.accumulate, shard=args.shard, devices=args.devices,
-        nproc=args.nproc, dist_timeout=args.dist_timeout, baseline=args.baseline,
-        time_budget=args.time_budget, target_bleu=args.target_bleu, average_last=args.average_last,
-        batching=args.batching, loss=args.loss,
-    )
-
-
-class _StderrHandler(logging.Handler):
-    """Progress messages to whatever sys.stderr is at the time (pytest swaps it per test)."""
-
-    def emit(self, record: logging.LogRecord) -> None:
-        print(self.format(record), file=sys.stderr)
-
-
-def _apply_recipe(args: argparse.Namespace) -> argparse.Namespace:
-    """`--recipe NAME`: the recipe's settings in place of the defaults of the flags not given."""
-    from rosetta.harness.recipes import recipe
-
-    settings = recipe(args.recipe)
-    if any(a == "--steps" or a.startswith("--steps=") for a in args.argv):
-        settings.pop("epochs", None)  # --steps on the command line sets the length instead
-    overrides = settings.pop("overrides", {})
-    parser = build_parser()
-    parser.train_parser.set_defaults(**settings)  # the recipe's values replace the flags' defaults
-    fresh = parser.parse_args(args.argv)
-    fresh.argv = args.argv
-    # Recipe overrides first, so that a --set on the command line wins.
-    fresh.set = [f"{k}={v}" for k, v in overrides.items()] + list(fresh.set)
-    return fresh
-
-
-def cmd_train(args: argparse.Namespace) -> int:
-    import os
-    from pathlib import Path
-
-    from rosetta.distributed import TIMEOUT_VARIABLE, launch_env
-    from rosetta.harness.loop import train
-    from rosetta.harness.run_config import check_run
-
-    if args.recipe:
-        args = _apply_recipe(args)
-    run = _run_config(args)
-    check_run(run)
-    os.environ[TIMEOUT_VARIABLE] = repr(run.dist_timeout)  # the trainers' collectives read it
-    env = launch_env()
-    if run.nproc > 1 and not env.distributed:  # relaunch this very command as N processes
-        from rosetta.harness.launch import launch
-
-        launch(args.argv, run.nproc)
-        summary = Path(run.out) / "summary.md"
-        if summary.is_file():
-            print(summary.read_text(encoding="utf-8"), end="")
-        return 0
-    logger = logging.getLogger("rosetta.harness")  # ours only: not every library's INFO lines
-    if not any(isinstance(h, _StderrHandler) for h in logger.handlers):
-        handler = _StderrHandler()
-        handler.setFormatter(logging.Formatter("rosetta: %(message)s"))
-        logger.addHandler(handler)
-    logger.setLevel(logging.INFO)
-    if args.download and run.task == "multi30k":
-        from rosetta.harness.data import default_data_dir, download_multi30k
-
-        download_multi30k(run.data_dir or default_data_dir(), splits=("train", run.eval_split),
-                          langs=run.pair.split("-"))
-    train(run)
-    summary = Path(run.out) / "summary.md"
-    if env.is_main and summary.is_file():
-        print(summary.read_text(encoding="utf-8"), end="")
     return 0
 
 
@@ -303,95 +196,12 @@ def cmd_convert(args: argparse.Namespace) -> int:
 
         src, tokenizer = resolve_run(src)
         fmt_in = "rosetta"
-    done = convert(src, args.dst, fmt_in, args.to_format, _overrides(args.set), overwrite=args.overwrite)
+    done = convert(src, args.dst, fmt_in, args.to_format, parse_overrides(args.set), overwrite=args.overwrite)
     print(f"wrote {done.path} ({done.to_format}) from {src} ({done.from_format})")
     if tokenizer is not None and done.to_format == "marian":
         written = marian.write_tokenizer(tokenizer, done.path, done.config)
         print(f"wrote {written} (PreTrainedTokenizerFast) from {tokenizer}")
     return 0
-
-
-def _add_train_args(p: argparse.ArgumentParser) -> None:
-    p.add_argument("--recipe", help="start from a named recipe's settings (multi30k); flags override them")
-    p.add_argument("--backend", nargs="+", default=["torch"], metavar="NAME",
-                   help="torch, jax and/or peer (torch.nn.Transformer, the torch recipe: docs/training.md); "
-                        "several train one after the other in OUT/<backend>/")
-    p.add_argument("--preset", default="tiny", help=f"model preset: {', '.join(sorted(PRESETS))}")
-    p.add_argument("--set", action="append", default=[], metavar="FIELD=VALUE",
-                   help="override a model config field (repeatable), e.g. --set dropout=0")
-    p.add_argument("--seed", type=integer, default=0,
-                   help="seeds initial weights, batch order, dropout, data")
-    p.add_argument("--out", type=nonempty_path, default="runs/train",
-                   help="output directory (default runs/train)")
-    p.add_argument("--resume", action="store_true", help="continue the run in OUT from its latest checkpoint")
-    p.add_argument("--overwrite", action="store_true", help="delete an earlier run in OUT and start afresh")
-    data = p.add_argument_group("data")
-    data.add_argument("--task", default="copy", help="copy, reverse (synthetic, no files) or multi30k")
-    data.add_argument("--pair", default="de-en", help="Multi30k language pair, source-target")
-    data.add_argument("--data-dir", type=nonempty_path,
-                      help="Multi30k directory (default $ROSETTA_DATA_DIR or ../shared/data)")
-    data.add_argument("--download", action="store_true", help="fetch missing Multi30k files (network)")
-    data.add_argument("--vocab-size", type=integer, default=8000, help="joint BPE vocabulary size (Multi30k)")
-    data.add_argument("--train-size", type=integer, help="first N training pairs (synthetic: N generated)")
-    data.add_argument("--eval-size", type=integer, help="first N evaluation pairs (synthetic default 500)")
-    data.add_argument("--eval-split", default="val", help="Multi30k split for validation loss and BLEU")
-    data.add_argument("--synthetic-max-len", type=integer, default=16, help="longest synthetic sequence")
-    data.add_argument("--max-tokens", type=integer, default=4096, help="tokens per batch (paper §5.1: 25000)")
-    data.add_argument("--buckets", help="bucket lengths, e.g. 16,32,64 (default 8,16,...,max_len)")
-    data.add_argument("--batching", default="bucketed",
-                      help="bucketed (pairs of similar length per batch, §5.1) or packed (several pairs per "
-                           "row, rows of the largest bucket's length: docs/packing.md)")
-    length = p.add_argument_group("schedule").add_mutually_exclusive_group()
-    length.add_argument("--steps", type=integer, help="optimizer steps in all (default 1000)")
-    length.add_argument("--epochs", type=integer, help="or: passes over the training data")
-    opt = p.add_argument_group("optimizer (paper §5.3, §5.4)")
-    opt.add_argument("--warmup", type=integer, default=4000, help="warmup steps of eq. 3")
-    opt.add_argument("--lr-factor", type=real, default=1.0, help="factor on eq. 3's learning rate")
-    opt.add_argument("--label-smoothing", type=real, default=0.1)
-    opt.add_argument("--clip-norm", type=real, help="global gradient-norm clipping (default none)")
-    opt.add_argument("--loss", default="plain",
-                     help="plain (logits, then the loss) or chunked (the output projection and the loss "
-                          "chunk by chunk: no [tokens, vocabulary] logits, docs/loss.md)")
-    opt.add_argument("--dtype", default="float32", help="compute dtype: float32 or bfloat16")
-    opt.add_argument("--device", help="framework device, e.g. cpu or cuda (default: the framework's)")
-    ev = p.add_argument_group("evaluation, checkpoints, logging")
-    ev.add_argument("--eval-every", type=integer, default=500,
-                    help="steps between evaluations (0: at the end)")
-    ev.add_argument("--beam", type=integer, default=1, help="beam size for BLEU; 1 = greedy")
-    ev.add_argument("--alpha", type=real, default=0.6, help="length penalty exponent (Wu et al. 2016)")
-    ev.add_argument("--margin", type=integer, default=50, help="max output length = source length + margin")
-    ev.add_argument("--bleu-samples", type=integer, help="BLEU on the first N evaluation pairs (default all)")
-    ev.add_argument("--checkpoint-every", type=integer, default=500,
-                    help="steps between checkpoints (0: end)")
-    ev.add_argument("--keep", type=integer, default=3, help="checkpoints kept (the newest)")
-    ev.add_argument("--log-every", type=integer, default=1, help="steps between log.jsonl records")
-    ev.add_argument("--peak-tflops", type=real, help="device peak TFLOP/s for MFU (default: known GPUs)")
-    ev.add_argument("--progress", action=argparse.BooleanOptionalAction, default=None,
-                    help="progress bar (default: when stderr is a terminal)")
-    ev.add_argument("--time-budget", type=real, metavar="MINUTES",
-                    help="stop cleanly once the training loop has run this long (across resumes): "
-                         "evaluation and checkpoint after the last step; --resume continues")
-    ev.add_argument("--target-bleu", type=real, metavar="BLEU",
-                    help="stop at the first evaluation whose validation BLEU reaches this")
-    ev.add_argument("--average-last", type=integer, metavar="N",
-                    help="at the end, average the last N checkpoints (paper §6.1; --keep >= N) into "
-                         "averaged.safetensors and evaluate it")
-    par = p.add_argument_group("many devices (docs/distributed.md)")
-    par.add_argument("--nproc", type=integer, default=1,
-                     help="launch N processes here with torchrun, one device each (PyTorch: DDP; JAX: "
-                          "jax.distributed); under torchrun leave it out")
-    par.add_argument("--accumulate", type=integer, default=1, metavar="K",
-                     help="sum the gradients of K micro-batches per update: the update of one K-times "
-                          "larger batch (--max-tokens is the whole update's budget)")
-    par.add_argument("--shard", action="store_true",
-                     help="shard parameters and Adam state over the workers (PyTorch: FSDP2 fully_shard; "
-                          "JAX: NamedSharding over the data axis)")
-    par.add_argument("--devices", type=integer,
-                     help="JAX: local devices in the data-parallel mesh (default: all of the platform)")
-    par.add_argument("--dist-timeout", type=real, default=600.0, metavar="SECONDS",
-                     help="a collective waiting this long for a peer ends the run with an error")
-    par.add_argument("--baseline", type=nonempty_path, metavar="OUT",
-                     help="a finished one-device run of the same settings: scaling efficiency against it")
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -426,10 +236,7 @@ def build_parser() -> argparse.ArgumentParser:
     _add_model_args(p)
     p.set_defaults(func=cmd_config)
 
-    p = cmds.add_parser("train", help="train torch and/or jax on the same data (synthetic copy by default)")
-    _add_train_args(p)
-    p.set_defaults(func=cmd_train)
-    parser.train_parser = p  # type: ignore[attr-defined]  # --recipe sets its defaults (_apply_recipe)
+    harness_commands.add_train_parser(cmds)
 
     p = cmds.add_parser("translate", help="translate stdin (a sentence a line) with a trained run")
     p.add_argument("--run", type=nonempty_path,
@@ -486,9 +293,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--tgt", help='decoder input ids, start token first, e.g. "1 8 9"')
     p.add_argument("--seed", type=non_negative_int, default=0, help="the random sentence pair")
     p.set_defaults(func=diff_commands.cmd_attention)
-    from rosetta.harness.commands import add_parsers  # `average` and `evaluate`
-
-    add_parsers(cmds)  # average, evaluate
+    harness_commands.add_parsers(cmds)  # average, evaluate
     return parser
 
 

@@ -6,12 +6,13 @@ import it, and it imports none of them."""
 from __future__ import annotations
 
 import argparse
+import json
 import math
 import re
 from collections.abc import Callable
 
-from rosetta.checkpoint import check_writable
 from rosetta.errors import RosettaError
+from rosetta.files import check_writable
 from rosetta.generation import ALPHA_MAX, LENGTH_RULES
 
 # -- Argument types: the value's syntax and range, refused by argparse with the flag's name ------
@@ -53,7 +54,7 @@ def nonempty_path(text: str) -> str:
 
 def output_file(text: str) -> str:
     """A file a command will write: refused here, before any work, if it cannot be one (a
-    directory, a file where a parent directory should be: rosetta.checkpoint.check_writable,
+    directory, a file where a parent directory should be: rosetta.files.check_writable,
     which atomic_write applies again when it writes)."""
     try:
         check_writable(nonempty_path(text))
@@ -62,9 +63,31 @@ def output_file(text: str) -> str:
     return text
 
 
+def integer_list(text: str) -> tuple[int, ...]:
+    """Comma-separated integers ("16,32,64"), each ASCII digits (`train` checks the range)."""
+    parts = text.split(",")
+    if not all(_INTEGER.fullmatch(part) for part in parts):
+        raise argparse.ArgumentTypeError(f"must be comma-separated integers (16,32,64), got {text!r}")
+    return tuple(int(part) for part in parts)
+
+
+def parse_overrides(pairs: list[str]) -> dict:
+    """`--set field=value` pairs; values parse as JSON (numbers, true/false), else as strings."""
+    out = {}
+    for pair in pairs:
+        if "=" not in pair:
+            raise RosettaError(f"--set takes field=value, got {pair!r}")
+        key, text = pair.split("=", 1)
+        try:
+            out[key] = json.loads(text)
+        except json.JSONDecodeError:
+            out[key] = text
+    return out
+
+
 positive_int = integer_type(minimum=1)
 non_negative_int = integer_type(minimum=0)
-integer = integer_type()  # `train` checks the range itself (rosetta/harness/loop.py: check_run)
+integer = integer_type()  # `train` checks the range itself (rosetta/harness/run_config.py: check_run)
 non_negative_real = real_type(minimum=0.0)
 real = real_type()  # `train` checks the range itself, as for `integer`
 

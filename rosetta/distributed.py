@@ -113,7 +113,8 @@ def split_rows(batch: Batch, parts: int, pad_id: int) -> list[Batch]:
 
     src, tgt_in, labels = pad(batch.src, pad_id), pad(batch.tgt_in, pad_id), pad(batch.labels, pad_id)
     indices = pad(batch.indices, -1)
-    packing = {name: pad(a, 0) for name, a in batch.packing().items()}  # segment 0: padding
+    arrays = batch.packing()._asdict() if batch.packed else {}  # the Batch fields by name
+    packing = {name: pad(a, 0) for name, a in arrays.items()}  # segment 0: padding
     step = padded // parts
     blocks = []
     for p in range(parts):

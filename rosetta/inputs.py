@@ -12,6 +12,7 @@ from __future__ import annotations
 import math
 import numbers
 import re
+from typing import Any, NamedTuple
 
 import numpy as np
 
@@ -118,14 +119,31 @@ def split_lines(data: bytes | str) -> list[str]:
     return out
 
 
-def check_packing(src, tgt, src_segments, tgt_segments, src_positions, tgt_positions,
-                  check_range: bool = False) -> bool:
-    """True for a packed batch (docs/packing.md): all four arrays given, each shaped like its ids
-    (NumPy, torch or JAX arrays alike). None of them: not packed. Anything else is an InputError.
+class Packing(NamedTuple):
+    """A packed batch's segment and position arrays (docs/packing.md: several sentence pairs per
+    row), the one `packing` argument of every model's `forward`, `encode` and `decode`.
+
+    `src_segments` [B, S], `tgt_segments` [B, T]: the segment id of each token, 1..n within a row
+    (a pair's source and target share one), 0 on padding. `src_positions` [B, S],
+    `tgt_positions` [B, T]: each token's position, restarting at 0 in every segment. NumPy, torch
+    or JAX arrays alike; a NamedTuple is a JAX pytree, so it passes through jit as an argument."""
+
+    src_segments: Any
+    tgt_segments: Any
+    src_positions: Any
+    tgt_positions: Any
+
+
+def check_packing(src, tgt, packing: Packing | None, check_range: bool = False) -> bool:
+    """True for a packed batch (docs/packing.md): a Packing with all four arrays, each shaped like
+    its ids. None (or a Packing of four Nones): not packed. Anything else is an InputError.
     `check_range`: also positions in [0, row length) (the NumPy reference; a framework on a
     device would have to wait for it)."""
-    arrays = dict(src_segments=src_segments, tgt_segments=tgt_segments, src_positions=src_positions,
-                  tgt_positions=tgt_positions)
+    if packing is None:
+        return False
+    if not isinstance(packing, Packing):
+        raise InputError(f"packing must be a rosetta.inputs.Packing or None, got {type(packing).__name__}")
+    arrays = packing._asdict()
     given = [name for name, a in arrays.items() if a is not None]
     if not given:
         return False

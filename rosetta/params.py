@@ -128,6 +128,15 @@ def param_count(cfg: ModelConfig) -> int:
     return checkpoint_size(cfg).params
 
 
+def canonical_dtype(compute_dtype: str) -> type:
+    """The NumPy dtype of canonical params taken out of a framework that computes in
+    `compute_dtype` (every converter's `dtype` argument: torch_impl/convert.py, jax_impl/convert.py,
+    torch_impl/peer.py, rosetta/interop/nn_transformer.py): float64 for float64 (the float64
+    trainers of the equivalence tests, docs/testing.md), else float32, the checkpoint's dtype
+    (bfloat16 and float16 computations keep float32 weights)."""
+    return np.float64 if compute_dtype == "float64" else np.float32
+
+
 def init_params(cfg: ModelConfig, seed: int = 0, dtype: type = np.float32) -> Params:
     """The canonical initial weights (SPEC §4), drawn in `param_shapes` order from one seeded
     generator: dense kernels Xavier-uniform (Glorot & Bengio 2010), biases zero, LayerNorm

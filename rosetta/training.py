@@ -20,7 +20,8 @@ from typing import TYPE_CHECKING, Any, ClassVar, Protocol
 import numpy as np
 
 from rosetta.config import parse_json, strict_from_dict
-from rosetta.errors import CheckpointError, ConfigError
+from rosetta.errors import CheckpointError, ConfigError, RosettaError
+from rosetta.inputs import Packing
 
 if TYPE_CHECKING:
     from rosetta.backends import BackendModel
@@ -134,11 +135,12 @@ class Batch:
     def packed(self) -> bool:
         return self.src_segments is not None
 
-    def packing(self) -> dict[str, np.ndarray]:
-        """The model's packing keyword arguments (`forward(src, tgt_in, **batch.packing())` after
-        conversion to the backend's arrays); empty for an unpacked batch."""
-        names = ("src_segments", "tgt_segments", "src_positions", "tgt_positions")
-        return {name: getattr(self, name) for name in names} if self.packed else {}
+    def packing(self) -> Packing | None:
+        """The model's `packing` argument (`forward(src, tgt_in, packing=batch.packing())`, after
+        conversion to the backend's arrays); None for an unpacked batch."""
+        if not self.packed:
+            return None
+        return Packing(self.src_segments, self.tgt_segments, self.src_positions, self.tgt_positions)
 
     @property
     def num_examples(self) -> int:
@@ -148,6 +150,18 @@ class Batch:
     @property
     def shape(self) -> tuple[int, int]:
         return (int(self.src.shape[0]), int(self.src.shape[1]))
+
+
+def check_trainer_args(backend: str, dtypes: tuple[str, ...], dtype: str, loss: str, accumulate: int) -> None:
+    """The arguments every Trainer refuses alike (a caller that builds one directly; `rosetta
+    train` refused the flags already, rosetta/harness/run_config.py: check_run)."""
+    if dtype not in dtypes:
+        raise RosettaError(f"the {backend} trainer computes in {', '.join(dtypes)}, not {dtype!r}")
+    if loss not in LOSSES:
+        raise RosettaError(f"loss must be one of {', '.join(LOSSES)}, got {loss!r}")
+    if isinstance(accumulate, bool) or not isinstance(accumulate, int) or accumulate < 1:
+        raise RosettaError(f"accumulate (micro-batches per update) must be an integer >= 1, "
+                           f"got {accumulate!r}")
 
 
 def check_state(state: Mapping[str, np.ndarray], shapes: Mapping[str, tuple[int, ...]],

@@ -17,7 +17,7 @@ import torch.nn.functional as F
 from torch import Tensor, nn
 
 from rosetta.config import ModelConfig
-from rosetta.inputs import check_packing
+from rosetta.inputs import Packing, check_packing
 from rosetta.params import embedding_names
 from rosetta.positional import model_table
 from torch_impl.ops import Dropout, LayerCache, attention, grow_positions
@@ -265,14 +265,15 @@ class Transformer(nn.Module):
         return self.dropout(x + pe.to(x.dtype))
 
     def encode(self, src: Tensor, stages: Stages | None = None, fine: bool = False,
-               src_segments: Tensor | None = None, src_positions: Tensor | None = None) -> Tensor:
+               packing: Packing | None = None) -> Tensor:
         """The encoder stack: src [B, S] -> memory [B, S, d]; `fine` adds the sublayer stages.
-        Packed rows give `src_segments` and `src_positions` [B, S] (docs/packing.md)."""
+        Packed rows give `packing`: its `src_segments` and `src_positions` [B, S] (docs/packing.md)."""
         stages = {} if stages is None else stages
         record = stages if fine else None
-        x = stages["src_embed"] = self.embed(self.src_table, src, positions=src_positions)
-        mask = (source_mask(src, self.cfg.pad_id) if src_segments is None
-                else segment_mask(src_segments, src_segments))
+        positions = None if packing is None else packing.src_positions
+        x = stages["src_embed"] = self.embed(self.src_table, src, positions=positions)
+        mask = (source_mask(src, self.cfg.pad_id) if packing is None
+                else segment_mask(packing.src_segments, packing.src_segments))
         for i, layer in enumerate(self.encoder.layers):
             x = stages[f"encoder.layers.{i}"] = layer(x, mask, record, f"encoder.layers.{i}")
         x = x if self.encoder.final_norm is None else self.encoder.final_norm(x)
@@ -280,19 +281,19 @@ class Transformer(nn.Module):
         return x
 
     def decode(self, tgt: Tensor, memory: Tensor, src: Tensor, stages: Stages | None = None,
-               fine: bool = False, tgt_segments: Tensor | None = None, tgt_positions: Tensor | None = None,
-               src_segments: Tensor | None = None) -> Tensor:
+               fine: bool = False, packing: Packing | None = None) -> Tensor:
         """The decoder stack: tgt [B, T] (starting with the start token) -> hidden [B, T, d];
-        `fine` adds the sublayer stages. Packed rows give `tgt_segments`, `tgt_positions` [B, T]
-        and the `src_segments` [B, S] of the memory (docs/packing.md)."""
+        `fine` adds the sublayer stages. Packed rows give `packing`: its `tgt_segments`,
+        `tgt_positions` [B, T] and the `src_segments` [B, S] of the memory (docs/packing.md)."""
         stages = {} if stages is None else stages
         record = stages if fine else None
-        x = stages["tgt_embed"] = self.embed(self.tgt_table, tgt, positions=tgt_positions)
-        if tgt_segments is None:
+        positions = None if packing is None else packing.tgt_positions
+        x = stages["tgt_embed"] = self.embed(self.tgt_table, tgt, positions=positions)
+        if packing is None:
             self_mask, cross_mask = target_mask(tgt, self.cfg.pad_id), source_mask(src, self.cfg.pad_id)
         else:  # segments decide padding: the start token of every segment is real, even if == pad_id
-            self_mask = segment_mask(tgt_segments, tgt_segments, causal=True)
-            cross_mask = segment_mask(tgt_segments, src_segments)
+            self_mask = segment_mask(packing.tgt_segments, packing.tgt_segments, causal=True)
+            cross_mask = segment_mask(packing.tgt_segments, packing.src_segments)
         for i, layer in enumerate(self.decoder.layers):
             x = stages[f"decoder.layers.{i}"] = layer(x, memory, self_mask, cross_mask, record,
                                                       f"decoder.layers.{i}")
@@ -323,17 +324,15 @@ class Transformer(nn.Module):
         return self.generator(x, self.tgt_table)[:, 0]
 
     def forward(self, src: Tensor, tgt: Tensor, stages: Stages | None = None,
-                fine: bool = False, src_segments: Tensor | None = None,
-                tgt_segments: Tensor | None = None, src_positions: Tensor | None = None,
-                tgt_positions: Tensor | None = None, hidden: bool = False) -> Tensor:
+                fine: bool = False, packing: Packing | None = None, hidden: bool = False) -> Tensor:
         """Logits [B, T, V] for source ids [B, S] and decoder input ids [B, T]; `stages` receives
         the coarse stages, and with `fine` the sublayer outputs and attention weights too. Packed
-        rows (several pairs per row) give all four segment/position arrays (docs/packing.md).
+        rows (several pairs per row) give `packing`, all four segment/position arrays (docs/packing.md).
         `hidden`: the decoder's output [B, T, d] instead, for the chunked loss (torch_impl/loss.py)."""
         stages = {} if stages is None else stages
-        check_packing(src, tgt, src_segments, tgt_segments, src_positions, tgt_positions)
-        memory = self.encode(src, stages, fine, src_segments, src_positions)
-        out = self.decode(tgt, memory, src, stages, fine, tgt_segments, tgt_positions, src_segments)
+        packing = packing if check_packing(src, tgt, packing) else None
+        memory = self.encode(src, stages, fine, packing)
+        out = self.decode(tgt, memory, src, stages, fine, packing)
         if hidden:
             return out
         logits = stages["logits"] = self.generator(out, self.tgt_table)

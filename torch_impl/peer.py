@@ -140,12 +140,13 @@ def to_peer(cfg: ModelConfig, params: Mapping[str, np.ndarray]) -> dict[str, tor
             for key, parts in blocks.items()}
 
 
-def from_peer(cfg: ModelConfig, tensors: Mapping[str, torch.Tensor]) -> Params:
-    """The reverse of `to_peer`: float32 (or float64) NumPy arrays, canonical names, math layout."""
+def from_peer(cfg: ModelConfig, tensors: Mapping[str, torch.Tensor], dtype: type = np.float32) -> Params:
+    """The reverse of `to_peer`: NumPy arrays of `dtype` (float32; np.float64 for a float64 trainer:
+    rosetta.params.canonical_dtype), canonical names, math layout."""
     params: Params = {}
     for key, name, block, transpose in peer_rows(cfg):
-        wide = tensors[key].dtype == torch.float64
-        value = tensors[key].detach().to("cpu", torch.float64 if wide else torch.float32).numpy()
+        wide = torch.float64 if dtype == np.float64 else torch.float32
+        value = tensors[key].detach().to("cpu", wide).numpy()
         if block is not None:
             value = value[block * cfg.d_model:(block + 1) * cfg.d_model]
         params[name] = np.array(value.T if transpose else value)  # a copy, not a view

@@ -19,7 +19,7 @@ from rosetta.config import ModelConfig
 from rosetta.distributed import launch_env
 from rosetta.errors import RosettaError
 from rosetta.interop.nn_transformer import port_nn_transformer
-from rosetta.params import Params, param_shapes
+from rosetta.params import Params, canonical_dtype, param_shapes
 from rosetta.training import TrainConfig
 from torch_impl import train
 from torch_impl.backend import DTYPES, Model
@@ -64,7 +64,8 @@ class Trainer(train.Trainer):
         _, params = port_nn_transformer(
             peer.transformer, peer.embed, peer.embed, peer.generator,
             positional_encoding=cfg.positional_encoding, scale_embeddings=cfg.scale_embeddings,
-            pad_id=cfg.pad_id, bos_id=cfg.bos_id, eos_id=cfg.eos_id, max_len=cfg.max_len)
+            pad_id=cfg.pad_id, bos_id=cfg.bos_id, eos_id=cfg.eos_id, max_len=cfg.max_len,
+            dtype=canonical_dtype(self.dtype))
         return params
 
     def backend_model(self) -> Model:
@@ -83,7 +84,8 @@ class Trainer(train.Trainer):
         if f"optimizer.{peer_names[0]}.step" not in state:
             return state  # no update yet: no moments
         moments = {m: from_peer(self.cfg, {name: torch.from_numpy(state.pop(f"optimizer.{name}.{m}"))
-                                           for name in peer_names}) for m in _MOMENTS}
+                                           for name in peer_names}, canonical_dtype(self.dtype))
+                   for m in _MOMENTS}
         steps = {name: state.pop(f"optimizer.{name}.step") for name in peer_names}
         for peer_name, name, _, _ in peer_rows(self.cfg):
             key, transposed = torch_name(name)

@@ -22,8 +22,9 @@ from rosetta.config import ModelConfig
 from rosetta.device import cpu_name, max_rss_bytes
 from rosetta.distributed import launch_env, rank_seed, split_rows
 from rosetta.errors import RosettaError
-from rosetta.params import Params
-from rosetta.training import LOSSES, Batch, TrainConfig, check_state, learning_rate
+from rosetta.inputs import Packing
+from rosetta.params import Params, canonical_dtype
+from rosetta.training import LOSSES, Batch, TrainConfig, check_state, check_trainer_args, learning_rate
 from torch_impl.backend import DTYPES, Model, float32_matmul_precision, parity_mode
 from torch_impl.convert import from_state_dict
 from torch_impl.distributed import (
@@ -83,24 +84,24 @@ def _autocast(device: torch.device, dtype: torch.dtype | None) -> contextlib.Abs
 
 def forward_loss(module: Transformer, src: torch.Tensor, tgt: torch.Tensor, labels: torch.Tensor,
                  label_smoothing: float, autocast: torch.dtype | None = None,
-                 num_tokens: torch.Tensor | None = None,
-                 packing: Mapping[str, torch.Tensor] | None = None) -> torch.Tensor:
+                 num_tokens: torch.Tensor | None = None, packing: Packing | None = None) -> torch.Tensor:
     """The loss of one batch, forward only: what `make_train_step(compile=True)` compiles.
-    `packing`: a packed batch's segment and position arrays (docs/packing.md)."""
+    `packing`: a packed batch's segment and position arrays (docs/packing.md); the peer
+    (torch_impl/peer.py) takes none, so an unpacked batch passes no `packing` argument."""
     with _autocast(src.device, autocast):  # the backward pass runs outside autocast, as torch advises
-        logits = module(src, tgt, **(packing or {}))
+        logits = module(src, tgt) if packing is None else module(src, tgt, packing=packing)
         return loss_fn(logits, labels, unwrap(module).cfg.pad_id, label_smoothing, num_tokens)[0]
 
 
 def chunked_forward_loss(module: Transformer, src: torch.Tensor, tgt: torch.Tensor, labels: torch.Tensor,
                          label_smoothing: float, autocast: torch.dtype | None = None,
                          num_tokens: torch.Tensor | None = None,
-                         packing: Mapping[str, torch.Tensor] | None = None) -> torch.Tensor:
+                         packing: Packing | None = None) -> torch.Tensor:
     """`forward_loss` without the [tokens, V] float32 logits: the decoder's output, then the output
     projection and the loss chunk by chunk with their own backward (torch_impl/loss.py, docs/loss.md).
     The tied table is used outside the wrapper's forward; its one gradient still reaches DDP's hook."""
     with _autocast(src.device, autocast):
-        hidden = module(src, tgt, hidden=True, **(packing or {}))
+        hidden = module(src, tgt, hidden=True, packing=packing)
     model = unwrap(module)
     weight, bias = generator_params(model)
     return chunked_loss(hidden, weight, bias, labels, model.cfg.pad_id, label_smoothing, num_tokens,
@@ -124,7 +125,7 @@ def _train_step(replica: torch.nn.Module, optimizer: torch.optim.Optimizer,
     module.train()
     optimizer.zero_grad(set_to_none=True)
     total = None
-    for k, (src, tgt, labels, *packing) in enumerate(micro_batches):  # packing: one optional dict
+    for k, (src, tgt, labels, *packing) in enumerate(micro_batches):  # packing: one optional Packing
         with gradient_sync(replica, k == len(micro_batches) - 1):
             loss = forward(replica, src, tgt, labels, train_cfg.label_smoothing, autocast, num_tokens,
                            *packing)
@@ -174,7 +175,7 @@ def make_train_step(module: Transformer, optimizer: torch.optim.Optimizer,
 
     def step(src: torch.Tensor, tgt: torch.Tensor, labels: torch.Tensor,
              num_tokens: torch.Tensor | None = None,
-             packing: Mapping[str, torch.Tensor] | None = None) -> tuple[torch.Tensor, float, torch.Tensor]:
+             packing: Packing | None = None) -> tuple[torch.Tensor, float, torch.Tensor]:
         batch = (src, tgt, labels) if packing is None else (src, tgt, labels, packing)
         return _train_step(module, optimizer, scheduler, [batch], num_tokens, train_cfg, autocast, forward)
 
@@ -224,15 +225,10 @@ class Trainer:
                  device: str | None = None, dtype: str = "float32", parity: bool | None = None,
                  accumulate: int = 1, shard: bool = False, num_devices: int | None = None,
                  loss: str = "plain"):
-        if dtype not in self.dtypes:
-            raise RosettaError(f"the torch trainer computes in {', '.join(self.dtypes)}, not {dtype!r}")
-        if loss not in LOSSES:
-            raise RosettaError(f"loss must be one of {', '.join(LOSSES)}, got {loss!r}")
+        check_trainer_args("torch", self.dtypes, dtype, loss, accumulate)
         if loss == "chunked" and shard:  # FSDP2 reshards the tied table once the forward pass ends
             raise RosettaError("--loss chunked does not combine with --shard yet: use one of them")
         self.forward = FORWARDS[loss]
-        if isinstance(accumulate, bool) or not isinstance(accumulate, int) or accumulate < 1:
-            raise RosettaError(f"accumulate must be an integer >= 1, got {accumulate!r}")
         if num_devices not in (None, 1):
             raise RosettaError("torch trains on one device per process: launch one process per device "
                                "(rosetta train --nproc N, or torchrun --nproc-per-node N -m rosetta.cli "
@@ -304,7 +300,8 @@ class Trainer:
         k = self.accumulate
         mine = split_rows(batch, self.world_size * k, self.cfg.pad_id)[self.rank * k:(self.rank + 1) * k]
         micro = [(self._tensor(b.src), self._tensor(b.tgt_in), self._tensor(b.labels),
-                  {name: self._tensor(a) for name, a in b.packing().items()}) for b in mine]
+                  Packing(*(self._tensor(a) for a in b.packing())) if b.packed else None)
+                 for b in mine]
         num_tokens = torch.tensor(batch.num_tgt_tokens, device=self.device)
         with self._context():
             loss, lr, grad_norm = _train_step(self.replica, self.optimizer, self.scheduler, micro, num_tokens,
@@ -341,7 +338,7 @@ class Trainer:
         """The current weights as canonical NumPy copies, float32 (float64 for a float64 trainer;
         sharded: gathered whole, a collective that every process calls)."""
         state = {name: whole(value) for name, value in self.module.state_dict().items()}
-        return from_state_dict(self.cfg, state, np.float64 if self.dtype == "float64" else np.float32)
+        return from_state_dict(self.cfg, state, canonical_dtype(self.dtype))
 
     def backend_model(self) -> Model:
         """A backend model (rosetta.backends interface: generate, logits) holding a copy of the

@@ -8,8 +8,8 @@ import argparse
 import json
 import math
 
-from rosetta.checkpoint import atomic_write_bytes
 from rosetta.errors import InputError, RosettaError
+from rosetta.files import atomic_write_bytes
 from rosetta.inputs import parse_id_line
 
 

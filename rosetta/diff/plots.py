@@ -21,8 +21,8 @@ from pathlib import Path
 
 import numpy as np
 
-from rosetta.checkpoint import atomic_write_bytes
 from rosetta.errors import InputError
+from rosetta.files import atomic_write_bytes
 
 PANEL_IN = 2.0  # inches per attention panel; a figure's size follows from its grid (tests rely on it)
 TITLE_IN = 0.6  # inches above the grid for the figure's title

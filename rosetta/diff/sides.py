@@ -18,7 +18,7 @@ from pathlib import Path
 
 import numpy as np
 
-from rosetta.backends import BACKENDS, BackendModel, get_backend
+from rosetta.backends import MODEL_BACKENDS, BackendModel, get_backend
 from rosetta.config import ModelConfig
 from rosetta.diff.dump import Dump, read_dump, stage_kind
 from rosetta.errors import ConfigError, InputError
@@ -72,7 +72,7 @@ class Side:
 def _split(spec: str) -> tuple[str, str | None, str | None]:
     m = _SPEC.fullmatch(spec)
     path, backend, dtype = m["path"], m["backend"], m["dtype"]
-    if backend is not None and backend not in BACKENDS:  # an '@' that is part of the path
+    if backend is not None and backend not in MODEL_BACKENDS:  # an '@' that is part of the path
         path, backend, dtype = spec, None, None
     return path, backend, dtype
 

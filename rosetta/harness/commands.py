@@ -1,16 +1,134 @@
-"""`rosetta average` and `rosetta evaluate` (docs/evaluate.md): checkpoint averaging (paper §6.1)
-and sacreBLEU + chrF on a Multi30k split. rosetta/cli.py calls `add_parsers(cmds)` to register
-them; errors are rosetta errors (exit code 2).
+"""The harness's commands: `rosetta train` (its flags generated from RunConfig's fields),
+`rosetta average` and `rosetta evaluate` (docs/evaluate.md: checkpoint averaging, paper §6.1,
+and sacreBLEU + chrF on a Multi30k split). rosetta/cli.py calls `add_train_parser(cmds)` and
+`add_parsers(cmds)` to register them; errors are rosetta errors (exit code 2).
 """
 
 from __future__ import annotations
 
 import argparse
+import dataclasses
+import logging
+import os
 import sys
 import time
+import typing
 from pathlib import Path
 
+from rosetta.cli_args import integer, integer_list, nonempty_path, parse_overrides, real
 from rosetta.errors import RosettaError
+from rosetta.harness.run_config import FLAG_GROUPS, RunConfig
+
+# -- rosetta train ----------------------------------------------------------------------------
+
+def add_run_flags(parser: argparse.ArgumentParser) -> dict[str, argparse._ArgumentGroup]:
+    """One flag per RunConfig field (rosetta/harness/run_config.py: its name, help and default),
+    read by the field's annotation. No flag has an argparse default: a flag not given is absent
+    from the namespace, so that `run_from_args` knows what the command line said (and a recipe
+    fills the rest). Returns the groups, by FLAG_GROUPS key."""
+    groups: dict[str, argparse._ArgumentGroup] = {"": parser}  # type: ignore[dict-item]
+    for key, title in FLAG_GROUPS[1:]:
+        groups[key] = parser.add_argument_group(title)
+    groups["length"] = groups["length"].add_mutually_exclusive_group()  # type: ignore[assignment]
+    hints = typing.get_type_hints(RunConfig)
+    for f in dataclasses.fields(RunConfig):
+        meta, kind = f.metadata, hints[f.name]
+        default = f.default if f.default is not dataclasses.MISSING else None
+        shown = ",".join(map(str, default)) if isinstance(default, tuple) else default
+        help_text = meta["help"] + ("" if default in (None, False) else f" (default {shown})")
+        flag = "--" + (meta["flag"] or f.name).replace("_", "-")
+        kwargs: dict = dict(dest=f.name, default=argparse.SUPPRESS, help=help_text)
+        if kind not in (bool, bool | None):
+            kwargs["metavar"] = meta["metavar"] or flag[2:].upper().replace("-", "_")
+        if kind is bool:
+            kwargs["action"] = "store_true"
+        elif kind == bool | None:
+            kwargs["action"] = argparse.BooleanOptionalAction
+        elif kind == tuple[str, ...]:
+            kwargs["nargs"] = "+"
+        elif kind == dict[str, typing.Any]:
+            kwargs["action"] = "append"  # FIELD=VALUE pairs (rosetta.cli_args.parse_overrides)
+        else:
+            base = typing.get_args(kind)[0] if typing.get_origin(kind) is not None else kind
+            kwargs["type"] = {int: integer, float: real, tuple: integer_list}.get(
+                typing.get_origin(base) or base, nonempty_path if meta["path"] else str)
+        groups[meta["group"]].add_argument(flag, **kwargs)
+    return groups
+
+
+def run_from_args(args: argparse.Namespace) -> RunConfig:
+    """The RunConfig of the flags given: RunConfig's defaults, replaced by the --recipe's settings
+    if one is named (rosetta/harness/recipes.py), replaced by each flag on the command line."""
+    from rosetta.harness.recipes import recipe
+
+    names = {f.name for f in dataclasses.fields(RunConfig)}
+    given = {name: getattr(args, name) for name in names if hasattr(args, name)}
+    if "backends" in given:
+        given["backends"] = tuple(given["backends"])
+    run = RunConfig()
+    if args.recipe:
+        settings = recipe(args.recipe)
+        if "steps" in given:
+            settings.pop("epochs", None)  # --steps on the command line sets the length instead
+        run = dataclasses.replace(run, **settings)
+    # --set on the command line after the recipe's overrides: the command line wins.
+    given["overrides"] = {**run.overrides, **parse_overrides(given.get("overrides", []))}
+    return dataclasses.replace(run, **given)
+
+
+class _StderrHandler(logging.Handler):
+    """Progress messages to whatever sys.stderr is at the time (pytest swaps it per test)."""
+
+    def emit(self, record: logging.LogRecord) -> None:
+        print(self.format(record), file=sys.stderr)
+
+
+def cmd_train(args: argparse.Namespace) -> int:
+    from rosetta.distributed import TIMEOUT_VARIABLE, launch_env
+    from rosetta.harness.loop import train
+    from rosetta.harness.run_config import check_run
+
+    run = run_from_args(args)
+    check_run(run)
+    os.environ[TIMEOUT_VARIABLE] = repr(run.dist_timeout)  # the trainers' collectives read it
+    env = launch_env()
+    if run.nproc > 1 and not env.distributed:  # relaunch this very command as N processes
+        from rosetta.harness.launch import launch
+
+        launch(args.argv, run.nproc)
+        summary = Path(run.out) / "summary.md"
+        if summary.is_file():
+            print(summary.read_text(encoding="utf-8"), end="")
+        return 0
+    logger = logging.getLogger("rosetta.harness")  # ours only: not every library's INFO lines
+    if not any(isinstance(h, _StderrHandler) for h in logger.handlers):
+        handler = _StderrHandler()
+        handler.setFormatter(logging.Formatter("rosetta: %(message)s"))
+        logger.addHandler(handler)
+    logger.setLevel(logging.INFO)
+    if args.download and run.task == "multi30k":
+        from rosetta.harness.data import default_data_dir, download_multi30k
+
+        download_multi30k(run.data_dir or default_data_dir(), splits=("train", run.eval_split),
+                          langs=run.pair.split("-"))
+    train(run)
+    summary = Path(run.out) / "summary.md"
+    if env.is_main and summary.is_file():
+        print(summary.read_text(encoding="utf-8"), end="")
+    return 0
+
+
+def add_train_parser(cmds: argparse._SubParsersAction) -> None:
+    """Register `train` on rosetta/cli.py's subcommands."""
+    p = cmds.add_parser("train", help="train torch and/or jax on the same data (synthetic copy by default)")
+    p.add_argument("--recipe", help="start from a named recipe's settings (multi30k); flags override them")
+    groups = add_run_flags(p)
+    groups["data"].add_argument("--download", action="store_true",
+                                help="fetch missing Multi30k files (network)")
+    p.set_defaults(func=cmd_train)
+
+
+# -- rosetta average, rosetta evaluate --------------------------------------------------------
 
 
 def cmd_average(args: argparse.Namespace) -> int:

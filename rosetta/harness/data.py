@@ -24,8 +24,8 @@ from typing import IO
 
 import numpy as np
 
-from rosetta.checkpoint import atomic_write_bytes
 from rosetta.errors import RosettaError
+from rosetta.files import atomic_write_bytes
 
 SPLITS: tuple[str, ...] = ("train", "val", "test_2016_flickr", "test_2017_flickr")
 LANGUAGES: tuple[str, ...] = ("de", "en", "fr")

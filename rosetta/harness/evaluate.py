@@ -6,8 +6,9 @@ tokenisation) and chrF, each reported with its signature so that a score can be 
 Deviation from the paper: it reports tokenized BLEU on WMT newstest2014; we report sacreBLEU
 on detokenised text (Post 2018), the comparable number, on Multi30k.
 
-`evaluate_model` is the API (the training loop can call it on an in-memory model);
-`evaluate_split` adds the data and `write_report` the atomic JSON file of `rosetta evaluate`.
+One BLEU path: `bleu` scores for `rosetta evaluate` (`evaluate_model` on any sentences,
+`evaluate_split` on a Multi30k split, `write_report` the atomic JSON file) and for the training
+loop (`score_batches`, on the evaluation pairs the loop has batched by length).
 """
 
 from __future__ import annotations
@@ -20,9 +21,13 @@ from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
+import numpy as np
+
 from rosetta.backends import BackendModel
-from rosetta.checkpoint import atomic_write_bytes
 from rosetta.errors import RosettaError
+from rosetta.files import atomic_write_bytes
+from rosetta.harness.batching import Batch, restore_order
+from rosetta.harness.tasks import TaskData
 from rosetta.harness.tokenizer import Tokenizer
 from rosetta.harness.translate import translate_lines
 
@@ -40,23 +45,43 @@ def _sacrebleu() -> Any:
     return sacrebleu
 
 
-def score(hypotheses: Sequence[str], references: Sequence[str], tokenize: str = "13a") -> dict[str, Any]:
-    """sacreBLEU corpus BLEU and chrF of `hypotheses` against one reference each, with the
-    signatures (`tokenize="none"` for id strings, which are tokens already)."""
+def bleu(hypotheses: Sequence[str], references: Sequence[str], tokenize: str = "13a") -> dict[str, Any]:
+    """sacreBLEU corpus BLEU of `hypotheses` against one reference each, with its signature
+    (`tokenize="none"` for id strings, which are tokens already)."""
     if len(hypotheses) != len(references):
         raise RosettaError(f"{len(hypotheses)} hypotheses for {len(references)} references")
-    sacrebleu = _sacrebleu()
-    bleu_metric = sacrebleu.metrics.BLEU(tokenize=tokenize)
-    chrf_metric = sacrebleu.metrics.CHRF()
-    bleu = bleu_metric.corpus_score(list(hypotheses), [list(references)])
+    metric = _sacrebleu().metrics.BLEU(tokenize=tokenize)
+    result = metric.corpus_score(list(hypotheses), [list(references)])
+    return {"score": result.score, "signature": str(metric.get_signature()), "text": str(result),
+            "counts": list(result.counts), "totals": list(result.totals),
+            "precisions": list(result.precisions), "bp": result.bp, "sys_len": result.sys_len,
+            "ref_len": result.ref_len}
+
+
+def score(hypotheses: Sequence[str], references: Sequence[str], tokenize: str = "13a") -> dict[str, Any]:
+    """sacreBLEU corpus BLEU (`bleu`) and chrF of `hypotheses` against one reference each, with
+    the signatures."""
+    chrf_metric = _sacrebleu().metrics.CHRF()
     chrf = chrf_metric.corpus_score(list(hypotheses), [list(references)])
-    return {
-        "bleu": {"score": bleu.score, "signature": str(bleu_metric.get_signature()), "text": str(bleu),
-                 "counts": list(bleu.counts), "totals": list(bleu.totals),
-                 "precisions": list(bleu.precisions), "bp": bleu.bp, "sys_len": bleu.sys_len,
-                 "ref_len": bleu.ref_len},
-        "chrf": {"score": chrf.score, "signature": str(chrf_metric.get_signature()), "text": str(chrf)},
-    }
+    return {"bleu": bleu(hypotheses, references, tokenize),
+            "chrf": {"score": chrf.score, "signature": str(chrf_metric.get_signature()), "text": str(chrf)}}
+
+
+def score_batches(model: BackendModel, task: TaskData, batches: list[Batch], count: int, beam: int,
+                  alpha: float, max_len_margin: int) -> dict[str, Any]:
+    """The training loop's evaluation: decode the first `count` evaluation pairs of `task`, already
+    batched by length (rosetta/harness/batching.py: eval_batches), with `model.generate`; BLEU of the
+    detokenised hypotheses (`bleu`), exact-match accuracy for the synthetic tasks, one sample."""
+    outputs = [model.generate(b.src, beam, alpha, max_len_margin).tokens for b in batches]
+    hyp_ids = restore_order(batches, outputs, count)
+    kept = [i for i, h in enumerate(hyp_ids) if h is not None]  # pairs too long for the buckets drop out
+    hyps = [task.detokenize(hyp_ids[i]) for i in kept]
+    refs = [task.eval_refs[i] for i in kept]
+    score = bleu(hyps, refs, tokenize="none" if task.synthetic else "13a")["score"]
+    exact = (float(np.mean([list(hyp_ids[i]) == list(task.eval_pairs[i][1]) for i in kept]))
+             if task.synthetic and kept else None)
+    sample = {"hyp": hyps[0], "ref": refs[0]} if kept else None
+    return {"bleu": score, "exact_match": exact, "bleu_sentences": len(kept), "sample": sample}
 
 
 def evaluate_model(model: BackendModel, tokenizer: Tokenizer | None, sources: Sequence[str],

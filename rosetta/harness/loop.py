@@ -25,38 +25,40 @@ collectives (`params()`, `state_dict()`) together; only process 0 touches `out/`
 from __future__ import annotations
 
 import contextlib
-import importlib
 import json
 import logging
 import math
 import os
 import shutil
 import signal
-import sys
 import time
 from pathlib import Path
 from typing import Any
 
 import numpy as np
 
-from rosetta.checkpoint import Checkpoint, atomic_write_bytes, load_checkpoint, save_checkpoint
+from rosetta.backends import BACKENDS, from_params, get_trainer
+from rosetta.checkpoint import Checkpoint, load_checkpoint, save_checkpoint
 from rosetta.config import ModelConfig, preset
 from rosetta.distributed import LaunchEnv, launch_env
 from rosetta.errors import CheckpointError, RosettaError
-from rosetta.flops import training_flops
-from rosetta.harness.batching import Batch, BatchIterator, eval_batches, restore_order
-from rosetta.harness.metrics import batch_lengths, mfu, peak_flops, real_training_flops
+from rosetta.files import atomic_write_bytes
+from rosetta.harness.batching import Batch, BatchIterator, eval_batches
+from rosetta.harness.evaluate import score_batches
+from rosetta.harness.metrics import peak_flops, train_record
 from rosetta.harness.out_dir import check_out_dirs, os_errors, read_json
 from rosetta.harness.report import (
     RESULT_FORMAT,
+    NoProgress,
     check_overwritable,
+    progress_bar,
     read_log,
     summarize,
     write_log,
     write_plot,
     write_summary,
 )
-from rosetta.harness.run_config import DEFAULT_STEPS, TRAINERS, RunConfig, check_run
+from rosetta.harness.run_config import DEFAULT_STEPS, RunConfig, check_run
 from rosetta.harness.run_dir import (
     check_checkpoint_dir,
     checkpoint_name,
@@ -73,9 +75,6 @@ from rosetta.training import Trainer
 
 log = logging.getLogger(__name__)
 
-# The backend that decodes a trainer's canonical weights where it is no backend itself: the peer's
-# are decoded by ours, so a BLEU difference is training alone (torch_impl/peer_train.py).
-DECODERS: dict[str, str] = {"peer": "torch"}
 RUN_FORMAT = "rosetta-run/1"
 
 class DivergedError(RosettaError):
@@ -88,10 +87,10 @@ def check_device(run: RunConfig, env: LaunchEnv) -> None:
     if run.device is None:
         return
     for backend in run.backends:
-        trainer_class(backend)  # installed, or one line saying so
+        get_trainer(backend)  # installed, or one line saying so
         # Each framework's own parser of the device name, the one its Trainer calls.
         try:
-            if backend in ("torch", "peer"):
+            if BACKENDS[backend].framework == "torch":
                 from torch_impl.distributed import local_device as torch_device
 
                 torch_device(run.device, env)
@@ -101,16 +100,6 @@ def check_device(run: RunConfig, env: LaunchEnv) -> None:
                 jax_device(run.device)
         except RosettaError as e:
             raise RosettaError(f"--device {run.device}: {e}") from None
-
-
-def trainer_class(backend: str) -> type[Trainer]:
-    """The framework's `Trainer` (imports the framework)."""
-    try:
-        module = importlib.import_module(TRAINERS[backend])
-    except ImportError as e:
-        raise RosettaError(f"backend {backend!r} cannot train here ({e.name} is not installed): "
-                           f"pip install 'rosetta-transformer[{backend}]'") from None
-    return module.Trainer
 
 
 # -- Data, model, evaluation -----------------------------------------------------------------
@@ -147,33 +136,13 @@ def _batching(run: RunConfig, cfg: ModelConfig) -> dict[str, Any]:
 
 def evaluate(trainer: Trainer, task: TaskData, loss_batches: list[Batch], gen_batches: list[Batch],
              num_gen: int, run: RunConfig) -> dict[str, Any]:
-    """Validation loss, and BLEU (sacrebleu) of `model.generate` through the backend interface:
-    greedy by default, beam search with `run.beam` > 1; exact-match accuracy for synthetic tasks."""
+    """Validation loss, and BLEU (rosetta/harness/evaluate.py: score_batches) of `model.generate`
+    through the backend interface: greedy by default, beam search with `run.beam` > 1."""
     start = time.perf_counter()
     val_loss = trainer.eval_loss(loss_batches)
-    scores = translation_scores(trainer.backend_model(), task, gen_batches, num_gen, run)
+    scores = score_batches(trainer.backend_model(), task, gen_batches, num_gen, run.beam, run.alpha,
+                           run.max_len_margin)
     return {"val_loss": val_loss, **scores, "eval_time_s": time.perf_counter() - start}
-
-
-def translation_scores(model: Any, task: TaskData, gen_batches: list[Batch], num_gen: int,
-                       run: RunConfig) -> dict[str, Any]:
-    """BLEU (sacrebleu) of `model.generate` (a backend model) on the first `num_gen` evaluation
-    pairs, exact-match accuracy for synthetic tasks, and one sample."""
-    try:
-        import sacrebleu
-    except ImportError:
-        raise RosettaError("BLEU needs sacrebleu: pip install 'rosetta-transformer[train]'") from None
-    outputs = [model.generate(b.src, run.beam, run.alpha, run.max_len_margin).tokens for b in gen_batches]
-    hyp_ids = restore_order(gen_batches, outputs, num_gen)
-    kept = [i for i, h in enumerate(hyp_ids) if h is not None]  # pairs too long for the buckets drop out
-    hyps = [task.detokenize(hyp_ids[i]) for i in kept]
-    refs = [task.eval_refs[i] for i in kept]
-    # Id strings are already tokens: no further tokenisation for the synthetic tasks.
-    bleu = sacrebleu.corpus_bleu(hyps, [refs], tokenize="none" if task.synthetic else "13a").score
-    exact = (float(np.mean([list(hyp_ids[i]) == list(task.eval_pairs[i][1]) for i in kept]))
-             if task.synthetic and kept else None)
-    sample = {"hyp": hyps[0], "ref": refs[0]} if kept else None
-    return {"bleu": bleu, "exact_match": exact, "bleu_sentences": len(kept), "sample": sample}
 
 
 # -- One backend -----------------------------------------------------------------------------
@@ -211,7 +180,7 @@ class _Run:
     # -- start or resume -------------------------------------------------------------------
     def _trainer(self, params: dict) -> Trainer:
         run = self.run
-        cls = trainer_class(self.backend)
+        cls = get_trainer(self.backend)
         return cls(self.cfg, params, self.train_cfg, device=run.device, dtype=run.dtype,
                    accumulate=run.accumulate, shard=run.shard, num_devices=run.devices, loss=run.loss)
 
@@ -343,9 +312,9 @@ class _Run:
                      self.total_steps)
             return read_json(self.dir / "result.json") if self.main else None
         if not self.main:
-            self._loop(trainer, None, _NoProgress())
+            self._loop(trainer, None, NoProgress())
             return None
-        progress = _progress_bar(run, self.backend, self.total_steps, trainer.step_count)
+        progress = progress_bar(run.progress, self.backend, self.total_steps, trainer.step_count)
         try:
             with os_errors(self.log_path, "write"), self.log_path.open("a", encoding="utf-8") as log_file:
                 self._loop(trainer, log_file, progress)
@@ -398,7 +367,8 @@ class _Run:
             step, last = metrics["step"], metrics["step"] == self.total_steps or stop is not None
             first = batch.shape not in seen_shapes
             seen_shapes.add(batch.shape)
-            record = self._train_record(trainer, batch, metrics, seconds, peak, first)
+            record = train_record(self.cfg, self.backend, trainer, batch, metrics, seconds, peak, first,
+                                  self.baseline)
             record |= {"epoch": epoch, "elapsed_s": elapsed()}
             if step % run.log_every == 0 or last:
                 emit(record)
@@ -430,16 +400,14 @@ class _Run:
         """The average of the last `--average-last` checkpoints (paper §6.1), written beside them as
         averaged.safetensors and evaluated like a checkpoint (BLEU of the backend's decoding)."""
         from rosetta.average import resolve_checkpoints, write_average
-        from rosetta.backends import from_params
-
         paths = resolve_checkpoints([self.dir], self.run.average_last).paths
         with os_errors(self.dir, "write the averaged checkpoint in"):
             out = write_average(paths, self.dir / "averaged.safetensors")
         ckpt = load_checkpoint(out)
-        model = from_params(ckpt.config, ckpt.params, DECODERS.get(self.backend, self.backend),
-                            self.run.dtype)
+        model = from_params(ckpt.config, ckpt.params, BACKENDS[self.backend].decoder, self.run.dtype)
         start = time.perf_counter()
-        scores = translation_scores(model, self.task, self.gen_batches, self.num_gen, self.run)
+        scores = score_batches(model, self.task, self.gen_batches, self.num_gen, self.run.beam,
+                               self.run.alpha, self.run.max_len_margin)
         return {"kind": "eval_average", "backend": self.backend, "step": trainer.step_count,
                 "checkpoints": [p.parent.name for p in paths], **scores,
                 "eval_time_s": time.perf_counter() - start}
@@ -458,35 +426,6 @@ class _Run:
                             f"gradient norm {norm}): stopped without saving that step; {kept} (a lower "
                             f"--lr-factor, a longer --warmup or --clip-norm may help)")
 
-    def _train_record(self, trainer: Trainer, batch: Batch, metrics: dict[str, Any], seconds: float,
-                      peak: float | None, first: bool) -> dict[str, Any]:
-        src_lengths, tgt_lengths = batch_lengths(batch.src, batch.labels, self.cfg.pad_id)
-        flops = real_training_flops(self.cfg, src_lengths, tgt_lengths)
-        rows, length = batch.shape
-        flops_padded = training_flops(self.cfg, rows, length, length)
-        seconds = max(seconds, 1e-9)
-        workers = trainer.world_size
-        peak = None if peak is None else peak * workers  # every worker's device computes
-        tokens_per_s = metrics["num_tgt_tokens"] / seconds
-        return {
-            "kind": "train", "backend": self.backend, "step": metrics["step"],
-            "loss": metrics["loss"], "lr": metrics["lr"], "grad_norm": metrics["grad_norm"],
-            "src_tokens": metrics["num_src_tokens"], "tgt_tokens": metrics["num_tgt_tokens"],
-            "src_tokens_padded": int(batch.src.size), "tgt_tokens_padded": int(batch.labels.size),
-            "step_time_s": seconds,
-            "src_tokens_per_s": metrics["num_src_tokens"] / seconds,
-            "tgt_tokens_per_s": metrics["num_tgt_tokens"] / seconds,
-            "src_tokens_per_s_padded": batch.src.size / seconds,
-            "tgt_tokens_per_s_padded": batch.labels.size / seconds,
-            "flops": flops, "tflops_per_s": flops / seconds / 1e12, "mfu": mfu(flops, seconds, peak),
-            "flops_padded": flops_padded, "mfu_padded": mfu(flops_padded, seconds, peak),
-            "peak_memory_bytes": trainer.peak_memory_bytes(), "batch_shape": list(batch.shape),
-            "first_of_shape": first, "device": trainer.device_name,
-            "world_size": workers, "worker_rows": metrics["worker_rows"], "accumulate": trainer.accumulate,
-            "tgt_tokens_per_s_per_worker": tokens_per_s / workers,
-            "scaling_efficiency": None if not self.baseline else tokens_per_s / (workers * self.baseline),
-        }
-
 
 def _parallel_facts(trainer: Trainer) -> dict[str, Any]:
     """How a run is spread over devices, for run.json and the summary."""
@@ -503,24 +442,6 @@ def _fault_injection(env: LaunchEnv, step: int) -> None:
     target = os.environ.get(FAULT_VARIABLE)
     if target and target == f"{env.rank}:{step}":
         os.kill(os.getpid(), signal.SIGKILL)
-
-
-class _NoProgress:
-    def update(self, n: int) -> None: ...
-    def set_postfix(self, **kwargs: Any) -> None: ...
-    def close(self) -> None: ...
-
-
-def _progress_bar(run: RunConfig, backend: str, total: int, initial: int) -> Any:
-    """A tqdm bar on stderr when it is a terminal (or when asked); a no-op otherwise."""
-    show = sys.stderr.isatty() if run.progress is None else run.progress
-    if not show:
-        return _NoProgress()
-    try:
-        from tqdm import tqdm
-    except ImportError:
-        return _NoProgress()
-    return tqdm(total=total, initial=initial, desc=backend, unit="step", dynamic_ncols=True)
 
 
 # -- Several backends ------------------------------------------------------------------------

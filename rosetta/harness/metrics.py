@@ -1,5 +1,6 @@
 """Training-speed metrics of the harness, framework-free: model FLOPs of a batch's real tokens,
-the device's peak rate, model FLOPs utilisation (MFU), process memory, the CPU's name.
+the device's peak rate, model FLOPs utilisation (MFU), and `train_record`, the log.jsonl record
+of one step.
 
 The FLOPs formula
 -----------------
@@ -32,10 +33,14 @@ parity mode), else it is unknown (CPUs) and MFU is null.
 
 from __future__ import annotations
 
+from typing import Any
+
 import numpy as np
 
 from rosetta import flops
 from rosetta.config import ModelConfig
+from rosetta.harness.batching import Batch
+from rosetta.training import Trainer
 
 
 def batch_lengths(src: np.ndarray, labels: np.ndarray, pad_id: int) -> tuple[np.ndarray, np.ndarray]:
@@ -57,3 +62,37 @@ def peak_flops(device_name: str, dtype: str, override_tflops: float | None = Non
 
 
 mfu = flops.mfu
+
+
+def train_record(cfg: ModelConfig, backend: str, trainer: Trainer, batch: Batch, metrics: dict[str, Any],
+                 seconds: float, peak: float | None, first: bool, baseline: float | None) -> dict[str, Any]:
+    """The log.jsonl record of one training step (docs/training.md: its keys): the trainer's
+    `metrics`, the batch's real and padded tokens, rates, FLOPs and MFU over `seconds` (`peak`:
+    one device's FLOP/s or None), and scaling efficiency against `baseline` (a one-device run's
+    median target tokens/s, --baseline). `first`: the first step of this batch shape (compiles)."""
+    src_lengths, tgt_lengths = batch_lengths(batch.src, batch.labels, cfg.pad_id)
+    real = real_training_flops(cfg, src_lengths, tgt_lengths)
+    rows, length = batch.shape
+    padded = flops.training_flops(cfg, rows, length, length)
+    seconds = max(seconds, 1e-9)
+    workers = trainer.world_size
+    peak = None if peak is None else peak * workers  # every worker's device computes
+    tokens_per_s = metrics["num_tgt_tokens"] / seconds
+    return {
+        "kind": "train", "backend": backend, "step": metrics["step"],
+        "loss": metrics["loss"], "lr": metrics["lr"], "grad_norm": metrics["grad_norm"],
+        "src_tokens": metrics["num_src_tokens"], "tgt_tokens": metrics["num_tgt_tokens"],
+        "src_tokens_padded": int(batch.src.size), "tgt_tokens_padded": int(batch.labels.size),
+        "step_time_s": seconds,
+        "src_tokens_per_s": metrics["num_src_tokens"] / seconds,
+        "tgt_tokens_per_s": metrics["num_tgt_tokens"] / seconds,
+        "src_tokens_per_s_padded": batch.src.size / seconds,
+        "tgt_tokens_per_s_padded": batch.labels.size / seconds,
+        "flops": real, "tflops_per_s": real / seconds / 1e12, "mfu": mfu(real, seconds, peak),
+        "flops_padded": padded, "mfu_padded": mfu(padded, seconds, peak),
+        "peak_memory_bytes": trainer.peak_memory_bytes(), "batch_shape": list(batch.shape),
+        "first_of_shape": first, "device": trainer.device_name,
+        "world_size": workers, "worker_rows": metrics["worker_rows"], "accumulate": trainer.accumulate,
+        "tgt_tokens_per_s_per_worker": tokens_per_s / workers,
+        "scaling_efficiency": None if not baseline else tokens_per_s / (workers * baseline),
+    }

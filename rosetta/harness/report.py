@@ -1,5 +1,6 @@
 """What a training run reports: its JSON-lines log read back, a per-framework summary, the plot
-(loss and throughput against step, one line per framework) and the side-by-side summary files.
+(loss and throughput against step, one line per framework), the side-by-side summary files, and
+the progress bar while it trains.
 Framework-free; matplotlib with the Agg backend (no display needed).
 
 Every file written here carries a tag that says rosetta wrote it (a `format` field in JSON, a
@@ -14,12 +15,13 @@ import json
 import math
 import statistics
 import struct
+import sys
 from collections.abc import Iterable, Mapping, Sequence
 from pathlib import Path
 from typing import Any
 
-from rosetta.checkpoint import atomic_write_bytes
 from rosetta.errors import RosettaError
+from rosetta.files import atomic_write_bytes
 
 Record = dict[str, Any]
 
@@ -263,3 +265,22 @@ def write_summary(out: Path, results: Mapping[str, Record], run: Record) -> None
               "or a count is unknown. Scaling efficiency is tokens/s ÷ (workers × the one-device run's "
               "tokens/s), – unless `--baseline` names that run.", "", SUMMARY_FOOTER]
     atomic_write_bytes(out / "summary.md", ("\n".join(lines) + "\n").encode("utf-8"))
+
+
+class NoProgress:
+    """The progress bar's interface, doing nothing."""
+
+    def update(self, n: int) -> None: ...
+    def set_postfix(self, **kwargs: Any) -> None: ...
+    def close(self) -> None: ...
+
+
+def progress_bar(show: bool | None, desc: str, total: int, initial: int) -> Any:
+    """A tqdm bar on stderr when it is a terminal (`show` None) or when `show`; NoProgress otherwise."""
+    if not (sys.stderr.isatty() if show is None else show):
+        return NoProgress()
+    try:
+        from tqdm import tqdm
+    except ImportError:
+        return NoProgress()
+    return tqdm(total=total, initial=initial, desc=desc, unit="step", dynamic_ncols=True)

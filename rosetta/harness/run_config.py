@@ -1,7 +1,8 @@
-"""`rosetta train`'s settings: `RunConfig` (every flag, one field each, with its default), the
-fields a resumed run must share with the run it continues, and `check_run`, which refuses bad
-settings naming the flag before any data is read or framework imported. A leaf of the harness:
-rosetta/harness/loop.py trains a RunConfig, rosetta/cli.py builds one from the flags.
+"""`rosetta train`'s settings: `RunConfig` (every flag, one field each, with its default and
+help), the fields a resumed run must share with the run it continues, and `check_run`, which
+refuses bad settings naming the flag before any data is read or framework imported. A leaf of
+the harness: rosetta/harness/loop.py trains a RunConfig, rosetta/harness/commands.py generates
+the flags from its fields and builds one from them.
 """
 
 from __future__ import annotations
@@ -12,15 +13,13 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from rosetta.config import preset
+from rosetta.backends import check_trainable
+from rosetta.config import PRESETS, preset
 from rosetta.errors import RosettaError
 from rosetta.generation import check_alpha
 from rosetta.harness.tasks import check_task, parse_pair
 from rosetta.training import LOSSES, TrainConfig
 
-# "peer": torch.nn.Transformer trained with the torch backend's recipe (torch_impl/peer_train.py).
-TRAINERS: dict[str, str] = {"torch": "torch_impl.train", "jax": "jax_impl.train",
-                             "peer": "torch_impl.peer_train"}
 # What the peer has no counterpart of: (RunConfig field, value that is fine, why).
 PEER_REFUSES: tuple[tuple[str, Any, str], ...] = (
     ("nproc", 1, "it trains in one process"),
@@ -38,58 +37,108 @@ IDENTITY_FIELDS: tuple[str, ...] = (
 BATCHINGS = ("bucketed", "packed")  # --batching: by length buckets (§5.1), or packed rows (docs/packing.md)
 
 
+# The flag groups of `rosetta train --help`, in order: (key, title); a field names its key.
+FLAG_GROUPS: tuple[tuple[str, str], ...] = (
+    ("", ""), ("data", "data"), ("length", "length: --steps or --epochs, not both"),
+    ("optimizer", "optimizer (paper §5.3, §5.4)"), ("evaluation", "evaluation, checkpoints, logging"),
+    ("devices", "many devices (docs/distributed.md)"),
+)
+
+
+def setting(default: Any, help: str, group: str = "", *, flag: str | None = None, metavar: str | None = None,
+            path: bool = False) -> Any:
+    """A RunConfig field and its `rosetta train` flag (rosetta/harness/commands.py: add_run_flags):
+    `--<name with dashes>` unless `flag` names it otherwise; the type and how the value is read
+    come from the field's annotation, `path`: a file or directory name (never empty)."""
+    metadata = {"help": help, "group": group, "flag": flag, "metavar": metavar, "path": path}
+    if isinstance(default, dict):
+        return field(default_factory=dict, metadata=metadata)
+    return field(default=default, metadata=metadata)
+
+
 @dataclass(frozen=True)
 class RunConfig:
-    """Every setting of `rosetta train` (the CLI flags, one to one). `steps` or `epochs` sets
-    the length (neither: DEFAULT_STEPS); `eval_every` / `checkpoint_every` 0 means at the end
-    only; `bleu_samples` None evaluates BLEU on the whole evaluation split."""
+    """Every setting of `rosetta train`, each field its flag, help and default (said once:
+    `rosetta train --help` is generated from them). `steps` or `epochs` sets the length
+    (neither: DEFAULT_STEPS); `eval_every` / `checkpoint_every` 0 means at the end only;
+    `bleu_samples` None evaluates BLEU on the whole evaluation split."""
 
-    backends: tuple[str, ...] = ("torch",)
-    out: str = "runs/train"
-    preset: str = "tiny"
-    overrides: dict[str, Any] = field(default_factory=dict)
-    task: str = "copy"
-    pair: str = "de-en"
-    data_dir: str | None = None
-    vocab_size: int = 8000
-    train_size: int | None = None
-    eval_size: int | None = None
-    eval_split: str = "val"
-    synthetic_max_len: int = 16
-    max_tokens: int = 4096
-    buckets: tuple[int, ...] | None = None
-    steps: int | None = None
-    epochs: int | None = None
-    eval_every: int = 500
-    checkpoint_every: int = 500
-    keep: int = 3
-    log_every: int = 1
-    resume: bool = False
-    overwrite: bool = False
-    dtype: str = "float32"
-    device: str | None = None
-    warmup: int = 4000
-    lr_factor: float = 1.0
-    label_smoothing: float = 0.1
-    clip_norm: float | None = None
-    seed: int = 0
-    beam: int = 1
-    alpha: float = 0.6
-    max_len_margin: int = 50
-    bleu_samples: int | None = None
-    peak_tflops: float | None = None
-    progress: bool | None = None
-    accumulate: int = 1
-    shard: bool = False
-    devices: int | None = None
-    nproc: int = 1
-    dist_timeout: float = 600.0
-    baseline: str | None = None
-    time_budget: float | None = None
-    target_bleu: float | None = None
-    average_last: int | None = None
-    batching: str = "bucketed"
-    loss: str = "plain"
+    backends: tuple[str, ...] = setting(
+        ("torch",), "torch, jax and/or peer (torch.nn.Transformer, the torch recipe: docs/training.md); "
+        "several train one after the other in OUT/<backend>/", flag="backend", metavar="NAME")
+    out: str = setting("runs/train", "output directory", path=True)
+    preset: str = setting("tiny", f"model preset: {', '.join(sorted(PRESETS))}")
+    overrides: dict[str, Any] = setting(
+        {}, "override a model config field (repeatable), e.g. --set dropout=0", flag="set",
+        metavar="FIELD=VALUE")
+    task: str = setting("copy", "copy, reverse (synthetic, no files) or multi30k", "data")
+    pair: str = setting("de-en", "Multi30k language pair, source-target", "data")
+    data_dir: str | None = setting(
+        None, "Multi30k directory (default $ROSETTA_DATA_DIR or ../shared/data/multi30k)", "data", path=True)
+    vocab_size: int = setting(8000, "joint BPE vocabulary size (Multi30k)", "data")
+    train_size: int | None = setting(None, "first N training pairs (synthetic: N generated)", "data")
+    eval_size: int | None = setting(None, "first N evaluation pairs (synthetic default 500)", "data")
+    eval_split: str = setting("val", "Multi30k split for validation loss and BLEU", "data")
+    synthetic_max_len: int = setting(16, "longest synthetic sequence", "data")
+    max_tokens: int = setting(4096, "tokens per batch (paper §5.1: 25000)", "data")
+    buckets: tuple[int, ...] | None = setting(
+        None, "bucket lengths, e.g. 16,32,64 (default 8,16,...,max_len)", "data")
+    steps: int | None = setting(None, f"optimizer steps in all (default {DEFAULT_STEPS})", "length")
+    epochs: int | None = setting(None, "or: passes over the training data", "length")
+    eval_every: int = setting(500, "steps between evaluations (0: at the end)", "evaluation")
+    checkpoint_every: int = setting(500, "steps between checkpoints (0: end)", "evaluation")
+    keep: int = setting(3, "checkpoints kept (the newest)", "evaluation")
+    log_every: int = setting(1, "steps between log.jsonl records", "evaluation")
+    resume: bool = setting(False, "continue the run in OUT from its latest checkpoint")
+    overwrite: bool = setting(False, "delete an earlier run in OUT and start afresh")
+    dtype: str = setting("float32", "compute dtype: float32 or bfloat16", "optimizer")
+    device: str | None = setting(
+        None, "framework device, e.g. cpu or cuda (default: the framework's)", "optimizer")
+    warmup: int = setting(4000, "warmup steps of eq. 3", "optimizer")
+    lr_factor: float = setting(1.0, "factor on eq. 3's learning rate", "optimizer")
+    label_smoothing: float = setting(0.1, "label smoothing (§5.4)", "optimizer")
+    clip_norm: float | None = setting(None, "global gradient-norm clipping (default none)", "optimizer")
+    seed: int = setting(0, "seeds initial weights, batch order, dropout, data")
+    beam: int = setting(1, "beam size for BLEU; 1 = greedy", "evaluation")
+    alpha: float = setting(0.6, "length penalty exponent (Wu et al. 2016)", "evaluation")
+    max_len_margin: int = setting(
+        50, "max output length = source length + margin", "evaluation", flag="margin")
+    bleu_samples: int | None = setting(
+        None, "BLEU on the first N evaluation pairs (default all)", "evaluation")
+    peak_tflops: float | None = setting(
+        None, "device peak TFLOP/s for MFU (default: known GPUs)", "evaluation")
+    progress: bool | None = setting(None, "progress bar (default: when stderr is a terminal)", "evaluation")
+    accumulate: int = setting(
+        1, "sum the gradients of K micro-batches per update: the update of one K-times larger batch "
+        "(--max-tokens is the whole update's budget)", "devices", metavar="K")
+    shard: bool = setting(
+        False, "shard parameters and Adam state over the workers (PyTorch: FSDP2 fully_shard; JAX: "
+        "NamedSharding over the data axis)", "devices")
+    devices: int | None = setting(
+        None, "JAX: local devices in the data-parallel mesh (default: all of the platform)", "devices")
+    nproc: int = setting(
+        1, "launch N processes here with torchrun, one device each (PyTorch: DDP; JAX: jax.distributed); "
+        "under torchrun leave it out", "devices")
+    dist_timeout: float = setting(
+        600.0, "a collective waiting this long for a peer ends the run with an error", "devices",
+        metavar="SECONDS")
+    baseline: str | None = setting(
+        None, "a finished one-device run of the same settings: scaling efficiency against it", "devices",
+        metavar="OUT", path=True)
+    time_budget: float | None = setting(
+        None, "stop cleanly once the training loop has run this long (across resumes): evaluation and "
+        "checkpoint after the last step; --resume continues", "evaluation", metavar="MINUTES")
+    target_bleu: float | None = setting(
+        None, "stop at the first evaluation whose validation BLEU reaches this", "evaluation", metavar="BLEU")
+    average_last: int | None = setting(
+        None, "at the end, average the last N checkpoints (paper §6.1; --keep >= N) into "
+        "averaged.safetensors and evaluate it", "evaluation", metavar="N")
+    batching: str = setting(
+        "bucketed", "bucketed (pairs of similar length per batch, §5.1) or packed (several pairs per row, "
+        "rows of the largest bucket's length: docs/packing.md)", "data")
+    loss: str = setting(
+        "plain", "plain (logits, then the loss) or chunked (the output projection and the loss chunk by "
+        "chunk: no [tokens, vocabulary] logits, docs/loss.md)", "optimizer")
 
     def to_dict(self) -> dict[str, Any]:
         return {k: list(v) if isinstance(v, tuple) else v for k, v in dataclasses.asdict(self).items()}
@@ -118,11 +167,7 @@ def check_run(run: RunConfig) -> None:
     if len(set(run.backends)) != len(run.backends):
         raise RosettaError(f"--backend lists a backend twice: {' '.join(run.backends)}")
     for name in run.backends:
-        if name == "numpy":
-            raise RosettaError("backend 'numpy' is the forward-only reference and cannot train; "
-                               "train with torch or jax (and translate with numpy)")
-        if name not in TRAINERS:
-            raise RosettaError(f"unknown training backend {name!r}; choose from {', '.join(TRAINERS)}")
+        check_trainable(name)
     check_task(run.task)
     if run.task == "multi30k":
         parse_pair(run.pair)

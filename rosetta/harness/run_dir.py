@@ -32,8 +32,8 @@ from pathlib import Path
 
 import safetensors
 
-from rosetta.checkpoint import atomic_write_bytes
 from rosetta.errors import CheckpointError, RosettaError
+from rosetta.files import atomic_write_bytes
 
 LATEST = "latest"
 TEMP_PREFIX = ".tmp-"

@@ -18,7 +18,7 @@ from collections.abc import Iterable, Sequence
 from pathlib import Path
 from typing import Any
 
-from rosetta.checkpoint import atomic_write_bytes
+from rosetta.files import atomic_write_bytes
 from rosetta.harness.data import DataError
 
 PAD, BOS, EOS, UNK = "<pad>", "<s>", "</s>", "<unk>"

@@ -31,51 +31,9 @@ Conventions of examples/wmt/models.py (and train.py, decode.py, configs/default.
   both stacks; `max_len` = train.py's max(max_target_length, max_eval_target_length)
   = 256 with configs/default.py.
 
-Paths under `params`; EB = `encoder/encoderblock_i`, DB = `decoder/encoderdecoderblock_i`,
-MHA_k = `MultiHeadDotProductAttention_k`, `*` = `{scale,bias}` or `{kernel,bias}`.
-
-| flax tree path                               | canonical name                      | transform        |
-| -------------------------------------------- | ----------------------------------- | ---------------- |
-| `shared_embedding/embedding` [V, d]          | `shared_embed.embedding`            | copy (^1)        |
-| `encoder/Embed_0/embedding` (not shared)     | `src_embed.embedding`               | copy (^1)        |
-| `decoder/Embed_0/embedding` (not shared)     | `tgt_embed.embedding`               | copy (^1)        |
-| EB`/LayerNorm_0/*`                           | `encoder.layers.i.self_attn_norm.*` | copy             |
-| EB`/MHA_0/{query,key,value}/kernel` [d,H,dh] | `encoder.layers.i.self_attn.{q,k,v}.kernel` [d,d] | reshape |
-| EB`/MHA_0/out/kernel` [H,dh,d]               | `encoder.layers.i.self_attn.o.kernel` [d,d] | reshape  |
-| EB`/LayerNorm_1/*`                           | `encoder.layers.i.ffn_norm.*`       | copy             |
-| EB`/MlpBlock_0/Dense_0/*`                    | `encoder.layers.i.ffn.linear1.*`    | copy (^2)        |
-| EB`/MlpBlock_0/Dense_1/*`                    | `encoder.layers.i.ffn.linear2.*`    | copy (^2)        |
-| `encoder/encoder_norm/*`                     | `encoder.final_norm.*`              | copy             |
-| DB`/LayerNorm_0/*`, DB`/MHA_0/...`           | `decoder.layers.i.self_attn_norm`, `self_attn`  | as EB |
-| DB`/LayerNorm_1/*`, DB`/MHA_1/...`           | `decoder.layers.i.cross_attn_norm`, `cross_attn` | as EB |
-| DB`/LayerNorm_2/*`, DB`/MlpBlock_0/...`      | `decoder.layers.i.ffn_norm`, `ffn`              | as EB |
-| `decoder/encoderdecoder_norm/*`              | `decoder.final_norm.*`              | copy (^3)        |
-| `decoder/logitdense/kernel` [d, Vt]          | `generator.kernel` (untied)         | copy             |
-| `decoder/logitdense/bias` [Vt]               | `generator.bias` (untied)           | copy (^2)        |
-
-^1 Reading with `scale_embeddings=True`: our tables are the example's divided by sqrt(d) (our model
-   multiplies them back); with `scale_embeddings=False` (the default, the example's own convention)
-   they are copied. Writing multiplies by sqrt(d) iff `scale_embeddings`.
-^2 A bias one side has and the other lacks is exactly zero: an absent bias of ours (`ffn_bias` or,
-   untied, `output_bias` false) is written as zeros (adding +0.0 changes no finite value), and read
-   back as absent with the override `ffn_bias=False` / `output_bias=False` only if every element is
-   zero. Our attention biases (`attention_bias`) and a tied output bias, which the example cannot
-   hold, are written only if they are exactly zero (dropping them changes nothing), otherwise refused.
-^3 The logits of `logits_via_embedding` are `y E^T / sqrt(d)` with unscaled inputs; ours are
-   `logit_scale * (y E^T)` with inputs `E[x] (x sqrt(d) if scale_embeddings)`. Reading with
-   `scale_embeddings=False` (the default): `logit_scale = 1/sqrt(d)` (flax_logit_scale) and every
-   tensor is copied, so example -> ours -> example is bit for bit for every TransformerConfig.
-   The example divides its float32 logits by float32 sqrt(d), we multiply by 1/sqrt(d): the same
-   logits to one float32 rounding. Reading with `scale_embeddings=True`: the table becomes E/sqrt(d)
-   (inputs `E/sqrt(d) * sqrt(d) = E`, logits `y (E/sqrt(d))^T`), `logit_scale` stays 1.
-   Writing a config of ours: the decoder's final LayerNorm feeds only the logits, so whatever scale
-   the example lacks moves into it, `c LN(h; g, b) = LN(h; c g, c b)`: c = 1 for the configs reading
-   gives (copied), `logit_scale x sqrt(d)` for a tied unscaled model (sqrt(d) at `logit_scale` 1),
-   `logit_scale` otherwise (a logitdense has no scale of its own).
-   A rescaled tensor (the tables with `scale_embeddings`, the final norm when c != 1) is computed in
-   float64 and rounded once to the file's dtype: exact when the factor is a power of two (sqrt(d)
-   for d = 4, 16, 64, 256, 1024, 4096), half an ulp per element otherwise, so its round trip is
-   exact for those and within one ulp for others; every other tensor is moved bit for bit.
+The tree-path ↔ canonical-name table, and how the √d of embeddings and logits moves between the
+two conventions (bit for bit where it can, one rounding in float64 where a factor is applied), are
+in docs/real-models.md ("Flax `examples/wmt`"); `table` below is that table in code.
 
 Writing refuses what the example cannot hold, before anything is written, naming the field:
 post-norm (`norm_first`), no final norm (`final_norm`), `layer_norm_eps` != 1e-6, a positional
@@ -99,9 +57,10 @@ from typing import Any, NamedTuple
 
 import numpy as np
 
-from rosetta.checkpoint import atomic_write_bytes, check_params
+from rosetta.checkpoint import check_params
 from rosetta.config import ModelConfig
 from rosetta.errors import CheckpointError, ConfigError
+from rosetta.files import atomic_write_bytes
 from rosetta.interop.flax_msgpack import DTYPES, FLOAT_DTYPES, Lazy, Opaque, encode_tree, read_structure
 from rosetta.params import Params, embedding_names, param_shapes
 

@@ -47,9 +47,10 @@ from typing import Any
 
 import numpy as np
 
-from rosetta.checkpoint import DTYPES, atomic_write_bytes, check_params
+from rosetta.checkpoint import DTYPES, check_params
 from rosetta.config import ModelConfig, parse_json
 from rosetta.errors import CheckpointError, ConfigError
+from rosetta.files import atomic_write_bytes
 from rosetta.params import Params, embedding_names, param_shapes
 from rosetta.positional import positional_encoding
 

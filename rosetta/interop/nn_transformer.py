@@ -96,17 +96,17 @@ _DECODER_RELU = (" (nn.TransformerDecoderLayer replaces a module activation such
                  "F.relu when deep-copied; build with F.gelu or the string 'gelu')")
 
 
-def _numpy(t: torch.Tensor) -> np.ndarray:
-    """float32 (a float64 module's tensors stay float64: the float64 trainer tests)."""
-    return t.detach().to("cpu", torch.float64 if t.dtype == torch.float64 else torch.float32).numpy()
+def _numpy(t: torch.Tensor, dtype: type) -> np.ndarray:
+    return t.detach().to("cpu", torch.float64 if dtype == np.float64 else torch.float32).numpy()
 
 
 def port_nn_transformer(
     transformer: nn.Transformer, src_embed: nn.Embedding, tgt_embed: nn.Embedding, generator: nn.Linear,
     *, positional_encoding: str = "sinusoidal_interleaved", scale_embeddings: bool = True,
-    pad_id: int = 0, bos_id: int = 1, eos_id: int = 2, max_len: int = 1024,
+    pad_id: int = 0, bos_id: int = 1, eos_id: int = 2, max_len: int = 1024, dtype: type = np.float32,
 ) -> tuple[ModelConfig, Params]:
-    """Canonical config and float32 params (math layout) of an nn.Transformer model.
+    """Canonical config and params (math layout) of an nn.Transformer model, as `dtype` (float32;
+    np.float64 for a float64 trainer: rosetta.params.canonical_dtype).
     Sharing is read from tensor identity: src_embed.weight is tgt_embed.weight -> "src_tgt",
     generator.weight is tgt_embed.weight -> "decoder", both -> "all"."""
     for arg, value, cls in (("transformer", transformer, nn.Transformer), ("generator", generator, nn.Linear),
@@ -179,7 +179,7 @@ def port_nn_transformer(
         if key not in state:
             raise CheckpointError(f"nn.Transformer state_dict has no {key} (needed for {name})")
         used.add(key)
-        value = _numpy(state[key])
+        value = _numpy(state[key], dtype)
         if block is not None:
             value = value[block * cfg.d_model:(block + 1) * cfg.d_model]
         params[name] = np.ascontiguousarray(value.T if transpose else value)
@@ -187,11 +187,11 @@ def port_nn_transformer(
     if extra:
         raise CheckpointError(f"nn.Transformer tensor(s) with no place in the format: {', '.join(extra)}")
     names = embedding_names(cfg)
-    params[names.src], params[names.tgt] = _numpy(src_embed.weight), _numpy(tgt_embed.weight)
+    params[names.src], params[names.tgt] = _numpy(src_embed.weight, dtype), _numpy(tgt_embed.weight, dtype)
     if names.output is not None:  # nn.Linear [V, d] -> kernel [d, V] (PITFALLS 7)
-        params[names.output] = np.ascontiguousarray(_numpy(generator.weight).T)
+        params[names.output] = np.ascontiguousarray(_numpy(generator.weight, dtype).T)
     if generator.bias is not None:
-        params["generator.bias"] = _numpy(generator.bias)
+        params["generator.bias"] = _numpy(generator.bias, dtype)
     check_params(cfg, params, source="ported nn.Transformer")
     return cfg, {name: params[name] for name in expected}
 
