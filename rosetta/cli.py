@@ -37,7 +37,6 @@ from rosetta.checkpoint import load_checkpoint, save_checkpoint
 from rosetta.cli_args import (
     add_search_args,
     non_negative_int,
-    non_negative_real,
     nonempty_path,
     output_file,
     parse_overrides,
@@ -263,36 +262,7 @@ def build_parser() -> argparse.ArgumentParser:
                         "model.safetensors, ... are replaced; other files stay)")
     p.set_defaults(func=cmd_convert)
 
-    sides = ("SIDE: a model file or directory (rosetta checkpoint, marian, flax-wmt) as "
-             "PATH[@BACKEND[:DTYPE]] (default numpy at its first dtype), or an activation dump "
-             "PATH.npz (docs/diff.md)")
-    p = cmds.add_parser("diff", help="find the first stage where two implementations part, and why",
-                        epilog=sides + ". Exit code 0: every shared stage within the tolerance; 1: they "
-                               "differ (the first stage over is marked); 2: bad input or usage")
-    p.add_argument("a", help="the side under test")
-    p.add_argument("b", help="the side it is compared with (the reference: ||a - b|| / ||b||)")
-    p.add_argument("--tolerance", type=non_negative_real,
-                   help="largest relative error that still agrees (default: the larger of the sides' "
-                        "rosetta.parity.TOLERANCES entries; 1e-10 for float64 vs float64)")
-    p.add_argument("--json", type=output_file, metavar="FILE",
-                   help="also write the rows and the verdict as JSON")
-    p.add_argument("--diagnose", action="store_true",
-                   help="name the porting mistake that explains the difference (the catalogue)")
-    p.add_argument("--plot", type=output_file, metavar="FILE",
-                   help="PNG: the error per stage and the attention where they part")
-    p.add_argument("--seed", type=non_negative_int, default=0,
-                   help="the random batch (when no side is a dump)")
-    p.set_defaults(func=diff_commands.cmd_diff)
-
-    p = cmds.add_parser("attention", help="plot every attention map of one side on one sentence pair",
-                        epilog=sides)
-    p.add_argument("side", help="the model (or dump) to plot")
-    p.add_argument("--out", type=output_file, required=True, metavar="FILE.png",
-                   help="where to write the PNG")
-    p.add_argument("--src", help='source ids, e.g. "5 6 7 2" (default: a random sentence pair)')
-    p.add_argument("--tgt", help='decoder input ids, start token first, e.g. "1 8 9"')
-    p.add_argument("--seed", type=non_negative_int, default=0, help="the random sentence pair")
-    p.set_defaults(func=diff_commands.cmd_attention)
+    diff_commands.add_parsers(cmds)  # diff, attention
     harness_commands.add_parsers(cmds)  # average, evaluate
     return parser
 
