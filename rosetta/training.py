@@ -161,7 +161,7 @@ def check_trainer_args(backend: str, dtypes: tuple[str, ...], dtype: str, loss: 
         raise RosettaError(f"loss must be one of {', '.join(LOSSES)}, got {loss!r}")
     if isinstance(accumulate, bool) or not isinstance(accumulate, int) or accumulate < 1:
         raise RosettaError(f"accumulate (micro-batches per update) must be an integer >= 1, "
-                           f"got {accumulate!r}")
+                           f"not {accumulate!r}")
 
 
 def check_state(state: Mapping[str, np.ndarray], shapes: Mapping[str, tuple[int, ...]],
