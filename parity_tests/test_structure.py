@@ -108,3 +108,13 @@ def test_numpy_functions_mirror_the_framework_classes_in_order():
 def test_model_file_reads_in_one_sitting(backend):
     lines = len(MODEL_FILES[backend].read_text().splitlines())
     assert lines <= MAX_LINES, f"{backend}/model.py has {lines} lines, more than {MAX_LINES}"
+
+
+MAX_FILE_LINES = 500  # issue 25: no file of the package or the backends reads past one sitting
+
+
+def test_no_source_file_is_over_500_lines():
+    files = [p for d in ("rosetta", "numpy_ref", "torch_impl", "jax_impl") for p in (ROOT / d).rglob("*.py")]
+    assert len(files) > 40  # the walk found the tree
+    lines = {str(p.relative_to(ROOT)): len(p.read_text().splitlines()) for p in files}
+    assert {name: n for name, n in lines.items() if n > MAX_FILE_LINES} == {}
