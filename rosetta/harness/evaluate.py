@@ -77,11 +77,11 @@ def score_batches(model: BackendModel, task: TaskData, batches: list[Batch], cou
     kept = [i for i, h in enumerate(hyp_ids) if h is not None]  # pairs too long for the buckets drop out
     hyps = [task.detokenize(hyp_ids[i]) for i in kept]
     refs = [task.eval_refs[i] for i in kept]
-    score = bleu(hyps, refs, tokenize="none" if task.synthetic else "13a")["score"]
+    corpus_bleu = bleu(hyps, refs, tokenize="none" if task.synthetic else "13a")["score"]
     exact = (float(np.mean([list(hyp_ids[i]) == list(task.eval_pairs[i][1]) for i in kept]))
              if task.synthetic and kept else None)
     sample = {"hyp": hyps[0], "ref": refs[0]} if kept else None
-    return {"bleu": score, "exact_match": exact, "bleu_sentences": len(kept), "sample": sample}
+    return {"bleu": corpus_bleu, "exact_match": exact, "bleu_sentences": len(kept), "sample": sample}
 
 
 def evaluate_model(model: BackendModel, tokenizer: Tokenizer | None, sources: Sequence[str],
