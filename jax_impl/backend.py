@@ -18,6 +18,7 @@ from jax_impl import decode
 from jax_impl.convert import build_model, to_params
 from jax_impl.model import source_mask
 from rosetta.backends import BackendModel
+from rosetta.generation import NO_CONSTRAINTS, Constraints
 from rosetta.params import Params
 
 # Compute dtype -> jnp dtype: float32 parameters for float32 and bfloat16; float64 (the trainer's,
@@ -107,14 +108,15 @@ class Model(BackendModel):
             stages = _stages(self.graphdef, self.state, src, tgt, fine)
         return {name: self._numpy(value) for name, value in stages.items()}
 
-    def _generate(self, src: np.ndarray, beam_size: int, alpha: float,
-                  max_len_margin: int, length_rule: str = "wu", cache: bool = True) -> decode.Generation:
+    def _generate(self, src: np.ndarray, beam_size: int, alpha: float, max_len_margin: int,
+                  length_rule: str = "wu", constraints: Constraints = NO_CONSTRAINTS,
+                  cache: bool = True) -> decode.Generation:
         with self._context():
             if beam_size == 1:
                 return decode.greedy_search(self.graphdef, self.state, self.config, src, max_len_margin,
-                                            cache)
+                                            cache, constraints)
             return decode.beam_search(self.graphdef, self.state, self.config, src, beam_size, alpha,
-                                      max_len_margin, cache, rule=length_rule)
+                                      max_len_margin, cache, rule=length_rule, constraints=constraints)
 
     def _step_logits(self, src: np.ndarray, tgt: np.ndarray) -> np.ndarray:
         with self._context():

@@ -14,7 +14,7 @@ from flax import nnx
 
 from jax_impl.model import LayerCache, Transformer, source_mask
 from rosetta.config import ModelConfig
-from rosetta.generation import NEG, Generation, output_limits, strip
+from rosetta.generation import NEG, NO_CONSTRAINTS, Constraints, Generation, output_limits, strip
 
 
 def length_penalty(length: jax.Array | int, alpha: float, rule: str = "wu") -> jax.Array:
@@ -23,14 +23,32 @@ def length_penalty(length: jax.Array | int, alpha: float, rule: str = "wu") -> j
     return n**alpha if rule == "hf" else ((5.0 + n) / 6.0) ** alpha
 
 
+def constrain(logp: jax.Array, cfg: ModelConfig, constraints: Constraints, last: jax.Array,
+              banned: np.ndarray) -> jax.Array:
+    """numpy_ref/decode.py's `constrain` (Hugging Face's logits processors, in its order);
+    `banned` is constraints.banned_ids(cfg), a constant of the compiled search."""
+    if constraints.forced_eos:
+        is_eos = jnp.arange(logp.shape[-1]) == cfg.eos_id
+        # x - x: 0, but a NaN row (non-finite logits) stays NaN for check_scores to refuse
+        logp = jnp.where(last[:, None], jnp.where(is_eos, logp - logp, NEG), logp)
+    logp = logp.at[:, banned].set(NEG)
+    if constraints.renormalize:
+        logp = jax.nn.log_softmax(logp, axis=-1)  # exp(NEG - max) is 0: the sum runs over what is left
+        logp = logp.at[:, banned].set(NEG)
+    return logp
+
+
 class Steps:
     """next_log_probs(cache, tokens, t) -> ([N, V] log-probabilities of output position t for
-    rows whose emitted tokens are `tokens` [N, L], new cache); `reorder(cache, rows)` follows
-    the beams' reordering. Functional: the cache is loop state."""
+    rows whose emitted tokens are `tokens` [N, L] and limits `limits` [N], constrained, new
+    cache); `reorder(cache, rows)` follows the beams' reordering. Functional: the cache is loop
+    state."""
 
     def __init__(self, module: Transformer, src: jax.Array, memory: jax.Array, length: int,
-                 cache: bool = True):
+                 limits: jax.Array, constraints: Constraints = NO_CONSTRAINTS, cache: bool = True):
         self.module, self.src, self.memory, self.cfg = module, src, memory, module.cfg
+        self.limits, self.constraints = limits, constraints
+        self.banned = constraints.banned_ids(self.cfg)
         self.use_cache, self.length = cache, length
         self.cross_mask = source_mask(src, self.cfg.pad_id)
 
@@ -49,18 +67,18 @@ class Steps:
             hidden = jax.lax.dynamic_slice_in_dim(hidden, t, 1, axis=1)
             logits = self.module.generator(hidden, self.module.tgt_table)[:, 0]
         logp = jax.nn.log_softmax(logits.astype(jnp.float32), axis=-1)
-        return logp.at[:, self.cfg.pad_id].set(NEG), cache  # never emit padding
+        return constrain(logp, self.cfg, self.constraints, t + 1 >= self.limits, self.banned), cache
 
     @staticmethod
     def reorder(cache: list[LayerCache], rows: jax.Array) -> list[LayerCache]:
         return [c._replace(self_k=c.self_k[rows], self_v=c.self_v[rows]) for c in cache]
 
 
-@partial(jax.jit, static_argnames=("graphdef", "length", "cache"))
-def _greedy(graphdef, state, src, limits, *, length: int, cache: bool):
+@partial(jax.jit, static_argnames=("graphdef", "length", "cache", "constraints"))
+def _greedy(graphdef, state, src, limits, *, length: int, cache: bool, constraints: Constraints):
     module = nnx.merge(graphdef, state)
     cfg, B = module.cfg, src.shape[0]
-    steps = Steps(module, src, module.encode(src), length, cache)
+    steps = Steps(module, src, module.encode(src), length, limits, constraints, cache)
 
     def body(carry):
         t, tokens, scores, done, kv = carry
@@ -77,13 +95,15 @@ def _greedy(graphdef, state, src, limits, *, length: int, cache: bool):
     return tokens, scores
 
 
-@partial(jax.jit, static_argnames=("graphdef", "beam_size", "alpha", "length", "cache", "rule"))
+@partial(jax.jit, static_argnames=("graphdef", "beam_size", "alpha", "length", "cache", "rule",
+                                   "constraints"))
 def _beam(graphdef, state, src, limits, *, beam_size: int, alpha: float, length: int, cache: bool,
-          rule: str):
+          rule: str, constraints: Constraints):
     module = nnx.merge(graphdef, state)
     cfg, B, K, L = module.cfg, src.shape[0], beam_size, length
     memory = jnp.repeat(module.encode(src), K, axis=0)  # beam k of sentence b: row b*K+k
-    steps = Steps(module, jnp.repeat(src, K, axis=0), memory, L, cache)
+    steps = Steps(module, jnp.repeat(src, K, axis=0), memory, L, jnp.repeat(limits, K), constraints,
+                  cache)
 
     def body(carry):
         t, seqs, alive, fin_seqs, fin_scores, done, broken, kv = carry
@@ -128,16 +148,16 @@ def _beam(graphdef, state, src, limits, *, beam_size: int, alpha: float, length:
 
 
 def greedy_search(graphdef, state, cfg: ModelConfig, src: np.ndarray, max_len_margin: int = 50,
-                  cache: bool = True) -> Generation:
-    limits, L = output_limits(cfg, src, max_len_margin)
-    tokens, scores = _greedy(graphdef, state, src, limits, length=L, cache=cache)
+                  cache: bool = True, constraints: Constraints = NO_CONSTRAINTS) -> Generation:
+    limits, L = output_limits(cfg, src, max_len_margin, constraints.max_new_tokens)
+    tokens, scores = _greedy(graphdef, state, src, limits, length=L, cache=cache, constraints=constraints)
     return Generation(strip(cfg, np.asarray(tokens)), np.asarray(scores, dtype=np.float64))
 
 
 def beam_search(graphdef, state, cfg: ModelConfig, src: np.ndarray, beam_size: int = 4,
                 alpha: float = 0.6, max_len_margin: int = 50, cache: bool = True,
-                rule: str = "wu") -> Generation:
-    limits, L = output_limits(cfg, src, max_len_margin)
+                rule: str = "wu", constraints: Constraints = NO_CONSTRAINTS) -> Generation:
+    limits, L = output_limits(cfg, src, max_len_margin, constraints.max_new_tokens)
     tokens, scores = _beam(graphdef, state, src, limits, beam_size=beam_size, alpha=float(alpha),
-                           length=L, cache=cache, rule=rule)
+                           length=L, cache=cache, rule=rule, constraints=constraints)
     return Generation(strip(cfg, np.asarray(tokens)), np.asarray(scores, dtype=np.float64))

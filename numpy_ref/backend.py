@@ -8,6 +8,7 @@ import numpy as np
 
 from numpy_ref import decode, model
 from rosetta.backends import BackendModel
+from rosetta.generation import NO_CONSTRAINTS, Constraints
 from rosetta.params import Params
 
 
@@ -35,12 +36,12 @@ class Model(BackendModel):
         model.forward(self.params, self.config, src, tgt, stages, fine)
         return stages
 
-    def _generate(self, src: np.ndarray, beam_size: int, alpha: float,
-                  max_len_margin: int, length_rule: str = "wu") -> decode.Generation:
+    def _generate(self, src: np.ndarray, beam_size: int, alpha: float, max_len_margin: int,
+                  length_rule: str = "wu", constraints: Constraints = NO_CONSTRAINTS) -> decode.Generation:
         if beam_size == 1:
-            return decode.greedy_search(self.params, self.config, src, max_len_margin)
+            return decode.greedy_search(self.params, self.config, src, max_len_margin, constraints)
         return decode.beam_search(self.params, self.config, src, beam_size, alpha, max_len_margin,
-                                  rule=length_rule)
+                                  rule=length_rule, constraints=constraints)
 
     def _step_logits(self, src: np.ndarray, tgt: np.ndarray) -> np.ndarray:
         # The plain way: position t from the whole prefix tgt[:, :t+1], recomputed each time.

@@ -4,9 +4,11 @@ This is the oracle for the cached searches of torch_impl/decode.py and jax_impl/
 which follow the same algorithm step for step (same state, same order, same tie-breaking):
 
 - the decoder starts from `bos_id`; sentence b may emit at most `limits[b]` tokens
-  (its real source length + `max_len_margin`, capped at `max_len`), the last one forced final;
+  (its real source length + `max_len_margin`, capped at `max_len` and `max_new_tokens`), the
+  last one forced final;
 - pad_id is never emitted (its log-probability is set to NEG, as Marian does), so every
-  emitted token is a real key for later steps;
+  emitted token is a real key for later steps; nor are the `banned` ids, and the optional
+  constraints of Hugging Face's generation config follow its order (`constrain`);
 - beam search keeps `beam_size` alive hypotheses ranked by log-probability and `beam_size`
   finished ones ranked by log-probability / lp(length), lp(n) = ((5 + n) / 6)^alpha, the
   length penalty of Wu et al. 2016 (eq. 14); a sentence stops when no alive hypothesis can
@@ -19,7 +21,15 @@ import numpy as np
 
 from numpy_ref import model as ref
 from rosetta.config import ModelConfig
-from rosetta.generation import NEG, Generation, length_penalty, output_limits, strip
+from rosetta.generation import (
+    NEG,
+    NO_CONSTRAINTS,
+    Constraints,
+    Generation,
+    length_penalty,
+    output_limits,
+    strip,
+)
 from rosetta.params import Params
 
 
@@ -52,28 +62,48 @@ def encode(params: Params, cfg: ModelConfig, src: np.ndarray) -> np.ndarray:
     return memory
 
 
+def constrain(logp: np.ndarray, cfg: ModelConfig, constraints: Constraints, last: np.ndarray) -> np.ndarray:
+    """The search's log-probabilities [N, V] from the model's, Hugging Face's logits processors in
+    its order: pad and the banned ids out (NoBadWords); with forced_eos, rows at their last allowed
+    position (`last` [N]) keep eos alone, at 0 as ForcedEOSTokenLogitsProcessor sets it, whatever
+    its log-probability; with renormalize, log_softmax over what is left (LogitNormalization,
+    last). What is out gets NEG (finite, as Marian does; Hugging Face: -inf)."""
+    banned = constraints.banned_ids(cfg)
+    if constraints.forced_eos:
+        is_eos = np.arange(logp.shape[-1]) == cfg.eos_id
+        # x - x: 0, but a NaN row (non-finite logits) stays NaN for check_scores to refuse
+        logp = np.where(last[:, None], np.where(is_eos, logp - logp, NEG), logp)
+    logp = logp.copy()
+    logp[:, banned] = NEG
+    if constraints.renormalize:
+        logp = log_softmax(logp)  # exp(NEG - max) is 0: the sum runs over what is left
+        logp[:, banned] = NEG
+    return logp
+
+
 def next_log_probs(params: Params, cfg: ModelConfig, memory: np.ndarray, src: np.ndarray,
-                   tokens: np.ndarray, t: int) -> np.ndarray:
+                   tokens: np.ndarray, t: int, limits: np.ndarray,
+                   constraints: Constraints = NO_CONSTRAINTS) -> np.ndarray:
     """[N, V] log-probabilities of the token at output position t, recomputing the whole
-    prefix [bos, tokens[:, :t]] (no cache: the plain way); NaN in rows past float32's range."""
+    prefix [bos, tokens[:, :t]] (no cache: the plain way), constrained for rows whose limit is
+    `limits` [N]; NaN in rows past float32's range."""
     prefix = np.concatenate([np.full((len(tokens), 1), cfg.bos_id), tokens[:, :t]], axis=1)
     stages: dict[str, np.ndarray] = {}
     hidden = ref.decode(params, cfg, prefix, memory, src, stages)[:, -1:]
     logp = log_softmax(ref.generator(params, cfg, hidden)[:, 0])
     logp[_past_float32(stages, len(tokens))] = np.nan
-    logp[:, cfg.pad_id] = NEG
-    return logp
+    return constrain(logp, cfg, constraints, t + 1 >= limits)
 
 
-def greedy_search(params: Params, cfg: ModelConfig, src: np.ndarray,
-                  max_len_margin: int = 50) -> Generation:
+def greedy_search(params: Params, cfg: ModelConfig, src: np.ndarray, max_len_margin: int = 50,
+                  constraints: Constraints = NO_CONSTRAINTS) -> Generation:
     B = src.shape[0]
-    limits, L = output_limits(cfg, src, max_len_margin)
+    limits, L = output_limits(cfg, src, max_len_margin, constraints.max_new_tokens)
     memory = encode(params, cfg, src)
     tokens = np.full((B, L), cfg.pad_id)
     scores, done = np.zeros(B), np.zeros(B, dtype=bool)
     for t in range(L):
-        logp = next_log_probs(params, cfg, memory, src, tokens, t)
+        logp = next_log_probs(params, cfg, memory, src, tokens, t, limits, constraints)
         best = logp.argmax(axis=-1)  # first maximum: the lower index wins ties
         scores = np.where(done, scores, scores + logp[np.arange(B), best])
         tokens[:, t] = np.where(done, cfg.pad_id, best)
@@ -84,9 +114,10 @@ def greedy_search(params: Params, cfg: ModelConfig, src: np.ndarray,
 
 
 def beam_search(params: Params, cfg: ModelConfig, src: np.ndarray, beam_size: int = 4,
-                alpha: float = 0.6, max_len_margin: int = 50, rule: str = "wu") -> Generation:
+                alpha: float = 0.6, max_len_margin: int = 50, rule: str = "wu",
+                constraints: Constraints = NO_CONSTRAINTS) -> Generation:
     B, K = src.shape[0], beam_size
-    limits, L = output_limits(cfg, src, max_len_margin)
+    limits, L = output_limits(cfg, src, max_len_margin, constraints.max_new_tokens)
     memory = np.repeat(encode(params, cfg, src), K, axis=0)  # beam k of sentence b: row b*K+k
     src_k = np.repeat(src, K, axis=0)
     seqs = np.full((B, K, L), cfg.pad_id)
@@ -94,7 +125,8 @@ def beam_search(params: Params, cfg: ModelConfig, src: np.ndarray, beam_size: in
     fin_seqs, fin_scores = seqs.copy(), np.full((B, K), NEG)
     done, broken = np.zeros(B, dtype=bool), np.zeros(B, dtype=bool)
     for t in range(L):
-        logp = next_log_probs(params, cfg, memory, src_k, seqs.reshape(B * K, L), t)
+        logp = next_log_probs(params, cfg, memory, src_k, seqs.reshape(B * K, L), t,
+                              np.repeat(limits, K), constraints)
         V = logp.shape[-1]
         cand = (alive[:, :, None] + logp.reshape(B, K, V)).reshape(B, K * V)
         # A NaN candidate (non-finite logits) sorts last and would be dropped without a word:

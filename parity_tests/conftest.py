@@ -4,6 +4,7 @@ the batches."""
 from __future__ import annotations
 
 import functools
+import os
 from collections.abc import Callable
 
 import numpy as np
@@ -128,3 +129,24 @@ def params(cfg: ModelConfig) -> dict[str, np.ndarray]:
 def batch(request, cfg: ModelConfig) -> tuple[np.ndarray, np.ndarray]:
     b, s, t, pad = BATCH_SHAPES[request.param]
     return random_batch(cfg, b, s, t, seed=2, pad=pad)
+
+
+def _opus_mt_case(tmp_path_factory: pytest.TempPathFactory, separate: bool):
+    pytest.importorskip("transformers", reason="the opus-mt case is built with transformers' MarianMTModel")
+    pytest.importorskip("sentencepiece", reason="the opus-mt case's tokenizer is SentencePiece")
+    from parity_tests.opus_mt_case import shared_case
+
+    base = tmp_path_factory.getbasetemp()  # pytest-N/, or pytest-N/popen-gwK/ under pytest-xdist
+    return shared_case(base.parent if os.environ.get("PYTEST_XDIST_WORKER") else base, separate)
+
+
+@pytest.fixture(scope="session")
+def opus_mt_dir(tmp_path_factory):
+    """A directory laid out as opus-mt (parity_tests/opus_mt_case.py): joint vocabulary. Read-only."""
+    return _opus_mt_case(tmp_path_factory, separate=False)
+
+
+@pytest.fixture(scope="session")
+def opus_mt_separate_dir(tmp_path_factory):
+    """The opus-mt case with separate source and target vocabularies (target_vocab.json). Read-only."""
+    return _opus_mt_case(tmp_path_factory, separate=True)

@@ -28,7 +28,7 @@ from rosetta.harness.commands import add_parsers
 from rosetta.harness.data import default_data_dir, load_multi30k
 from rosetta.harness.evaluate import FORMAT, evaluate_model
 from rosetta.harness.run_dir import checkpoint_name, save_checkpoint_dir
-from rosetta.harness.tokenizer import Tokenizer
+from rosetta.tokenizer import Tokenizer
 
 
 def cli(argv: list[str]) -> int:

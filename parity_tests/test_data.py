@@ -1,5 +1,5 @@
 """The data pipeline of the training harness: Multi30k loading and download, the synthetic
-tasks, the joint BPE tokenizer and token-budget batching (rosetta.harness.data, rosetta.harness.tokenizer,
+tasks, the joint BPE tokenizer and token-budget batching (rosetta.harness.data, rosetta.tokenizer,
 rosetta.harness.batching). NumPy only; no deep-learning framework is imported."""
 
 from __future__ import annotations
@@ -207,7 +207,7 @@ def small_corpus() -> list[str]:
 
 @pytest.fixture(scope="module")
 def tok(small_corpus):
-    from rosetta.harness.tokenizer import Tokenizer
+    from rosetta.tokenizer import Tokenizer
 
     return Tokenizer.train(small_corpus, vocab_size=2000)
 
@@ -240,12 +240,14 @@ def test_tokenizer_round_trip(tok):
     assert not {0, 1, 2, 3} & set(tok.encode("a </s> b <pad> c <s>"))
     assert tok.decode(tok.encode("a </s> b")) == "a </s> b"
     assert tok.decode(tok.encode("Ünïcödé ✓ 日本")) == "Ünïcödé ✓ 日本"
-    with pytest.raises(DataError, match="outside the vocabulary"):
+    from rosetta.errors import TokenizerError
+
+    with pytest.raises(TokenizerError, match="outside the vocabulary"):
         tok.decode([tok.vocab_size])
 
 
 def test_tokenizer_save_load_and_determinism(tok, small_corpus, tmp_path):
-    from rosetta.harness.tokenizer import Tokenizer, TokenizerError
+    from rosetta.tokenizer import Tokenizer, TokenizerError
 
     path = tok.save(tmp_path / "sub" / "bpe.json")
     assert [p.name for p in path.parent.iterdir()] == ["bpe.json"]  # no temp file left

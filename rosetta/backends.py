@@ -15,7 +15,7 @@ from __future__ import annotations
 import importlib
 import os
 from abc import ABC, abstractmethod
-from collections.abc import Mapping
+from collections.abc import Iterable, Mapping
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, ClassVar
@@ -25,7 +25,15 @@ import numpy as np
 from rosetta.checkpoint import check_params, load_checkpoint, save_checkpoint
 from rosetta.config import ModelConfig
 from rosetta.errors import InputError, RosettaError
-from rosetta.generation import LENGTH_RULES, Generation, check_alpha, check_scores
+from rosetta.generation import (
+    LENGTH_RULES,
+    NO_CONSTRAINTS,
+    Constraints,
+    Generation,
+    check_alpha,
+    check_constraints,
+    check_scores,
+)
 from rosetta.inputs import check_int, check_src, check_tgt
 from rosetta.params import Params
 
@@ -121,16 +129,24 @@ class BackendModel(ABC):
         return write_dump(path, src, tgt, self._stages(src, tgt, fine))
 
     def generate(self, src: object, beam_size: int = 1, alpha: float = 0.6,
-                 max_len_margin: int = 50, length_rule: str = "wu") -> Generation:
+                 max_len_margin: int = 50, length_rule: str = "wu", *, banned: Iterable[int] = (),
+                 renormalize: bool = False, max_new_tokens: int | None = None,
+                 forced_eos: bool = False) -> Generation:
         """Translate source ids [B, S]: greedy search for beam_size 1, else beam search with
         the length penalty of Wu et al. 2016 (the paper: beam 4, alpha 0.6, margin 50), or with
         `length_rule="hf"` Hugging Face generate's rule (log P / n^alpha, rosetta/generation.py's
         LENGTH_RULES; PITFALLS 15), to compare beam outputs with Hugging Face's. Each
         sentence emits at most (its real length + max_len_margin) tokens, capped at max_len.
-        Identical algorithm in every backend (numpy_ref/decode.py). Numeric arguments follow
-        rosetta/inputs.py's rule (NumPy scalars welcome, bools refused); the beam is at most the
-        target vocabulary size, alpha at most rosetta.generation.ALPHA_MAX. A search whose scores
-        are not finite (weights that overflow the compute dtype) is refused, not returned."""
+        The keywords are the search settings of Hugging Face's generation_config.json
+        (rosetta.generation.Constraints, docs/decoding.md): `banned` target ids never emitted
+        (`bad_words_ids`; pad never is), `renormalize` the log-probabilities over the tokens left
+        (`renormalize_logits`), `max_new_tokens` a cap on each sentence's tokens, eos included
+        (`max_length` - 1), `forced_eos` eos as the only choice at a sentence's last position
+        (`forced_eos_token_id`). Identical algorithm in every backend (numpy_ref/decode.py).
+        Numeric arguments follow rosetta/inputs.py's rule (NumPy scalars welcome, bools refused);
+        the beam is at most the target vocabulary size, alpha at most
+        rosetta.generation.ALPHA_MAX. A search whose scores are not finite (weights that overflow
+        the compute dtype) is refused, not returned."""
         src = check_src(self.config, src)
         beam_size = check_int(beam_size, "beam_size", minimum=1)
         vocab = self.config.tgt_vocab_size
@@ -142,7 +158,8 @@ class BackendModel(ABC):
         max_len_margin = check_int(max_len_margin, "max_len_margin", minimum=0)
         if length_rule not in LENGTH_RULES:
             raise InputError(f"length_rule {length_rule!r}: one of {', '.join(LENGTH_RULES)}")
-        return check_scores(self._generate(src, beam_size, alpha, max_len_margin, length_rule),
+        constraints = check_constraints(self.config, banned, renormalize, max_new_tokens, forced_eos)
+        return check_scores(self._generate(src, beam_size, alpha, max_len_margin, length_rule, constraints),
                             f"backend {self.name} at {self.dtype}")
 
     def step_logits(self, src: object, tgt: object) -> np.ndarray:
@@ -172,8 +189,8 @@ class BackendModel(ABC):
     def _stages(self, src: np.ndarray, tgt: np.ndarray, fine: bool = False) -> dict[str, np.ndarray]: ...
 
     @abstractmethod
-    def _generate(self, src: np.ndarray, beam_size: int, alpha: float,
-                  max_len_margin: int, length_rule: str = "wu") -> Generation: ...
+    def _generate(self, src: np.ndarray, beam_size: int, alpha: float, max_len_margin: int,
+                  length_rule: str = "wu", constraints: Constraints = NO_CONSTRAINTS) -> Generation: ...
 
     @abstractmethod
     def _step_logits(self, src: np.ndarray, tgt: np.ndarray) -> np.ndarray: ...

@@ -41,13 +41,14 @@ from rosetta.cli_args import (
     output_file,
     parse_overrides,
     positive_int,
+    search_settings,
 )
 from rosetta.config import PRESETS, ModelConfig, preset
 from rosetta.diff import commands as diff_commands
 from rosetta.errors import RosettaError
 from rosetta.harness import commands as harness_commands
 from rosetta.inputs import parse_id_line, split_lines
-from rosetta.interop.convert import FORMATS
+from rosetta.interop.convert import FORMATS, READ_FORMATS
 from rosetta.params import init_params, param_count
 
 
@@ -121,9 +122,12 @@ def _stdin_lines() -> list[str]:
 def cmd_generate(args: argparse.Namespace) -> int:
     import numpy as np
 
-    from rosetta.backends import load
+    from rosetta.backends import from_params
 
-    model = load(args.checkpoint, args.backend, args.dtype)
+    opened = _open(args.checkpoint)
+    model = from_params(opened.config, opened.params, args.backend, args.dtype)
+    search = _generate_kwargs(search_settings(args, opened.search))
+    beam = search.pop("beam")
     cfg = model.config
     pad = cfg.pad_id
     rows = []
@@ -140,7 +144,7 @@ def cmd_generate(args: argparse.Namespace) -> int:
         src = np.full((len(chunk), max(map(len, chunk))), pad, dtype=np.int64)
         for i, row in enumerate(chunk):
             src[i, : len(row)] = row
-        out = model.generate(src, args.beam, args.alpha, args.margin, args.length_rule)
+        out = model.generate(src, beam, **search)
         for tokens, score in zip(out.tokens, out.scores, strict=True):
             text = " ".join(map(str, tokens))
             print(f"{text}\t{score:.6f}" if args.scores else text)
@@ -154,36 +158,45 @@ def cmd_config(args: argparse.Namespace) -> int:
     return 0
 
 
+def _open(path, tokenizer=None):
+    """rosetta/harness/translate.py's open_model, its notes on the generation config on stderr."""
+    from rosetta.harness.translate import open_model
+
+    opened = open_model(path, tokenizer)
+    for note in opened.notes:
+        print(f"rosetta: note: {note}", file=sys.stderr)
+    return opened
+
+
 def cmd_translate(args: argparse.Namespace) -> int:
-    from rosetta.backends import load
-    from rosetta.harness.tokenizer import Tokenizer
-    from rosetta.harness.translate import resolve_run, translate_lines
+    from rosetta.backends import from_params
+    from rosetta.harness.translate import translate_lines
 
     if bool(args.run) == bool(args.checkpoint):
-        raise RosettaError("give --run DIR, or --checkpoint FILE (with --tokenizer FILE for a text model)")
-    if args.run:
-        if args.tokenizer:
-            raise RosettaError("--tokenizer goes with --checkpoint; a run directory holds its own")
-        checkpoint, tokenizer_path = resolve_run(args.run)
-    else:
-        checkpoint, tokenizer_path = args.checkpoint, args.tokenizer
-    tokenizer = Tokenizer.load(tokenizer_path) if tokenizer_path else None
-    model = load(checkpoint, args.backend, args.dtype)
-    if tokenizer is not None and tokenizer.vocab_size != model.config.src_vocab_size:
-        raise RosettaError(f"the tokenizer has {tokenizer.vocab_size} ids but the model's source vocabulary "
-                           f"has {model.config.src_vocab_size}: not the tokenizer the model was trained with")
+        raise RosettaError("give --run DIR, or --checkpoint FILE|DIR (a Marian directory, or a checkpoint "
+                           "file with its tokenizer)")
+    if args.run and args.tokenizer:
+        raise RosettaError("--tokenizer goes with --checkpoint; a run directory holds its own")
+    opened = _open(args.run or args.checkpoint, args.tokenizer)
+    model = from_params(opened.config, opened.params, args.backend, args.dtype)
+    search = search_settings(args, opened.search)
     lines = _stdin_lines()
-    for line in translate_lines(model, tokenizer, lines, args.beam, args.alpha, args.margin, args.batch_size,
-                                args.length_rule):
+    for line in translate_lines(model, opened.tokenizer, lines, batch_size=args.batch_size,
+                                **_generate_kwargs(search)):
         print(line)
     return 0
+
+
+def _generate_kwargs(search: dict) -> dict:
+    """search_settings' dict as translate_lines' and model.generate's keywords."""
+    names = {"margin": "max_len_margin", "beam": "beam"}
+    return {names.get(key, key): value for key, value in search.items()}
 
 
 def cmd_convert(args: argparse.Namespace) -> int:
     from pathlib import Path
 
     from rosetta.harness.run_dir import LATEST
-    from rosetta.interop import marian
     from rosetta.interop.convert import convert, is_marian_like
 
     src, tokenizer, fmt_in = Path(args.src), None, args.from_format
@@ -195,11 +208,12 @@ def cmd_convert(args: argparse.Namespace) -> int:
 
         src, tokenizer = resolve_run(src)
         fmt_in = "rosetta"
-    done = convert(src, args.dst, fmt_in, args.to_format, parse_overrides(args.set), overwrite=args.overwrite)
+    done = convert(src, args.dst, fmt_in, args.to_format, parse_overrides(args.set), overwrite=args.overwrite,
+                   tokenizer=tokenizer)
     print(f"wrote {done.path} ({done.to_format}) from {src} ({done.from_format})")
-    if tokenizer is not None and done.to_format == "marian":
-        written = marian.write_tokenizer(tokenizer, done.path, done.config)
-        print(f"wrote {written} (PreTrainedTokenizerFast) from {tokenizer}")
+    if done.companions:
+        names = ", ".join(sorted(p.name for p in done.companions))
+        print(f"wrote {names} in {done.companions[0].parent} (the tokenizer and search settings)")
     return 0
 
 
@@ -226,7 +240,8 @@ def build_parser() -> argparse.ArgumentParser:
     p.set_defaults(func=cmd_init)
 
     p = cmds.add_parser("generate", help="decode token ids read from stdin (one sentence a line)")
-    p.add_argument("--checkpoint", type=nonempty_path, required=True)
+    p.add_argument("--checkpoint", type=nonempty_path, required=True,
+                   help="a checkpoint file or a Hugging Face Marian (opus-mt) directory")
     add_search_args(p, beam=1)
     p.add_argument("--scores", action="store_true", help="print each score after a tab")
     p.set_defaults(func=cmd_generate)
@@ -240,26 +255,34 @@ def build_parser() -> argparse.ArgumentParser:
     p = cmds.add_parser("translate", help="translate stdin (a sentence a line) with a trained run")
     p.add_argument("--run", type=nonempty_path,
                    help="a `rosetta train` output directory (its newest checkpoint)")
-    p.add_argument("--checkpoint", type=nonempty_path, help="or: a model.safetensors file ...")
+    p.add_argument("--checkpoint", type=nonempty_path,
+                   help="or: a checkpoint file (its tokenizer from the NAME.tokenizer/ folder beside it), "
+                        "or a Hugging Face Marian (opus-mt) directory")
     p.add_argument("--tokenizer", type=nonempty_path,
-                   help="... and its tokenizer.json (none: lines are token ids)")
+                   help="the tokenizer to use instead: a tokenizer.json, or a folder of Marian's source.spm, "
+                        "target.spm, vocab.json (none found: lines are token ids)")
     add_search_args(p, beam=4)
     p.set_defaults(func=cmd_translate)
 
-    p = cmds.add_parser("convert", help="convert a model between formats: rosetta, marian, flax-wmt",
-                        epilog="formats: rosetta (a checkpoint file, checkpoint or run directory), marian (a "
-                               "Hugging Face MarianMTModel directory), flax-wmt (Flax examples/wmt params, "
-                               "msgpack). Output format from DST's name: .safetensors, .msgpack, else a "
-                               "directory (marian). A run's tokenizer goes with a marian output.")
+    p = cmds.add_parser("convert", help="convert a model: rosetta, marian, flax-wmt, ctranslate2",
+                        epilog="formats: rosetta (a checkpoint file, checkpoint or run directory), "
+                               "marian (a Hugging Face MarianMTModel directory), flax-wmt (Flax "
+                               "examples/wmt params, msgpack), ctranslate2 (output only: a CTranslate2 "
+                               "model directory, through CTranslate2's own converter; pip install "
+                               "ctranslate2). Output format from DST's name: .safetensors, .msgpack, else "
+                               "a directory (marian). The tokenizer travels with the weights: into a "
+                               "marian directory, or the folder NAME.tokenizer/ beside a file "
+                               "(docs/real-models.md).")
     p.add_argument("src", type=nonempty_path, help="the model to read")
     p.add_argument("dst", type=nonempty_path, help="where to write it")
-    p.add_argument("--from", dest="from_format", choices=FORMATS, help="input format (default: detected)")
+    p.add_argument("--from", dest="from_format", choices=READ_FORMATS,
+                   help="input format (default: detected)")
     p.add_argument("--to", dest="to_format", choices=FORMATS, help="output format (default: from DST)")
     p.add_argument("--set", action="append", default=[], metavar="FIELD=VALUE",
                    help="a config field the input cannot say (max_len, eos_id, ...; repeatable)")
     p.add_argument("--overwrite", action="store_true",
-                   help="marian output: write into a folder that is not empty (its config.json, "
-                        "model.safetensors, ... are replaced; other files stay)")
+                   help="marian or ctranslate2 output: write into a folder that is not empty (its "
+                        "config.json, model.safetensors or model.bin, ... are replaced; other files stay)")
     p.set_defaults(func=cmd_convert)
 
     diff_commands.add_parsers(cmds)  # diff, attention

@@ -92,17 +92,39 @@ non_negative_real = real_type(minimum=0.0)
 real = real_type()  # `train` checks the range itself, as for `integer`
 
 
+# The search without flags and without a model's generation_config.json (the paper's settings,
+# §6.1; `generate` defaults to greedy).
+SEARCH_DEFAULTS = {"alpha": 0.6, "margin": 50, "length_rule": "wu", "banned": (), "renormalize": False,
+                   "max_new_tokens": None, "forced_eos": False}
+SEARCH_FLAGS = ("beam", "alpha", "margin", "length_rule")
+
+
 def add_search_args(p: argparse.ArgumentParser, beam: int) -> None:
-    """Backend and search flags shared by `generate` and `translate`."""
+    """Backend and search flags shared by `generate`, `translate` and `evaluate`. A search flag
+    not given leaves the setting to the model's generation_config.json, else SEARCH_DEFAULTS
+    (`search_settings`)."""
     p.add_argument("--backend", default="numpy", help="numpy, torch or jax")
     p.add_argument("--dtype", default=None, help="compute dtype (default: the backend's first)")
-    p.add_argument("--beam", type=positive_int, default=beam,
-                   help="beam size (the paper's 4), at most the target vocabulary; 1 = greedy search")
-    p.add_argument("--alpha", type=real_type(0.0, ALPHA_MAX), default=0.6,
-                   help=f"length penalty exponent (Wu et al. 2016), 0 to {ALPHA_MAX:g}")
-    p.add_argument("--margin", type=non_negative_int, default=50,
-                   help="max output length = source length + margin")
+    p.add_argument("--beam", type=positive_int,
+                   help=f"beam size (the paper's 4), at most the target vocabulary; 1 = greedy search "
+                        f"(default: the model's generation_config.json num_beams, else {beam})")
+    p.add_argument("--alpha", type=real_type(0.0, ALPHA_MAX),
+                   help=f"length penalty exponent (Wu et al. 2016), 0 to {ALPHA_MAX:g} (default: "
+                        f"generation_config.json's length_penalty, else 0.6)")
+    p.add_argument("--margin", type=non_negative_int,
+                   help="max output length = source length + margin (default: generation_config.json's "
+                        "max_length, else 50)")
     p.add_argument("--batch-size", type=positive_int, default=32, help="sentences decoded at once")
-    p.add_argument("--length-rule", choices=LENGTH_RULES, default="wu",
+    p.add_argument("--length-rule", choices=LENGTH_RULES,
                    help="beam score: wu = log P / ((5 + n) / 6)^alpha (Wu et al. 2016); hf = Hugging Face "
-                        "generate's beam search, log P / n^alpha")
+                        "generate's beam search, log P / n^alpha (default: hf for a model with a "
+                        "generation_config.json, else wu)")
+    p.set_defaults(default_beam=beam)
+
+
+def search_settings(args: argparse.Namespace, model_defaults: dict) -> dict:
+    """The search to run: SEARCH_DEFAULTS, then the model's generation_config.json
+    (rosetta/interop/marian_files.py: search_defaults), then the flags given."""
+    settings = {**SEARCH_DEFAULTS, "beam": args.default_beam, **model_defaults}
+    settings.update({flag: getattr(args, flag) for flag in SEARCH_FLAGS if getattr(args, flag) is not None})
+    return settings

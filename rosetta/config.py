@@ -10,9 +10,10 @@ import dataclasses
 import json
 import math
 from dataclasses import dataclass
+from pathlib import Path
 from typing import Any
 
-from rosetta.errors import ConfigError
+from rosetta.errors import ConfigError, RosettaError
 
 ACTIVATIONS = ("relu", "gelu", "gelu_tanh", "silu")
 POSITIONAL_ENCODINGS = ("sinusoidal_interleaved", "sinusoidal_concat", "sinusoidal_concat_t2t")
@@ -163,6 +164,21 @@ def parse_json(text: str, what: str) -> Any:
         raise ConfigError(f"{what} JSON refused: {e}") from None
     except ValueError as e:  # JSONDecodeError, or an integer too long to convert
         raise ConfigError(f"{what} is not valid JSON: {e}") from None
+
+
+def read_json_object(path: Path, what: str, error: type[RosettaError] = ConfigError) -> dict[str, Any]:
+    """The JSON object in the file `path` (`what` it is, for the message), or `error` naming the file."""
+    try:
+        data = parse_json(path.read_bytes().decode("utf-8"), str(path))
+    except OSError as e:
+        raise error(f"{path}: cannot read: {e.strerror or e}") from None
+    except UnicodeDecodeError as e:
+        raise error(f"{path}: not UTF-8 text: {e}") from None
+    except ConfigError as e:  # not JSON, duplicate keys
+        raise error(str(e)) from None
+    if not isinstance(data, dict):
+        raise error(f"{path}: {what} must be a JSON object, got {type(data).__name__}")
+    return data
 
 
 def strict_from_dict(cls: type, data: Any, what: str, required: tuple[str, ...] = ()) -> Any:

@@ -15,3 +15,7 @@ class CheckpointError(RosettaError):
 
 class InputError(RosettaError):
     """Token ids the model cannot take: wrong type, shape, range or length."""
+
+
+class TokenizerError(RosettaError):
+    """A tokenizer file or argument that cannot be used (rosetta/tokenizer.py)."""

@@ -10,6 +10,7 @@ import torch
 
 from rosetta.backends import BackendModel
 from rosetta.errors import RosettaError
+from rosetta.generation import NO_CONSTRAINTS, Constraints
 from rosetta.params import Params
 from torch_impl import decode
 from torch_impl.convert import from_state_dict, to_state_dict
@@ -101,14 +102,15 @@ class Model(BackendModel):
             self.module(self._tensor(src), self._tensor(tgt), stages, fine)
             return {name: self._numpy(value) for name, value in stages.items()}
 
-    def _generate(self, src: np.ndarray, beam_size: int, alpha: float,
-                  max_len_margin: int, length_rule: str = "wu", cache: bool = True) -> decode.Generation:
+    def _generate(self, src: np.ndarray, beam_size: int, alpha: float, max_len_margin: int,
+                  length_rule: str = "wu", constraints: Constraints = NO_CONSTRAINTS,
+                  cache: bool = True) -> decode.Generation:
         with self._context():
             if beam_size == 1:
                 return decode.greedy_search(self.module, self.config, self._tensor(src), max_len_margin,
-                                            cache)
+                                            cache, constraints)
             return decode.beam_search(self.module, self.config, self._tensor(src), beam_size, alpha,
-                                      max_len_margin, cache, rule=length_rule)
+                                      max_len_margin, cache, rule=length_rule, constraints=constraints)
 
     def _step_logits(self, src: np.ndarray, tgt: np.ndarray) -> np.ndarray:
         with self._context():

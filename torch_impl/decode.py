@@ -7,7 +7,7 @@ from __future__ import annotations
 import torch
 
 from rosetta.config import ModelConfig
-from rosetta.generation import NEG, Generation, output_limits, strip
+from rosetta.generation import NEG, NO_CONSTRAINTS, Constraints, Generation, output_limits, strip
 from torch_impl.model import Transformer, source_mask
 
 
@@ -17,13 +17,31 @@ def length_penalty(length: torch.Tensor | int, alpha: float, rule: str = "wu") -
     return n**alpha if rule == "hf" else ((5.0 + n) / 6.0) ** alpha
 
 
+def constrain(logp: torch.Tensor, cfg: ModelConfig, constraints: Constraints, last: torch.Tensor,
+              banned: torch.Tensor) -> torch.Tensor:
+    """numpy_ref/decode.py's `constrain` (Hugging Face's logits processors, in its order);
+    `banned` is constraints.banned_ids(cfg) on logp's device, built once per search."""
+    if constraints.forced_eos:
+        is_eos = torch.arange(logp.shape[-1], device=logp.device) == cfg.eos_id
+        # x - x: 0, but a NaN row (non-finite logits) stays NaN for check_scores to refuse
+        logp = torch.where(last[:, None], torch.where(is_eos, logp - logp, NEG), logp)
+    logp[:, banned] = NEG
+    if constraints.renormalize:
+        logp = torch.log_softmax(logp, dim=-1)  # exp(NEG - max) is 0: the sum runs over what is left
+        logp[:, banned] = NEG
+    return logp
+
+
 class Steps:
     """next_log_probs(tokens, t): [N, V] log-probabilities of output position t for rows whose
-    emitted tokens are `tokens` [N, L]; `reorder(rows)` follows the beams' reordering."""
+    emitted tokens are `tokens` [N, L] and limits `limits` [N], constrained; `reorder(rows)`
+    follows the beams' reordering."""
 
     def __init__(self, module: Transformer, src: torch.Tensor, memory: torch.Tensor, length: int,
-                 cache: bool = True):
+                 limits: torch.Tensor, constraints: Constraints = NO_CONSTRAINTS, cache: bool = True):
         self.module, self.src, self.memory, self.cfg = module, src, memory, module.cfg
+        self.limits, self.constraints = limits, constraints
+        self.banned = torch.as_tensor(constraints.banned_ids(self.cfg), device=src.device)
         self.cache = module.init_cache(memory, length) if cache else None
         self.cross_mask = source_mask(src, self.cfg.pad_id)
 
@@ -37,8 +55,7 @@ class Steps:
             hidden = self.module.decode(prefix, self.memory, self.src)[:, -1:]
             logits = self.module.generator(hidden, self.module.tgt_table)[:, 0]
         logp = torch.log_softmax(logits.float(), dim=-1)
-        logp[:, self.cfg.pad_id] = NEG  # never emit padding
-        return logp
+        return constrain(logp, self.cfg, self.constraints, t + 1 >= self.limits, self.banned)
 
     def reorder(self, rows: torch.Tensor, t: int) -> None:
         """After step t: only positions <= t hold keys and values, so only they move."""
@@ -63,12 +80,12 @@ def topk_stable(x: torch.Tensor, k: int) -> tuple[torch.Tensor, torch.Tensor]:
     return x.gather(-1, index), index
 
 
-def greedy_search(module: Transformer, cfg: ModelConfig, src: torch.Tensor,
-                  max_len_margin: int = 50, cache: bool = True) -> Generation:
+def greedy_search(module: Transformer, cfg: ModelConfig, src: torch.Tensor, max_len_margin: int = 50,
+                  cache: bool = True, constraints: Constraints = NO_CONSTRAINTS) -> Generation:
     B = src.shape[0]
-    limits_np, L = output_limits(cfg, src.cpu().numpy(), max_len_margin)
+    limits_np, L = output_limits(cfg, src.cpu().numpy(), max_len_margin, constraints.max_new_tokens)
     limits = torch.as_tensor(limits_np, device=src.device)
-    steps = Steps(module, src, module.encode(src), L, cache)
+    steps = Steps(module, src, module.encode(src), L, limits, constraints, cache)
     tokens = torch.full((B, L), cfg.pad_id, device=src.device)
     scores = torch.zeros(B, device=src.device)
     done = torch.zeros(B, dtype=torch.bool, device=src.device)
@@ -85,12 +102,13 @@ def greedy_search(module: Transformer, cfg: ModelConfig, src: torch.Tensor,
 
 def beam_search(module: Transformer, cfg: ModelConfig, src: torch.Tensor, beam_size: int = 4,
                 alpha: float = 0.6, max_len_margin: int = 50, cache: bool = True,
-                rule: str = "wu") -> Generation:
+                rule: str = "wu", constraints: Constraints = NO_CONSTRAINTS) -> Generation:
     B, K, dev = src.shape[0], beam_size, src.device
-    limits_np, L = output_limits(cfg, src.cpu().numpy(), max_len_margin)
+    limits_np, L = output_limits(cfg, src.cpu().numpy(), max_len_margin, constraints.max_new_tokens)
     limits = torch.as_tensor(limits_np, device=dev)
     memory = module.encode(src).repeat_interleave(K, dim=0)  # beam k of sentence b: row b*K+k
-    steps = Steps(module, src.repeat_interleave(K, dim=0), memory, L, cache)
+    steps = Steps(module, src.repeat_interleave(K, dim=0), memory, L, limits.repeat_interleave(K),
+                  constraints, cache)
     seqs = torch.full((B, K, L), cfg.pad_id, device=dev)
     alive = torch.tensor([0.0] + [NEG] * (K - 1), device=dev).repeat(B, 1)  # beam 0 expands first
     fin_seqs, fin_scores = seqs.clone(), torch.full((B, K), NEG, device=dev)

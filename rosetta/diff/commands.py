@@ -21,7 +21,16 @@ def cmd_diff(args: argparse.Namespace) -> int:
 
     a, b = parse_sides(args.a, args.b)
     check_compatible(a, b)
-    src, tgt = pick_batch([a, b], args.seed)
+    if args.src is None:
+        if args.tgt is not None or args.ids:
+            raise InputError("--tgt and --ids go with --src")
+        src, tgt = pick_batch([a, b], args.seed)
+    else:
+        if a.dump is not None or b.dump is not None:
+            raise InputError("a dump holds its own batch: --src and --tgt are for two models")
+        src, tgt, tokenizer = _sentence_pair([a, b], args.src, args.tgt, args.ids)
+        said = f" = the start token + {tokenizer.decode(tgt[0, 1:])!r}" if tokenizer else ""
+        print(f"src ids {src[0].tolist()}; decoder input ids {tgt[0].tolist()}{said}")
     stages_a, stages_b = a.stages(src, tgt), b.stages(src, tgt)
     tolerance = max(a.tolerance, b.tolerance) if args.tolerance is None else args.tolerance
     rows = compare_stages(pad_id([a, b]), src, tgt, stages_a, stages_b, tolerance)
@@ -82,6 +91,8 @@ def cmd_attention(args: argparse.Namespace) -> int:
     side = parse_side(args.side)
     if (args.src is None) != (args.tgt is None):
         raise InputError("give both --src and --tgt, or neither (a random sentence pair)")
+    if args.ids and args.src is None:
+        raise InputError("--ids goes with --src and --tgt")
     if side.dump is not None:
         if args.src is not None:
             raise InputError("a dump holds its own sentence pair: --src and --tgt are for models")
@@ -92,22 +103,45 @@ def cmd_attention(args: argparse.Namespace) -> int:
         if args.src is None:
             src, tgt = random_batch(cfg, batch=1, seed=args.seed)
         else:
-            import numpy as np
-
-            src = np.array([_flag_ids("--src", args.src, cfg.src_vocab_size, "source")])
-            tgt = np.array([_flag_ids("--tgt", args.tgt, cfg.tgt_vocab_size, "target")])
+            src, tgt, _ = _sentence_pair([side], args.src, args.tgt, args.ids)
         stages = side.stages(src, tgt)
     pad = side.config.pad_id if side.config is not None else 0  # a dump holds no config: pad 0
     print(f"wrote {plot_attention(args.out, stages, src, tgt, pad_id=pad)}")
     return 0
 
 
-def _flag_ids(flag: str, text: str, vocab_size: int, side: str) -> list[int]:
-    """The token ids of a --src/--tgt value, by stdin's rule (rosetta.inputs.parse_id_line)."""
+def _sentence_pair(sides: list, src_text: str, tgt_text: str | None, as_ids: bool):
+    """(src [1, S], tgt [1, T], the tokenizer or None) of --src and --tgt (docs/diff.md): text when
+    a model side's directory holds a tokenizer and --ids is not given, else token ids. Text --tgt
+    is the reference translation shifted right behind the start token, `[bos] +
+    encode_target(text)[:-1]` (what training feeds; eos is not an input); without --tgt, the start
+    token then the greedy translation of the first side that is one of our models."""
+    import numpy as np
+
+    from rosetta.diff.sides import side_tokenizer, translated_input
+
+    cfg = next(s.config for s in sides if s.config is not None)
+    tokenizer = None if as_ids else side_tokenizer(sides)
+    if tokenizer is None:
+        hint = "" if as_ids else "; text needs a tokenizer (source.spm + vocab.json, or tokenizer.json) " \
+                                 "in a model side's directory, and none holds one"
+        src = np.array([_flag_ids("--src", src_text, cfg.src_vocab_size, "source", hint)])
+        tgt = None if tgt_text is None else \
+            np.array([_flag_ids("--tgt", tgt_text, cfg.tgt_vocab_size, "target", hint)])
+    else:
+        src = np.array([tokenizer.encode_source(src_text)])
+        tgt = None if tgt_text is None else np.array([[cfg.bos_id, *tokenizer.encode_target(tgt_text)[:-1]]])
+    return src, translated_input(sides, src) if tgt is None else tgt, tokenizer
+
+
+def _flag_ids(flag: str, text: str, vocab_size: int, side: str, hint: str = "") -> list[int]:
+    """The token ids of a --src/--tgt value, by stdin's rule (rosetta.inputs.parse_id_line);
+    `hint` follows the message when a token is not an id."""
     try:
         ids = parse_id_line(text, 1, vocab_size)
     except InputError as e:
-        raise InputError(f"{flag}: {str(e).removeprefix('input line 1: ').replace('source', side)}") from None
+        message = str(e).removeprefix("input line 1: ").replace("source", side)
+        raise InputError(f"{flag}: {message}{hint if 'is not a token id' in message else ''}") from None
     if not ids:
         raise InputError(f"{flag}: no token ids given")
     return ids
@@ -118,8 +152,11 @@ def add_parsers(cmds: argparse._SubParsersAction) -> None:
     from rosetta.cli_args import non_negative_int, non_negative_real, output_file
 
     sides = ("SIDE: a model file or directory (rosetta checkpoint, marian, flax-wmt) as "
-             "PATH[@BACKEND[:DTYPE]] (default numpy at its first dtype), or an activation dump "
-             "PATH.npz (docs/diff.md)")
+             "PATH[@BACKEND[:DTYPE]] (default numpy at its first dtype), a Marian directory run by "
+             "Hugging Face's own MarianMTModel as DIR@transformers, or an activation dump PATH.npz "
+             "(docs/diff.md)")
+    text = ("text when a model side's directory holds a tokenizer (an opus-mt directory, a run "
+            "directory's tokenizer.json), else token ids")
     p = cmds.add_parser("diff", help="find the first stage where two implementations part, and why",
                         epilog=sides + ". Exit code 0: every shared stage within the tolerance; 1: they "
                                "differ (the first stage over is marked); 2: bad input or usage")
@@ -134,8 +171,16 @@ def add_parsers(cmds: argparse._SubParsersAction) -> None:
                    help="name the porting mistake that explains the difference (the catalogue)")
     p.add_argument("--plot", type=output_file, metavar="FILE",
                    help="PNG: the error per stage and the attention where they part")
+    p.add_argument("--src", help=f"compare on this one source sentence, {text}: e.g. "
+                                 f"\"Ein Hund läuft.\" or \"5 6 7 2\" (default: a random batch)")
+    p.add_argument("--tgt", help="its decoder input: a reference translation as text (fed as training "
+                                 "does: the start token, then its tokens), or ids starting with the start "
+                                 "token (default: the start token and the greedy translation of the first "
+                                 "side run in one of our backends)")
+    p.add_argument("--ids", action="store_true", help="read --src and --tgt as token ids even where a "
+                                                       "tokenizer is found")
     p.add_argument("--seed", type=non_negative_int, default=0,
-                   help="the random batch (when no side is a dump)")
+                   help="the random batch (when no side is a dump and --src is not given)")
     p.set_defaults(func=cmd_diff)
 
     p = cmds.add_parser("attention", help="plot every attention map of one side on one sentence pair",
@@ -143,7 +188,11 @@ def add_parsers(cmds: argparse._SubParsersAction) -> None:
     p.add_argument("side", help="the model (or dump) to plot")
     p.add_argument("--out", type=output_file, required=True, metavar="FILE.png",
                    help="where to write the PNG")
-    p.add_argument("--src", help='source ids, e.g. "5 6 7 2" (default: a random sentence pair)')
-    p.add_argument("--tgt", help='decoder input ids, start token first, e.g. "1 8 9"')
+    p.add_argument("--src", help=f'the source sentence, {text}: e.g. "5 6 7 2" (default: a random '
+                                 f'sentence pair)')
+    p.add_argument("--tgt", help='its decoder input: a reference translation as text (the start token, '
+                                 'then its tokens), or ids starting with the start token, e.g. "1 8 9"')
+    p.add_argument("--ids", action="store_true", help="read --src and --tgt as token ids even where a "
+                                                       "tokenizer is found")
     p.add_argument("--seed", type=non_negative_int, default=0, help="the random sentence pair")
     p.set_defaults(func=cmd_attention)

@@ -5,6 +5,8 @@ A side is one of
                             rosetta checkpoint, a Marian directory, a flax-wmt msgpack), run in
                             BACKEND (default numpy) at DTYPE (default the backend's first: numpy's
                             is float64, so a converted model runs as the float64 reference);
+    DIR@transformers        a Marian directory run by Hugging Face's own MarianMTModel at float32,
+                            its stages captured with hooks (rosetta/diff/transformers_side.py);
     PATH.npz                an activation dump (rosetta/diff/dump.py): stages someone else's code
                             computed, on the batch stored with them.
 """
@@ -15,11 +17,13 @@ import re
 from collections.abc import Sequence
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Any
 
 import numpy as np
 
 from rosetta.backends import MODEL_BACKENDS, BackendModel, get_backend
 from rosetta.config import ModelConfig
+from rosetta.diff import transformers_side
 from rosetta.diff.dump import Dump, read_dump, stage_kind
 from rosetta.errors import ConfigError, InputError
 from rosetta.params import Params
@@ -27,22 +31,26 @@ from rosetta.parity import TOLERANCES, random_batch
 
 # The numpy reference against itself (float64 vs float64): only summation order differs.
 FLOAT64_TOLERANCE = 1e-10
-# A dump says only its arrays' dtype: the tolerance of that precision in TOLERANCES.
+# A dump (and Hugging Face's model) says only its arrays' dtype: that precision's TOLERANCES entry.
 DUMP_TOLERANCES = {"float64": FLOAT64_TOLERANCE, "float32": 1e-5, "float16": 1e-2}
 # The fields that fix the stages' shapes: two sides that differ here cannot be compared.
 SHAPE_FIELDS = ("src_vocab_size", "tgt_vocab_size", "d_model", "num_heads", "num_encoder_layers",
                 "num_decoder_layers", "d_ff")
+# What may follow '@': one of our backends, or the original implementation of a Marian directory.
+SIDE_BACKENDS = (*MODEL_BACKENDS, transformers_side.BACKEND)
 _SPEC = re.compile(r"(?P<path>.+?)(@(?P<backend>[a-z]+)(:(?P<dtype>[a-z0-9]+))?)?")
 
 
 @dataclass
 class Side:
-    """One side: a model (config, params, backend, dtype) or a dump."""
+    """One side: a model (config, params, backend, dtype), Hugging Face's MarianMTModel of a Marian
+    directory (`original`, with the weights read_model reads from it), or a dump."""
 
     label: str
     model: BackendModel | None = None
     weights: tuple[ModelConfig, Params] | None = None
     dump: Dump | None = None
+    original: Any = None
 
     @property
     def config(self) -> ModelConfig | None:
@@ -54,11 +62,15 @@ class Side:
         if self.model is not None:
             key = (self.model.name, self.model.dtype)
             return FLOAT64_TOLERANCE if key == ("numpy", "float64") else TOLERANCES.get(key, 3e-2)
+        if self.original is not None:
+            return DUMP_TOLERANCES[transformers_side.DTYPE]
         dtypes = {str(v.dtype) for v in self.dump.stages.values()} or {"float64"}
         return max(DUMP_TOLERANCES.get(d, 3e-2) for d in dtypes)
 
     def stages(self, src: np.ndarray, tgt: np.ndarray) -> dict[str, np.ndarray]:
         """Every stage this side has for the batch (src, tgt); a dump must hold that batch."""
+        if self.original is not None:
+            return transformers_side.marian_stages(self.original, src, tgt)
         if self.dump is None:
             return self.model.stages(src, tgt, fine=True)
         if self.dump.src.shape != np.shape(src) or self.dump.tgt.shape != np.shape(tgt) \
@@ -72,7 +84,7 @@ class Side:
 def _split(spec: str) -> tuple[str, str | None, str | None]:
     m = _SPEC.fullmatch(spec)
     path, backend, dtype = m["path"], m["backend"], m["dtype"]
-    if backend is not None and backend not in MODEL_BACKENDS:  # an '@' that is part of the path
+    if backend is not None and backend not in SIDE_BACKENDS:  # an '@' that is part of the path
         path, backend, dtype = spec, None, None
     return path, backend, dtype
 
@@ -92,7 +104,11 @@ def parse_side(spec: str, cfg: ModelConfig | None = None) -> Side:
         if backend is not None:
             raise ConfigError(f"{spec}: a dump holds computed stages; it has no backend to run")
         return Side(spec, dump=read_dump(path, cfg))
+    if backend == transformers_side.BACKEND and dtype not in (None, transformers_side.DTYPE):
+        raise ConfigError(f"{spec}: @{backend} runs Hugging Face's model at {transformers_side.DTYPE} only")
     cfg, params = read_model(path)
+    if backend == transformers_side.BACKEND:
+        return Side(spec, weights=(cfg, params), original=transformers_side.load_marian_model(path))
     model = get_backend(backend or "numpy")(cfg, params, dtype)
     return Side(spec, model=model, weights=(cfg, params))
 
@@ -143,6 +159,37 @@ def pick_batch(sides: Sequence[Side], seed: int = 0) -> tuple[np.ndarray, np.nda
             other.stages(src, tgt)  # refuses another batch, naming it
         return src, tgt
     return random_batch(sides[0].config, seed=seed)
+
+
+def side_tokenizer(sides: Sequence[Side]) -> Any:
+    """The tokenizer a model side's directory or checkpoint sidecar holds (Marian's SentencePiece
+    files or our tokenizer.json), checked against that side's model; the first
+    side's first, None when no side's directory holds one."""
+    from rosetta.interop.marian_files import companion_dir
+    from rosetta.tokenizer import find_tokenizer
+
+    for side in sides:
+        folder = companion_dir(_split(side.label)[0])  # a directory, or a checkpoint file's sidecar
+        tokenizer = find_tokenizer(folder) if side.config is not None and folder is not None else None
+        if tokenizer is not None:
+            tokenizer.check_fits(side.config)
+            return tokenizer
+    return None
+
+
+def translated_input(sides: Sequence[Side], src: np.ndarray) -> np.ndarray:
+    """Decoder input ids [B, T] for `src`: the start token, then the greedy translation of the
+    first side that is one of our models (a real sentence pair, not a random one), padded."""
+    side = next((s for s in sides if s.model is not None), None)
+    if side is None:
+        raise InputError(f"without --tgt the decoder input is a translation by one of our backends "
+                         f"({', '.join(MODEL_BACKENDS)}), and no side is one; give --tgt")
+    cfg = side.config
+    rows = [([cfg.bos_id] + tokens)[:cfg.max_len] for tokens in side.model.generate(src, 1).tokens]
+    tgt = np.full((len(rows), max(map(len, rows))), cfg.pad_id, dtype=np.int64)
+    for b, row in enumerate(rows):
+        tgt[b, :len(row)] = row
+    return tgt
 
 
 def pad_id(sides: Sequence[Side]) -> int:

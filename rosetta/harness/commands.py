@@ -148,11 +148,10 @@ def cmd_average(args: argparse.Namespace) -> int:
 
 def cmd_evaluate(args: argparse.Namespace) -> int:
     """Decode a Multi30k split, score it (sacreBLEU BLEU and chrF), write the JSON report."""
-    from rosetta.backends import load
+    from rosetta.backends import from_params
     from rosetta.harness import evaluate as ev
     from rosetta.harness.data import SPLITS, resolve_data_dir
     from rosetta.harness.tasks import parse_pair
-    from rosetta.harness.tokenizer import Tokenizer
 
     if args.split not in SPLITS:  # before the model loads: a typo should not wait for it
         raise RosettaError(f"unknown Multi30k split {args.split!r}; choose one of {', '.join(SPLITS)}")
@@ -160,28 +159,45 @@ def cmd_evaluate(args: argparse.Namespace) -> int:
         parse_pair(args.pair)
     if args.hyps is not None and Path(args.hyps).resolve() == Path(args.out).resolve():
         raise RosettaError(f"--hyps and --out both name {args.out}: the report would replace the hypotheses")
-    checkpoint, tokenizer_path, run_record = ev.resolve_model(args.model, args.tokenizer)
+    from rosetta.cli_args import search_settings
+    from rosetta.harness.translate import open_model
+    from rosetta.interop.convert import is_marian_like
+    from rosetta.interop.marian_files import companion_dir
+
+    model_path = Path(args.model)
+    if is_marian_like(model_path) or (model_path.is_file() and companion_dir(model_path) is not None):
+        # A Hugging Face Marian directory, or a converted checkpoint with its tokenizer beside it.
+        opened, run_record = open_model(model_path, args.tokenizer), None
+        if opened.tokenizer is None:
+            raise RosettaError(f"{model_path}: no tokenizer found with the model (give --tokenizer)")
+        tokenizer_path = getattr(opened.tokenizer, "directory", args.tokenizer or companion_dir(model_path))
+    else:
+        checkpoint, tokenizer_path, run_record = ev.resolve_model(args.model, args.tokenizer)
+        opened = open_model(checkpoint, tokenizer_path)
+    for note in opened.notes:
+        print(f"rosetta: note: {note}", file=sys.stderr)
     pair = ev.run_pair(run_record, args.pair)
-    tokenizer = Tokenizer.load(tokenizer_path)
-    model = load(checkpoint, args.backend, args.dtype)
+    model = from_params(opened.config, opened.params, args.backend, args.dtype)
+    search = search_settings(args, opened.search)
     start = time.perf_counter()
-    result = ev.evaluate_split(model, tokenizer, args.split, pair, args.data_dir, args.limit, beam=args.beam,
-                            alpha=args.alpha, max_len_margin=args.margin, batch_size=args.batch_size,
-                            length_rule=args.length_rule)
+    result = ev.evaluate_split(model, opened.tokenizer, args.split, pair, args.data_dir, args.limit,
+                               batch_size=args.batch_size, beam=search.pop("beam"),
+                               max_len_margin=search.pop("margin"), **search)
     hyps = str(ev.write_hypotheses(args.hyps, result["hypotheses"])) if args.hyps is not None else None
     report = {
-        "format": ev.FORMAT, "checkpoint": str(checkpoint), "tokenizer": str(tokenizer_path),
+        "format": ev.FORMAT, "checkpoint": str(opened.path), "tokenizer": str(tokenizer_path),
         "split": args.split, "pair": pair, "data_dir": str(resolve_data_dir(args.data_dir)),
         "limit": args.limit,
-        "backend": args.backend, "dtype": model.dtype, "beam": args.beam, "alpha": args.alpha,
-        "margin": args.margin, "length_rule": args.length_rule, "batch_size": args.batch_size,
+        "backend": args.backend, "dtype": model.dtype, "beam": result["search"]["beam"],
+        "alpha": result["search"]["alpha"], "margin": result["search"]["max_len_margin"],
+        "length_rule": result["search"]["length_rule"], "batch_size": args.batch_size,
         "sentences": result["sentences"], "bleu": result["bleu"], "chrf": result["chrf"],
         "hypotheses": hyps, "time_s": time.perf_counter() - start,
     }
     written = ev.write_report(args.out, report)
     subset = f" (first {result['sentences']})" if args.limit is not None else ""
-    print(f"{args.split} {pair}{subset}, {result['sentences']} sentences, beam {args.beam}, "
-          f"alpha {args.alpha}, {args.backend}")
+    print(f"{args.split} {pair}{subset}, {result['sentences']} sentences, beam {report['beam']}, "
+          f"alpha {report['alpha']}, {args.backend}")
     print(f"{result['bleu']['text']}\n  {result['bleu']['signature']}")
     print(f"{result['chrf']['text']}\n  {result['chrf']['signature']}")
     if hyps:

@@ -28,8 +28,8 @@ from rosetta.errors import RosettaError
 from rosetta.files import atomic_write_bytes
 from rosetta.harness.batching import Batch, restore_order
 from rosetta.harness.tasks import TaskData
-from rosetta.harness.tokenizer import Tokenizer
 from rosetta.harness.translate import translate_lines
+from rosetta.tokenizer import TextTokenizer
 
 FORMAT = "rosetta-evaluate/1"
 # The characters str.splitlines breaks at. A hypothesis is one line (of the --hyps file, of
@@ -84,25 +84,28 @@ def score_batches(model: BackendModel, task: TaskData, batches: list[Batch], cou
     return {"bleu": corpus_bleu, "exact_match": exact, "bleu_sentences": len(kept), "sample": sample}
 
 
-def evaluate_model(model: BackendModel, tokenizer: Tokenizer | None, sources: Sequence[str],
+def evaluate_model(model: BackendModel, tokenizer: TextTokenizer | None, sources: Sequence[str],
                    references: Sequence[str], beam: int = 4, alpha: float = 0.6, max_len_margin: int = 50,
-                   batch_size: int = 32, length_rule: str = "wu") -> dict[str, Any]:
-    """Translate `sources` (rosetta/harness/translate.py: translate_lines) and score them against
-    `references`: {"sentences", "hypotheses", "bleu": {...}, "chrf": {...}, "decode_time_s"}.
-    Without a tokenizer (the synthetic tasks) sources are id lines and BLEU counts ids."""
+                   batch_size: int = 32, length_rule: str = "wu", **constraints: Any) -> dict[str, Any]:
+    """Translate `sources` (rosetta/harness/translate.py: translate_lines; `constraints` are
+    model.generate's keywords) and score them against `references`: {"sentences", "hypotheses",
+    "bleu": {...}, "chrf": {...}, "decode_time_s", "search": the settings used}. Without a
+    tokenizer (the synthetic tasks) sources are id lines and BLEU counts ids."""
     if len(sources) != len(references):
         raise RosettaError(f"{len(sources)} sources for {len(references)} references")
     if not sources:
         raise RosettaError("nothing to evaluate: no sentences")
-    if tokenizer is not None and tokenizer.vocab_size != model.config.src_vocab_size:
-        raise RosettaError(f"the tokenizer has {tokenizer.vocab_size} ids but the model's source vocabulary "
-                           f"has {model.config.src_vocab_size}: not the tokenizer the model was trained with")
+    if tokenizer is not None:
+        tokenizer.check_fits(model.config)
     start = time.perf_counter()
     hypotheses = [_LINE_BREAKS.sub(" ", h) for h in translate_lines(
-        model, tokenizer, sources, beam, alpha, max_len_margin, batch_size, length_rule)]
+        model, tokenizer, sources, beam, alpha, max_len_margin, batch_size, length_rule, **constraints)]
     decode_time = time.perf_counter() - start
     scores = score(hypotheses, references, tokenize="13a" if tokenizer is not None else "none")
-    return {"sentences": len(sources), "hypotheses": hypotheses, **scores, "decode_time_s": decode_time}
+    search = {"beam": beam, "alpha": alpha, "max_len_margin": max_len_margin, "length_rule": length_rule,
+              **constraints}
+    return {"sentences": len(sources), "hypotheses": hypotheses, **scores, "decode_time_s": decode_time,
+            "search": search}
 
 
 def resolve_model(path: str | os.PathLike[str], tokenizer: str | os.PathLike[str] | None
@@ -149,7 +152,7 @@ def run_pair(run_record: dict[str, Any] | None, pair: str | None) -> str:
     return pair or trained or "de-en"
 
 
-def evaluate_split(model: BackendModel, tokenizer: Tokenizer, split: str, pair: str,
+def evaluate_split(model: BackendModel, tokenizer: TextTokenizer, split: str, pair: str,
                    data_dir: str | os.PathLike[str] | None = None, limit: int | None = None,
                    **search: Any) -> dict[str, Any]:
     """`evaluate_model` on a Multi30k split (rosetta/harness/data.py), its first `limit` pairs

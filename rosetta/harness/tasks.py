@@ -18,7 +18,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from rosetta.harness.data import LANGUAGES, SPLITS, SYNTHETIC_TASKS, DataError, load_multi30k, synthetic_pairs
-from rosetta.harness.tokenizer import Tokenizer
+from rosetta.tokenizer import Tokenizer
 
 TASKS: tuple[str, ...] = (*SYNTHETIC_TASKS, "multi30k")
 IdPair = tuple[list[int], list[int]]

@@ -1,7 +1,11 @@
-"""Translation with a trained checkpoint: find the checkpoint and tokenizer of a run, encode
-sentences, decode with any backend (`model.generate`: greedy or beam search), detokenise.
+"""Translation with a model: find its weights, tokenizer and search settings, encode sentences,
+decode with any backend (`model.generate`: greedy or beam search), detokenise.
 
-A run directory (`rosetta train --out OUT`) resolves to its newest checkpoint:
+`open_model` takes what `--checkpoint` names: a checkpoint file (its tokenizer in the sidecar
+`NAME.tokenizer/` that `rosetta convert` writes: rosetta/interop/marian_files.py), a Hugging Face
+Marian (opus-mt) directory, converted in memory with its SentencePiece tokenizer and its
+generation_config.json, or a training run. A run directory (`rosetta train --out OUT`) resolves
+to its newest checkpoint:
 `OUT/<backend>/checkpoints/<latest>/model.safetensors` and the `tokenizer.json` beside it; a
 checkpoint that is not what its name says (a symlink out of the run, another step's files) is
 refused (rosetta/harness/run_dir.py: check_checkpoint_dir).
@@ -13,7 +17,9 @@ from __future__ import annotations
 
 import os
 from collections.abc import Sequence
+from dataclasses import dataclass, field
 from pathlib import Path
+from typing import Any
 
 import numpy as np
 
@@ -21,8 +27,9 @@ from rosetta.backends import BackendModel
 from rosetta.config import ModelConfig
 from rosetta.errors import InputError, RosettaError
 from rosetta.harness.run_dir import LATEST, check_checkpoint_dir, is_checkpoint_name, latest_checkpoint
-from rosetta.harness.tokenizer import Tokenizer
 from rosetta.inputs import check_int, parse_id_line
+from rosetta.params import Params
+from rosetta.tokenizer import TextTokenizer, find_tokenizer, load_tokenizer
 
 
 def resolve_run(path: str | os.PathLike[str]) -> tuple[Path, Path | None]:
@@ -58,11 +65,58 @@ def resolve_run(path: str | os.PathLike[str]) -> tuple[Path, Path | None]:
     return ckpt_dir / "model.safetensors", tokenizer
 
 
-def encode_line(line: str, number: int, tokenizer: Tokenizer | None, cfg: ModelConfig) -> list[int]:
-    """Source ids of one input line, eos appended: BPE for text, or the ids themselves (ASCII
-    digits inside the source vocabulary: rosetta.inputs.parse_id_line)."""
+@dataclass
+class OpenedModel:
+    """A model as `open_model` found it: weights, tokenizer (None: lines are ids), the search
+    settings of its generation_config.json ({} without one) and notes on what it asks that our
+    search does not do."""
+
+    path: Path  # the checkpoint file or model directory read
+    config: ModelConfig
+    params: Params
+    tokenizer: TextTokenizer | None
+    search: dict[str, Any] = field(default_factory=dict)
+    notes: list[str] = field(default_factory=list)
+    run_dir: Path | None = None  # the training run it belongs to, if any
+
+
+def open_model(path: str | os.PathLike[str], tokenizer: str | os.PathLike[str] | None = None) -> OpenedModel:
+    """The model `path` names: a checkpoint file (tokenizer from its sidecar), a Marian directory
+    (weights converted in memory; its tokenizer and generation_config.json), or a run or checkpoint
+    directory (resolve_run). `tokenizer` (a tokenizer.json or a folder of Marian's files) replaces
+    the one found; it must fit the model either way."""
+    from rosetta.interop.convert import is_marian_like, read_model
+    from rosetta.interop.marian_files import companion_dir, search_defaults
+
+    path, run_dir = Path(path), None
+    if is_marian_like(path):
+        weights, companions = path, path
+    elif path.is_dir() or path.name == LATEST:
+        weights, companions = resolve_run(path)
+        run_dir = weights.parent.parent.parent if weights.parent.parent.name == "checkpoints" else None
+    elif path.is_file():
+        weights, companions = path, companion_dir(path)
+    else:
+        raise RosettaError(f"{path}: no such checkpoint file or model directory")
+    cfg, params = read_model(weights)
     if tokenizer is not None:
-        return tokenizer.encode(line) + [cfg.eos_id]
+        found = load_tokenizer(tokenizer)
+    elif companions is None:
+        found = None
+    else:
+        found = load_tokenizer(companions) if companions.is_file() else find_tokenizer(companions)
+    if found is not None:
+        found.check_fits(cfg)
+    has_settings = companions is not None and companions.is_dir()
+    search, notes = search_defaults(companions, cfg) if has_settings else ({}, [])
+    return OpenedModel(weights, cfg, params, found, search, notes, run_dir)
+
+
+def encode_line(line: str, number: int, tokenizer: TextTokenizer | None, cfg: ModelConfig) -> list[int]:
+    """Source ids of one input line, eos appended: the tokenizer's for text, or the ids themselves
+    (ASCII digits inside the source vocabulary: rosetta.inputs.parse_id_line)."""
+    if tokenizer is not None:
+        return tokenizer.encode_source(line)
     try:
         return parse_id_line(line, number, cfg.src_vocab_size) + [cfg.eos_id]
     except InputError as e:
@@ -70,10 +124,11 @@ def encode_line(line: str, number: int, tokenizer: Tokenizer | None, cfg: ModelC
                          f"token ids)") from None
 
 
-def translate_lines(model: BackendModel, tokenizer: Tokenizer | None, lines: Sequence[str], beam: int = 4,
+def translate_lines(model: BackendModel, tokenizer: TextTokenizer | None, lines: Sequence[str], beam: int = 4,
                     alpha: float = 0.6, max_len_margin: int = 50, batch_size: int = 32,
-                    length_rule: str = "wu") -> list[str]:
-    """One output per input line (an empty line gives an empty output), in input order."""
+                    length_rule: str = "wu", **constraints: Any) -> list[str]:
+    """One output per input line (an empty line gives an empty output), in input order.
+    `constraints` are `model.generate`'s keywords (banned, renormalize, max_new_tokens, forced_eos)."""
     cfg = model.config
     batch_size = check_int(batch_size, "batch_size", minimum=1)
     outputs = [""] * len(lines)
@@ -92,7 +147,7 @@ def translate_lines(model: BackendModel, tokenizer: Tokenizer | None, lines: Seq
         src = np.full((len(chunk), max(len(ids) for _, ids in chunk)), cfg.pad_id, dtype=np.int64)
         for row, (_, ids) in enumerate(chunk):
             src[row, :len(ids)] = ids
-        generated = model.generate(src, beam, alpha, max_len_margin, length_rule).tokens
+        generated = model.generate(src, beam, alpha, max_len_margin, length_rule, **constraints).tokens
         for (index, _), tokens in zip(chunk, generated, strict=True):
             outputs[index] = (tokenizer.decode(tokens) if tokenizer is not None
                               else " ".join(str(t) for t in tokens))

@@ -23,10 +23,14 @@ from typing import Any, NamedTuple
 from rosetta.checkpoint import FORMAT, load_checkpoint, read_header, save_checkpoint
 from rosetta.config import ModelConfig
 from rosetta.errors import CheckpointError, ConfigError, RosettaError
-from rosetta.interop import flax_msgpack, flax_wmt, marian
+from rosetta.interop import flax_msgpack, flax_wmt, marian, marian_files
 from rosetta.params import Params
 
-FORMATS = ("rosetta", "marian", "flax-wmt")
+FORMATS = ("rosetta", "marian", "flax-wmt", "ctranslate2")
+WRITE_ONLY = ("ctranslate2",)  # CTranslate2's model directory is an output only
+READ_FORMATS = tuple(f for f in FORMATS if f not in WRITE_ONLY)
+FORMAT_NAMES = {"rosetta": "rosetta", "marian": "Marian", "flax-wmt": "Flax WMT",
+                "ctranslate2": "CTranslate2"}
 SUFFIXES = {".safetensors": "rosetta", ".msgpack": "flax-wmt"}
 
 
@@ -76,7 +80,7 @@ def _msgpack_problem(path: Path) -> str | None:
     except Exception as e:  # a parser's own exception on hostile bytes
         return f"{path}: not a valid flax msgpack file (truncated?): {type(e).__name__}: {e}"
     return (f"{path}: a msgpack tree, but not Flax examples/wmt params (an encoder with encoderblock_0 "
-            f"and encoder_norm, and a decoder); pass --from {'|'.join(FORMATS)}")
+            f"and encoder_norm, and a decoder); pass --from {'|'.join(READ_FORMATS)}")
 
 
 def detect_format(path: str | os.PathLike) -> str:
@@ -99,7 +103,7 @@ def detect_format(path: str | os.PathLike) -> str:
         return "rosetta"
     if path.suffix.lower() == ".msgpack":
         raise ConfigError(_msgpack_problem(path))
-    raise ConfigError(f"{path}: format not recognised; pass --from {'|'.join(FORMATS)}")
+    raise ConfigError(f"{path}: format not recognised; pass --from {'|'.join(READ_FORMATS)}")
 
 
 def output_format(path: str | os.PathLike) -> str:
@@ -125,6 +129,8 @@ def read_model(path: str | os.PathLike, fmt: str | None = None,
     path, overrides = Path(path), dict(overrides or {})
     fmt = fmt or detect_format(path)
     _check_format(fmt, "--from")
+    if fmt in WRITE_ONLY:
+        raise ConfigError(f"--from {fmt}: rosetta writes {fmt} models but does not read them")
     if fmt == "rosetta":
         ckpt = load_checkpoint(path / "model.safetensors" if path.is_dir() else path)
         cfg = ckpt.config.replace(**overrides) if overrides else ckpt.config
@@ -134,9 +140,16 @@ def read_model(path: str | os.PathLike, fmt: str | None = None,
     return flax_wmt.read_flax_wmt(path, **overrides)
 
 
-def write_model(path: str | os.PathLike, cfg: ModelConfig, params: Mapping[str, Any], fmt: str) -> Path:
-    """Write `params` as `fmt`; refuses (writing nothing) what the format cannot represent."""
+def write_model(path: str | os.PathLike, cfg: ModelConfig, params: Mapping[str, Any], fmt: str,
+                tokenizer: str | os.PathLike | None = None) -> Path:
+    """Write `params` as `fmt`; refuses (writing nothing) what the format cannot represent.
+    `tokenizer` (the files that go with the model: rosetta/interop/marian_files.py) is needed by
+    ctranslate2, whose model directory holds the vocabulary."""
     _check_format(fmt, "--to")
+    if fmt == "ctranslate2":
+        from rosetta.interop.ctranslate2 import write_ctranslate2  # needs the ctranslate2 extra
+
+        return write_ctranslate2(path, cfg, params, tokenizer)
     if fmt == "rosetta":
         return save_checkpoint(path, cfg, params)
     if fmt == "marian":
@@ -149,13 +162,18 @@ class Converted(NamedTuple):
     to_format: str
     path: Path
     config: ModelConfig
+    companions: list[Path]  # the tokenizer and generation config files written with the model
 
 
 def convert(src: str | os.PathLike, dst: str | os.PathLike, from_format: str | None = None,
             to_format: str | None = None, overrides: Mapping[str, Any] | None = None,
-            overwrite: bool = False) -> Converted:
-    """Read `src`, write `dst`: the formats, the written path and the model's config. A Marian
-    output goes into a folder that is missing or empty, or any folder with `overwrite`."""
+            overwrite: bool = False, tokenizer: str | os.PathLike | None = None) -> Converted:
+    """Read `src`, write `dst`: the formats, the written path, the model's config and the files
+    that went with it. A Marian or CTranslate2 output goes into a folder that is missing or
+    empty, or any folder with `overwrite`. The tokenizer travels with the weights
+    (rosetta/interop/marian_files.py): `src`'s own (a Marian directory's, a checkpoint file's
+    sidecar) or `tokenizer` (a run's tokenizer.json), checked against the model before anything
+    is written."""
     if Path(src).resolve() == Path(dst).resolve():
         raise ConfigError(f"{dst}: the destination is the source")
     fmt_in = from_format or detect_format(src)
@@ -164,13 +182,21 @@ def convert(src: str | os.PathLike, dst: str | os.PathLike, from_format: str | N
     _check_format(fmt_out, "--to")
     # A folder already holding files (a Hugging Face download, an earlier export: telling them
     # apart by name would guess) keeps them unless the user says otherwise.
-    if fmt_out == "marian" and not overwrite and Path(dst).is_dir() and any(Path(dst).iterdir()):
-        raise ConfigError(f"{dst} is a folder that is not empty: writing the Marian model there "
-                          f"replaces its {marian.CONFIG_FILE}, {marian.WEIGHTS_FILE} and other files of "
-                          f"the same names; pass --overwrite to replace them, or choose a new or empty "
-                          f"folder")
+    folder_out = fmt_out in ("marian", "ctranslate2")
+    if folder_out and not overwrite and Path(dst).is_dir() and any(Path(dst).iterdir()):
+        files = ("config.json, model.bin and the vocabulary" if fmt_out == "ctranslate2"
+                 else f"{marian.CONFIG_FILE}, {marian.WEIGHTS_FILE} and other files of the same names")
+        raise ConfigError(f"{dst} is a folder that is not empty: writing the {FORMAT_NAMES[fmt_out]} model "
+                          f"there replaces its {files}; pass --overwrite to replace them, or choose a new or "
+                          f"empty folder")
     cfg, params = read_model(src, fmt_in, overrides)
-    return Converted(fmt_in, fmt_out, write_model(dst, cfg, params, fmt_out), cfg)
+    companions = tokenizer if tokenizer is not None else marian_files.companion_dir(src)
+    if companions is not None:
+        marian_files.check_companions(companions, cfg)
+    path = write_model(dst, cfg, params, fmt_out, companions)
+    written = ([] if fmt_out == "ctranslate2"
+               else marian_files.copy_companions(companions, cfg, path, fmt_out))
+    return Converted(fmt_in, fmt_out, path, cfg, written)
 
 
 def read_nn_transformer(*args: Any, **kwargs: Any) -> tuple[ModelConfig, Params]:

@@ -396,38 +396,3 @@ def write_marian(path: str | os.PathLike, cfg: ModelConfig, params: Mapping[str,
 def hf_length_penalty(length: np.ndarray | int, length_penalty: float) -> np.ndarray:
     """Hugging Face's beam score divisor: `length ** length_penalty` (PITFALLS 15), vs Wu et al."""
     return np.asarray(length, dtype=np.float64) ** length_penalty
-
-
-
-
-def write_tokenizer(tokenizer_file: str | os.PathLike, directory: str | os.PathLike,
-                    cfg: ModelConfig) -> Path:
-    """Our BPE tokenizer (a `tokenizers` JSON file) as `tokenizer.json` + `tokenizer_config.json`
-    that `PreTrainedTokenizerFast(tokenizer_file=...)` and `AutoTokenizer` load, encoding and
-    decoding as `rosetta translate` does: eos appended to every source (our data convention), and
-    the leading space of the byte-level pre-tokenizer's `add_prefix_space` dropped on decoding."""
-    try:
-        import tokenizers
-        from tokenizers import decoders, processors
-    except ImportError:
-        raise CheckpointError("exporting the tokenizer needs the `tokenizers` package "
-                              "(the train extra)") from None
-    try:
-        tok = tokenizers.Tokenizer.from_file(str(tokenizer_file))
-    except Exception as e:  # noqa: BLE001 - the Rust side raises plain Exception on bad JSON
-        raise CheckpointError(f"{tokenizer_file}: not a readable tokenizer file: {e}") from None
-    names = {role: tok.id_to_token(getattr(cfg, f"{role}_id")) for role in ("pad", "bos", "eos")}
-    if any(name is None for name in names.values()) or tok.get_vocab_size() > cfg.src_vocab_size:
-        raise CheckpointError(f"{tokenizer_file}: does not fit the model (special ids "
-                              f"{cfg.pad_id}/{cfg.bos_id}/{cfg.eos_id}, vocabulary {cfg.src_vocab_size})")
-    tok.post_processor = processors.TemplateProcessing(single=f"$A {names['eos']}",
-                                                       special_tokens=[(names["eos"], cfg.eos_id)])
-    if tok.decoder is not None:
-        tok.decoder = decoders.Sequence([tok.decoder, decoders.Strip(" ", 1, 0)])
-    config = {"tokenizer_class": "PreTrainedTokenizerFast", "pad_token": names["pad"],
-              "bos_token": names["bos"], "eos_token": names["eos"], "model_max_length": cfg.max_len,
-              "clean_up_tokenization_spaces": False}
-    directory = Path(directory)
-    atomic_write_bytes(directory / "tokenizer.json", tok.to_str().encode("utf-8"))
-    atomic_write_bytes(directory / "tokenizer_config.json", (json.dumps(config, indent=2) + "\n").encode())
-    return directory / "tokenizer.json"
