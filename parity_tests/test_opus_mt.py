@@ -102,6 +102,10 @@ def test_convert_keeps_the_tokenizer(case, tmp_path, capsys, monkeypatch):
     assert translate(capsys, monkeypatch, "--checkpoint", str(ours), "--beam", "1") == expected
     back = tmp_path / "hf-again"
     assert main(["convert", str(ours), str(back), "--to", "marian"]) == 0
+    from transformers import AutoTokenizer, MarianTokenizer
+
+    original, written = MarianTokenizer.from_pretrained(case), AutoTokenizer.from_pretrained(back)
+    assert [written(s).input_ids for s in SENTENCES] == [original(s).input_ids for s in SENTENCES]
     assert hf_translate(back, SENTENCES) == hf_translate(case, SENTENCES)
     assert hf_translate(back, SENTENCES, num_beams=1) == expected
 
@@ -168,3 +172,29 @@ def test_broken_directory_is_one_line(opus_mt_dir, tmp_path, problem, capsys, mo
     # convert refuses the same before writing anything
     assert main(["convert", str(directory), str(tmp_path / "x.safetensors")]) == 2
     assert not (tmp_path / "x.safetensors").exists() and not (tmp_path / "x.tokenizer").exists()
+
+
+def test_search_defaults_read_generation_config_as_transformers_does(tmp_path):
+    """generation_config.json -> our search: GenerationConfig's defaults for absent fields
+    (greedy, length_penalty 1.0, max_length 20), [pad] and [eos] dropped from the bans as HF drops
+    [eos], a note for each setting our search does not have; multi-token bad words refused."""
+    from rosetta import preset
+    from rosetta.errors import ConfigError
+    from rosetta.interop.marian_files import search_defaults
+
+    cfg = preset("tiny")  # pad 0, eos 2
+    assert search_defaults(tmp_path, cfg) == ({}, [])  # no file: our (the paper's) search
+    (tmp_path / "generation_config.json").write_text("{}")
+    settings, notes = search_defaults(tmp_path, cfg)
+    assert (settings["beam"], settings["alpha"], settings["max_new_tokens"], settings["length_rule"]) == \
+        (1, 1.0, 19, "hf") and notes == []
+    (tmp_path / "generation_config.json").write_text(json.dumps(
+        {"num_beams": 5, "length_penalty": 0.6, "max_length": 40, "bad_words_ids": [[0], [2], [7]],
+         "renormalize_logits": True, "forced_eos_token_id": 2, "do_sample": True, "no_repeat_ngram_size": 3}))
+    settings, notes = search_defaults(tmp_path, cfg)
+    assert settings == {"beam": 5, "alpha": 0.6, "length_rule": "hf", "margin": 40, "max_new_tokens": 39,
+                        "banned": (7,), "renormalize": True, "forced_eos": True}
+    assert [n.split(": ")[1].split("=")[0] for n in notes] == ["do_sample", "no_repeat_ngram_size"]
+    (tmp_path / "generation_config.json").write_text(json.dumps({"bad_words_ids": [[5, 6]]}))
+    with pytest.raises(ConfigError, match=r"bad_words_ids entry \[5, 6\]"):
+        search_defaults(tmp_path, cfg)

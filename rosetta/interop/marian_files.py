@@ -124,10 +124,10 @@ def search_defaults(directory: str | os.PathLike, cfg: ModelConfig) -> tuple[dic
     (max_length counts the start token: at most max_length - 1 new tokens), banned (single-token
     bad_words_ids other than pad), renormalize (renormalize_logits), forced_eos (forced_eos_token_id
     equal to eos)."""
-    gen = read_generation_config(directory)
-    if not gen:
-        return {}, []
     where = Path(directory) / GENERATION_CONFIG
+    if not where.is_file():
+        return {}, []
+    gen = read_generation_config(directory)
 
     def integer(field: str, default: int, minimum: int) -> int:
         value = gen.get(field, default)
@@ -146,7 +146,7 @@ def search_defaults(directory: str | os.PathLike, cfg: ModelConfig) -> tuple[dic
                 and not isinstance(words[0], bool) and 0 <= words[0] < cfg.tgt_vocab_size):
             raise ConfigError(f"{where}: bad_words_ids entry {words!r}: only single token ids inside the "
                               f"target vocabulary ({cfg.tgt_vocab_size}) are banned by rosetta's search")
-        if words[0] != cfg.pad_id:  # pad is never emitted anyway
+        if words[0] not in (cfg.pad_id, cfg.eos_id):  # pad is never emitted; HF drops [eos] as we do
             banned.append(words[0])
     forced = gen.get("forced_eos_token_id")
     notes = [f"{where}: {field}={gen[field]!r} is not part of rosetta's search; ignored"
