@@ -220,3 +220,18 @@ def test_time_to_quality_refuses_a_corrupt_evaluate_report_naming_it(tmp_path, c
     with pytest.raises(SystemExit, match="eval_last_test_2016_flickr.json"):
         time_to_quality.main(["--out", str(tmp_path / "run"), "--results-dir", str(tmp_path / "results")])
     assert not (tmp_path / "results").exists()
+
+
+def test_decode_ct2_smoke():
+    """benchmarks/decode_ct2.py runs end to end on a small model: every engine emits exactly the
+    target length (eos banned through the output bias) and greedy search gives CTranslate2
+    float32's tokens in both of our backends (nothing is timed here)."""
+    pytest.importorskip("ctranslate2", reason="the benchmark compares with CTranslate2")
+    from benchmarks import decode_ct2
+
+    result = decode_ct2.run(quick=True)
+    rows = {r["engine"]: r for r in result["rows"]}
+    assert set(rows) == {"torch", "jax", "ctranslate2 float32", "ctranslate2 int8"}
+    size = result["settings"]["batch"] * result["settings"]["tgt_len"]
+    assert all(r["tokens"] == size for r in rows.values())
+    assert rows["jax"]["greedy_same_as_torch"] == rows["ctranslate2 float32"]["greedy_same_as_torch"] == 1.0

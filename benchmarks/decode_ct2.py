@@ -1,0 +1,171 @@
+"""Decoding speed against CTranslate2, the engine opus-mt models are deployed with (issue 27).
+
+    python -m benchmarks.decode_ct2            # base-sized Marian model, ~3 minutes on 2 cores
+    python -m benchmarks.decode_ct2 --quick    # a small model, one round (the smoke test)
+
+The setup: a Marian model of base size (d_model 512, 6 + 6 layers, 8 heads, d_ff 2048, a joint
+32,000-token vocabulary, `<pad>` last with a zero row, decoder start = pad, as opus-mt), random
+weights with eos banned through the output bias (so every sentence emits exactly `tgt_len`
+tokens and each engine does the same work), a batch of 32 random sources of 24 tokens (eos
+last). Our PyTorch and JAX backends decode it with the cached search; CTranslate2 decodes the
+model our converters wrote (`rosetta convert ... --to ctranslate2`, through CTranslate2's own
+converter) at float32 and int8. Beam 4 is timed; greedy is run once to check that our backends
+and CTranslate2 float32 emit the same tokens (int8: the fraction that agree).
+
+Each round runs every engine once, in turn (interleaved); the numbers are the medians over
+rounds, after one warm-up call each (JAX's compilation). Threads: `--threads` for PyTorch,
+CTranslate2's intra_threads, and XLA's CPU client (all cores by default: run on a machine whose
+core count is the thread count). Nothing else should run meanwhile.
+"""
+
+from __future__ import annotations
+
+import argparse
+import datetime as dt
+import json
+import statistics
+import tempfile
+import time
+from pathlib import Path
+
+import numpy as np
+
+from benchmarks.common import environment, write_results
+from rosetta import from_params, init_params
+from rosetta.files import atomic_write_bytes
+from rosetta.interop.convert import convert
+from rosetta.interop.marian import config_from_marian, write_marian
+
+BASE = {"vocab_size": 32000, "d_model": 512, "encoder_layers": 6, "decoder_layers": 6,
+        "encoder_attention_heads": 8, "decoder_attention_heads": 8, "encoder_ffn_dim": 2048,
+        "decoder_ffn_dim": 2048, "activation_function": "swish", "scale_embedding": True,
+        "max_position_embeddings": 512, "eos_token_id": 0, "dropout": 0.0}
+QUICK = {**BASE, "vocab_size": 512, "d_model": 64, "encoder_layers": 2, "decoder_layers": 2,
+         "encoder_attention_heads": 4, "decoder_attention_heads": 4, "encoder_ffn_dim": 128,
+         "decoder_ffn_dim": 128, "max_position_embeddings": 64}
+
+
+def marian_model(hf: dict, out: Path, seed: int = 0):
+    """(config, params) of a random opus-mt-shaped model, written as a Marian directory `out` with
+    a tokenizer CTranslate2's converter reads (vocab.json: `</s>` 0, `<unk>` 1, `<pad>` last)."""
+    import sentencepiece as spm
+
+    vocab = hf["vocab_size"]
+    cfg = config_from_marian({**hf, "pad_token_id": vocab - 1, "decoder_start_token_id": vocab - 1})
+    params = init_params(cfg, seed=seed)
+    params["shared_embed.embedding"][cfg.pad_id] = 0.0  # opus-mt: the decoder start row is zero
+    params["generator.bias"][cfg.eos_id] = -1e9  # eos never wins: every sentence runs to its limit
+    write_marian(out, cfg, params)
+    words = {"</s>": 0, "<unk>": 1, **{f"\u2581w{i}": i for i in range(2, vocab - 1)}, "<pad>": vocab - 1}
+    (out / "vocab.json").write_text(json.dumps(words))
+    (out / "tokenizer_config.json").write_text(json.dumps({"separate_vocabs": False}))
+    # The pieces never go through SentencePiece here (the benchmark feeds ids and tokens), but
+    # MarianTokenizer, which the converter loads, needs the two model files.
+    model = tempfile.SpooledTemporaryFile()
+    spm.SentencePieceTrainer.train(sentence_iterator=iter([f"w{i} w{i + 1} w{i + 2}" for i in range(300)]),
+                                   model_writer=model, vocab_size=40, minloglevel=2)
+    model.seek(0)
+    data = model.read()
+    for name in ("source.spm", "target.spm"):
+        atomic_write_bytes(out / name, data)
+    return cfg, params
+
+
+def run(quick: bool = False, rounds: int = 3, threads: int = 2, batch: int = 32, src_len: int = 24,
+        tgt_len: int = 24, beam: int = 4) -> dict:
+    import ctranslate2
+    import torch
+
+    if quick:
+        rounds, batch, src_len, tgt_len = 1, 4, 8, 8
+    torch.set_num_threads(threads)
+    work = Path(tempfile.mkdtemp(prefix="decode-ct2-"))
+    cfg, params = marian_model(QUICK if quick else BASE, work / "marian")
+    convert(work / "marian", work / "ct2", to_format="ctranslate2")
+    vocab = json.loads((work / "marian" / "vocab.json").read_text())
+    pieces = sorted(vocab, key=vocab.get)
+    rng = np.random.default_rng(0)
+    src = np.concatenate([rng.integers(2, cfg.src_vocab_size - 1, (batch, src_len - 1)),
+                          np.full((batch, 1), cfg.eos_id)], axis=1)
+    src_tokens = [[pieces[i] for i in row] for row in src]
+
+    ours = {name: from_params(cfg, params, name, "float32") for name in ("torch", "jax")}
+    engines = {f"ctranslate2 {ct}": ctranslate2.Translator(str(work / "ct2"), device="cpu", compute_type=ct,
+                                                           intra_threads=threads, inter_threads=1)
+               for ct in ("float32", "int8")}
+
+    def decode(name: str, beam_size: int) -> list[list[int]]:
+        if name in ours:
+            return ours[name].generate(src, beam_size, 1.0, tgt_len, "hf", max_new_tokens=tgt_len).tokens
+        results = engines[name].translate_batch(src_tokens, beam_size=beam_size, max_decoding_length=tgt_len)
+        return [[vocab[t] for t in r.hypotheses[0]] for r in results]
+
+    names = [*ours, *engines]
+    greedy = {name: decode(name, 1) for name in names}
+    reference = greedy["torch"]
+    same = {name: float(np.mean([a == b for a, b in zip(out, reference, strict=True)]))
+            for name, out in greedy.items()}
+    for name in names:  # warm-up: JAX compiles the beam search for this shape
+        decode(name, beam)
+    times: dict[str, list[float]] = {name: [] for name in names}
+    tokens: dict[str, int] = {}
+    for _ in range(rounds):
+        for name in names:
+            start = time.perf_counter()
+            out = decode(name, beam)
+            times[name].append(time.perf_counter() - start)
+            tokens[name] = sum(len(t) for t in out)
+    rows = []
+    for name in names:
+        median = statistics.median(times[name])
+        rows.append({"engine": name, "tokens": tokens[name], "median_s": median, "min_s": min(times[name]),
+                     "max_s": max(times[name]), "tokens_per_s": tokens[name] / median,
+                     "greedy_same_as_torch": same[name]})
+    ct2 = next(r for r in rows if r["engine"] == "ctranslate2 float32")["tokens_per_s"]
+    for row in rows:
+        row["ratio_vs_ct2_float32"] = row["tokens_per_s"] / ct2
+    settings = {"config": cfg.to_dict(), "batch": batch, "src_len": src_len, "tgt_len": tgt_len, "beam": beam,
+                "threads": threads, "rounds": rounds, "search": "cached beam, length_rule hf, eos banned"}
+    return {"settings": settings, "rows": rows}
+
+
+def markdown(result: dict, env: dict) -> str:
+    s = result["settings"]
+    lines = [f"# Decoding against CTranslate2, {env['date']} (commit {env['commit']}, {env['processor']}, "
+             f"torch {env.get('torch')}, jax {env.get('jax')}, ctranslate2 {env.get('ctranslate2')})", "",
+             f"Marian d_model {s['config']['d_model']}, {s['config']['num_encoder_layers']} + "
+             f"{s['config']['num_decoder_layers']} layers, vocabulary {s['config']['tgt_vocab_size']}; batch "
+             f"{s['batch']} x source {s['src_len']}, exactly {s['tgt_len']} target tokens a sentence, beam "
+             f"{s['beam']}, {s['threads']} threads, median of {s['rounds']} interleaved rounds", "",
+             "| engine | target tokens/s | × CTranslate2 float32 | median s | spread s | "
+             "greedy tokens = torch |",
+             "| --- | --- | --- | --- | --- | --- |"]
+    for r in result["rows"]:
+        lines.append(f"| {r['engine']} | {r['tokens_per_s']:.0f} | {r['ratio_vs_ct2_float32']:.2f} | "
+                     f"{r['median_s']:.3f} | {r['min_s']:.3f}-{r['max_s']:.3f} | "
+                     f"{100 * r['greedy_same_as_torch']:.0f}% |")
+    return "\n".join(lines) + "\n"
+
+
+def main(argv: list[str] | None = None) -> None:
+    parser = argparse.ArgumentParser(description=__doc__,
+                                     formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--quick", action="store_true", help="a small model, one round (nothing written)")
+    parser.add_argument("--rounds", type=int, default=3)
+    parser.add_argument("--threads", type=int, default=2)
+    parser.add_argument("--no-write", action="store_true", help="print only")
+    args = parser.parse_args(argv)
+    import ctranslate2
+
+    env = {**environment(), "ctranslate2": ctranslate2.__version__}
+    result = run(args.quick, args.rounds, args.threads)
+    text = markdown(result, env)
+    print(text)
+    if not args.no_write and not args.quick:
+        paths = write_results(f"decode_ct2_cpu_{dt.date.today().isoformat()}", {"environment": env, **result},
+                              text)
+        print("wrote", *paths)
+
+
+if __name__ == "__main__":
+    main()
