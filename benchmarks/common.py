@@ -22,7 +22,8 @@ def environment() -> dict:
     info = {
         "date": dt.datetime.now(dt.timezone.utc).isoformat(timespec="seconds"),
         "machine": platform.node(), "platform": platform.platform(),
-        "processor": platform.processor() or platform.machine(),
+        "processor": _cpu_model() or platform.processor() or platform.machine(),
+        "cpus": os.cpu_count(),
         "python": platform.python_version(),
     }
     if os.environ.get("ROSETTA_COMMIT"):  # a machine whose checkout has no (or a stale) .git
@@ -37,6 +38,17 @@ def environment() -> dict:
     except (OSError, subprocess.CalledProcessError):
         info["commit"] = "unknown"
     return _versions(info)
+
+
+def _cpu_model() -> str | None:
+    """The CPU's model name on Linux (/proc/cpuinfo), e.g. "AMD EPYC 7B13"; None elsewhere."""
+    try:
+        for line in Path("/proc/cpuinfo").read_text().splitlines():
+            if line.startswith("model name"):
+                return line.split(":", 1)[1].strip()
+    except OSError:
+        pass
+    return None
 
 
 def _versions(info: dict) -> dict:
