@@ -125,11 +125,18 @@ def test_torch_topk_ranks_ties_by_index_as_a_stable_sort(dtype):
     x[0, :5] = [-0.0, 0.0, -0.0, NEG, -np.inf]
     x[1] = NEG
     x[2] = rng.normal(size=50) * 1e-30  # tiny values keep their order
+    # Distinct values, and ties only inside the top k (never at its boundary): torch_impl's
+    # float32 fast path (torch.topk, then the k ordered), where the rows above take the keys' path.
+    y = rng.normal(size=(64, 50)).astype(dtype)
+    y[:, 7] = y[:, 3] = y.max(axis=1) + 1.0  # the two largest equal: ranked 3 before 7
+    y[5, 10] = -0.0
+    y[5, 20] = 0.0
     for k in (1, 8, 50):
-        values, index = topk_stable(torch.from_numpy(x), k)
-        want = np.argsort(-x, axis=-1, kind="stable")[:, :k]
-        np.testing.assert_array_equal(index.numpy(), want)
-        np.testing.assert_array_equal(values.numpy(), np.take_along_axis(x, want, -1))
+        for matrix in (x, y):
+            values, index = topk_stable(torch.from_numpy(matrix), k)
+            want = np.argsort(-matrix, axis=-1, kind="stable")[:, :k]
+            np.testing.assert_array_equal(index.numpy(), want)
+            np.testing.assert_array_equal(values.numpy(), np.take_along_axis(matrix, want, -1))
 
 
 @pytest.mark.ported
@@ -258,3 +265,42 @@ def test_trained_copy_model_decodes_identically_in_every_backend(copy_model, bea
         got = from_params(cfg, params, backend).generate(src, beam_size, alpha=0.6, max_len_margin=4)
         assert got.tokens == want.tokens, backend
         np.testing.assert_allclose(got.scores, want.scores, rtol=SCORE_TOLERANCE, atol=atol)
+
+
+@pytest.mark.parametrize("overrides", [{}, dict(share_embeddings="none", output_bias=True, logit_scale=0.5)])
+def test_torch_packed_linears_change_only_the_summation_order(overrides, monkeypatch):
+    """torch_impl.ops.packed_linears (oneDNN's packed weights for CPU decoding) computes the same
+    logits as the plain forward within float32's bound for the model (rosetta.parity.TOLERANCES:
+    only the GEMMs' summation order differs), decodes the same tokens, and leaves the module as
+    it found it; with gradients on it changes nothing."""
+    import torch
+
+    from rosetta.parity import TOLERANCES
+    from torch_impl import ops
+    from torch_impl.ops import _can_pack, packed_linears
+
+    calls = []
+    packed_linear = ops._packed_linear
+    monkeypatch.setattr(ops, "_packed_linear", lambda *args: calls.append(1) or packed_linear(*args))
+    cfg = preset("tiny", max_len=32, d_model=128, d_ff=256, **overrides)
+    model = from_params(cfg, _perturbed(cfg, seed=3), "torch", "float32")
+    src, tgt = random_batch(cfg, 3, 7, 5, seed=4)
+    src_t, tgt_t = torch.from_numpy(src), torch.from_numpy(tgt)
+    with torch.inference_mode():
+        if not _can_pack(model.module):
+            pytest.skip("this torch build has no oneDNN packed linear: packed_linears does nothing")
+        plain = model.module(src_t, tgt_t).numpy()
+        with packed_linears(model.module, rows=3):
+            packed = model.module(src_t, tgt_t).numpy()
+    # Every linear and the output projection went through the packed weights (2 stacks x 2
+    # layers: 6 linears an encoder layer, 10 a decoder layer; and the output).
+    assert len(calls) == 2 * 6 + 2 * 10 + 1
+    assert relative_error(packed, plain) < TOLERANCES["torch", "float32"]
+    assert not any("forward" in vars(m) for m in model.module.modules())  # restored
+    assert not _can_pack(model.module)  # outside inference mode: gradients on, nothing packed
+    unpacked = model._generate(src, 3, 0.6, 8)  # the backend packs: compare with a plain search
+    with torch.inference_mode():
+        from torch_impl import decode
+
+        plain_search = decode.beam_search(model.module, cfg, src_t, 3, 0.6, 8)
+    assert unpacked.tokens == plain_search.tokens

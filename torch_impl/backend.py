@@ -15,6 +15,7 @@ from rosetta.params import Params
 from torch_impl import decode
 from torch_impl.convert import from_state_dict, to_state_dict
 from torch_impl.model import Transformer, source_mask
+from torch_impl.ops import packed_linears
 
 # Compute dtype -> (parameter dtype, autocast dtype or None).
 DTYPES = {
@@ -105,7 +106,7 @@ class Model(BackendModel):
     def _generate(self, src: np.ndarray, beam_size: int, alpha: float, max_len_margin: int,
                   length_rule: str = "wu", constraints: Constraints = NO_CONSTRAINTS,
                   cache: bool = True) -> decode.Generation:
-        with self._context():
+        with self._context(), packed_linears(self.module, len(src) * beam_size):
             if beam_size == 1:
                 return decode.greedy_search(self.module, self.config, self._tensor(src), max_len_margin,
                                             cache, constraints)

@@ -1,14 +1,18 @@
 """PyTorch-only speed paths of torch_impl/model.py: attention as one fused SDPA kernel, dropout
-from 16 random bits a value on CPUs, the incremental-decoding cache (written in place), and the
-positional buffer's growth outside compiled graphs. jax_impl/ops.py holds JAX's; numpy_ref/model.py
-computes the same numbers the plain way (and decodes without a cache).
+from 16 random bits a value on CPUs, the incremental-decoding cache (written in place), weights
+packed once for CPU decoding, and the positional buffer's growth outside compiled graphs.
+jax_impl/ops.py holds JAX's; numpy_ref/model.py computes the same numbers the plain way (and
+decodes without a cache).
 
 Shapes: B batch, h heads, Tq query length, Tk key length, dh d_head.
 """
 
 from __future__ import annotations
 
+import contextlib
+import functools
 import math
+from collections.abc import Iterator
 from dataclasses import dataclass
 
 import torch
@@ -77,3 +81,51 @@ def grow_positions(model: nn.Module, rows: int) -> None:
     table = model_table(model.cfg, grown_rows(rows, model.positions.shape[0], model.cfg.max_len))
     with torch.inference_mode(False):  # a plain tensor, usable by training later
         model.positions = torch.from_numpy(table).to(model.positions.device, model.positions.dtype)
+
+
+def _can_pack(module: nn.Module) -> bool:
+    """CPU float32 weights, no gradients, and oneDNN's packed linear in this torch build."""
+    params = list(module.parameters())
+    return (bool(params) and all(p.device.type == "cpu" and p.dtype == torch.float32 for p in params)
+            and not torch.is_grad_enabled() and torch.backends.mkldnn.is_available()
+            and hasattr(torch.ops.mkldnn, "_reorder_linear_weight"))
+
+
+def _packed_linear(weight: torch.Tensor, bias: torch.Tensor | None, x: torch.Tensor) -> torch.Tensor:
+    return torch.ops.mkldnn._linear_pointwise(x, weight, bias, "none", [], "")
+
+
+@contextlib.contextmanager
+def packed_linears(module: nn.Module, rows: int) -> Iterator[None]:
+    """Inference on a CPU in float32: every nn.Linear of `module`, and the output projection (over
+    the target vocabulary), computes with its weight packed by oneDNN once, on entry, instead of
+    repacked by the GEMM at every call (torch.ops.mkldnn._linear_pointwise: what torch.compile's
+    CPU backend calls for a frozen linear). At decoding's shapes 1.3-1.9x the plain GEMM ([128,
+    512] x [512, 2048]: 2.3 -> 1.3 ms; the output projection over 32k: 46 -> 20 ms; this project's
+    CPU): the same products in another summation order (relative difference ~4e-7). `rows` is the
+    batch the packing is tuned for. Anything else (a GPU, bfloat16, gradients) runs as it is."""
+    if not _can_pack(module):
+        yield
+        return
+    pack = functools.partial(torch.ops.mkldnn._reorder_linear_weight, batch_size=rows)
+    patched = []
+    try:
+        for linear in (m for m in module.modules() if isinstance(m, nn.Linear)):
+            linear.forward = functools.partial(_packed_linear, pack(linear.weight), linear.bias)
+            patched.append(linear)
+        generator = module.generator
+        weight = generator.weight if generator.weight is not None else module.tgt_table.weight
+        projection = functools.partial(_packed_linear, pack(weight), None)
+
+        def output(hidden: torch.Tensor, tgt_table: nn.Embedding) -> torch.Tensor:
+            # Generator.forward with the packed weight (the table the model passes is `weight`).
+            logits = projection(hidden)
+            logits = logits if generator.logit_scale == 1.0 else logits * generator.logit_scale
+            return logits if generator.bias is None else logits + generator.bias
+
+        generator.forward = output
+        patched.append(generator)
+        yield
+    finally:
+        for m in patched:  # the instance attribute shadowed the class's forward
+            del m.forward
