@@ -5,8 +5,6 @@ recomputes the whole prefix instead (for benchmarks)."""
 
 from __future__ import annotations
 
-from functools import partial
-
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -74,8 +72,36 @@ class Steps:
         return [c._replace(self_k=c.self_k[rows], self_v=c.self_v[rows]) for c in cache]
 
 
-@partial(jax.jit, static_argnames=("graphdef", "length", "cache", "constraints"))
-def _greedy(graphdef, state, src, limits, *, length: int, cache: bool, constraints: Constraints):
+# XLA's CPU backend fuses the output projection with the log-softmax's max (a reduce) into one
+# YNNPACK fusion that runs 2.5x slower than the projection alone: 63 ms of a 140 ms beam step of a
+# base-sized model (benchmarks/decode_ct2.py, this project's CPU). The searches compile with
+# YNNPACK's individual dots only, what XLA_FLAGS=--xla_cpu_experimental_ynn_fusion_type=-reduce
+# leaves of jax 0.10's default (3.8 s -> 2.7 s, the same tokens); training keeps the default
+# (faster there: 2.8 s against 3.3 s a `small` step).
+CPU_SEARCH_OPTIONS = {"xla_cpu_experimental_ynn_fusion_type": "LIBRARY_FUSION_TYPE_INDIVIDUAL_DOT"}
+
+
+def _search_jit(fn, static_argnames: tuple[str, ...]):
+    """`jax.jit(fn)`, compiled with CPU_SEARCH_OPTIONS on a CPU; a jaxlib that does not know the
+    option gets the plain compilation."""
+    plain = jax.jit(fn, static_argnames=static_argnames)
+    tuned = jax.jit(fn, static_argnames=static_argnames, compiler_options=CPU_SEARCH_OPTIONS)
+    usable = [True]
+
+    def call(*args, **kwargs):
+        if usable[0] and jax.default_backend() == "cpu":
+            try:
+                return tuned(*args, **kwargs)
+            except jax.errors.JaxRuntimeError as e:
+                if "xla_cpu_experimental_ynn_fusion_type" not in str(e):
+                    raise
+                usable[0] = False
+        return plain(*args, **kwargs)
+
+    return call
+
+
+def _greedy_search(graphdef, state, src, limits, *, length: int, cache: bool, constraints: Constraints):
     module = nnx.merge(graphdef, state)
     cfg, B = module.cfg, src.shape[0]
     steps = Steps(module, src, module.encode(src), length, limits, constraints, cache)
@@ -95,10 +121,11 @@ def _greedy(graphdef, state, src, limits, *, length: int, cache: bool, constrain
     return tokens, scores
 
 
-@partial(jax.jit, static_argnames=("graphdef", "beam_size", "alpha", "length", "cache", "rule",
-                                   "constraints"))
-def _beam(graphdef, state, src, limits, *, beam_size: int, alpha: float, length: int, cache: bool,
-          rule: str, constraints: Constraints):
+_greedy = _search_jit(_greedy_search, ("graphdef", "length", "cache", "constraints"))
+
+
+def _beam_search(graphdef, state, src, limits, *, beam_size: int, alpha: float, length: int, cache: bool,
+                 rule: str, constraints: Constraints):
     module = nnx.merge(graphdef, state)
     cfg, B, K, L = module.cfg, src.shape[0], beam_size, length
     memory = jnp.repeat(module.encode(src), K, axis=0)  # beam k of sentence b: row b*K+k
@@ -145,6 +172,10 @@ def _beam(graphdef, state, src, limits, *, beam_size: int, alpha: float, length:
             steps.init_cache())
     out = jax.lax.while_loop(lambda c: (c[0] < L) & ~c[5].all(), body, init)
     return out[3][:, 0], jnp.where(out[6], jnp.nan, out[4][:, 0])
+
+
+_beam = _search_jit(_beam_search, ("graphdef", "beam_size", "alpha", "length", "cache", "rule",
+                                   "constraints"))
 
 
 def greedy_search(graphdef, state, cfg: ModelConfig, src: np.ndarray, max_len_margin: int = 50,
