@@ -1,7 +1,8 @@
-"""The output projection and the label-smoothed cross-entropy (SPEC §4) in chunks of tokens, with
-their own backward: no [tokens, V] float32 array is ever alive for the whole batch, only one
-[chunk, V] block at a time. Same loss and gradients as jax_impl/train.py's
-`loss_fn(hidden @ W + b, ...)`; the math and the choice of chunk: docs/loss.md.
+"""The label-smoothed cross-entropy (SPEC §4) with its own backward: `cross_entropy` on logits
+(jax_impl/train.py's loss_fn), and the output projection with the loss in chunks of tokens
+(`chunked_loss`): no [tokens, V] float32 array is ever alive for the whole batch, only one
+[chunk, V] block at a time. Same loss and gradients as `loss_fn(hidden @ W + b, ...)`; the math
+and the choice of chunk: docs/loss.md.
 
 Maintained kernels that do this (Liger-Kernel's fused linear cross-entropy, Apple's Cut
 Cross-Entropy) are PyTorch/Triton only; JAX has none we could install, so this custom_vjp over a
@@ -44,6 +45,51 @@ def _chunks(hidden: jax.Array, labels: jax.Array, pad_id: int, chunk: int) -> tu
     return hidden.reshape(-1, chunk, hidden.shape[-1]), labels.reshape(-1, chunk)
 
 
+def _token_losses(logits: jax.Array, y: jax.Array, pad_id: int, label_smoothing: float
+                  ) -> tuple[jax.Array, jax.Array]:
+    """(Σ over non-pad tokens of the cross-entropy against q, logsumexp per token) of logits
+    [..., V] in their own (float32 or wider) dtype."""
+    lse = jax.nn.logsumexp(logits, axis=-1)
+    nll = lse - jnp.take_along_axis(logits, y[..., None], axis=-1)[..., 0]  # -log p[y]
+    smooth = lse - logits.mean(axis=-1)  # -(1/V) Σ_v log p[v]: ε over all V (PITFALLS 11)
+    per_token = (1.0 - label_smoothing) * nll + label_smoothing * smooth
+    return jnp.where(y != pad_id, per_token, 0.0).sum(), lse
+
+
+def _logits_grad(logits: jax.Array, lse: jax.Array, y: jax.Array, pad_id: int, label_smoothing: float,
+                 scale: jax.Array) -> jax.Array:
+    """d loss / d logits = mask · (softmax - q) · scale, from the logits and their logsumexp."""
+    V = logits.shape[-1]
+    g = jnp.exp(logits - lse[..., None]) - label_smoothing / V  # softmax - ε/V
+    g = g - (1.0 - label_smoothing) * jax.nn.one_hot(y, V, dtype=logits.dtype)  # - (1-ε)·onehot(y)
+    return g * jnp.where(y != pad_id, scale, 0.0)[..., None]
+
+
+@partial(jax.custom_vjp, nondiff_argnums=(3, 4))
+def cross_entropy(logits: jax.Array, labels: jax.Array, denominator: jax.Array, pad_id: int,
+                  label_smoothing: float) -> jax.Array:
+    """Σ over non-pad tokens of the cross-entropy against q = (1-ε)·onehot(y) + ε/V, divided by
+    `denominator`, for logits [..., V] already in float32 or wider: train.loss_fn's core. Its own
+    backward is the closed form; XLA's autodiff of log_softmax, take_along_axis and mean (a
+    scatter and five passes over [tokens, V]) took 1.4x as long in a `small` step on this
+    project's CPU (docs/benchmarks.md)."""
+    return _plain_forward(logits, labels, denominator, pad_id, label_smoothing)[0]
+
+
+def _plain_forward(logits, labels, denominator, pad_id, label_smoothing):
+    total, lse = _token_losses(logits, labels, pad_id, label_smoothing)
+    return total / jnp.asarray(denominator).astype(logits.dtype), (logits, labels, lse, denominator)
+
+
+def _plain_backward(pad_id, label_smoothing, residuals, grad_out):
+    logits, labels, lse, denominator = residuals
+    scale = grad_out.astype(logits.dtype) / jnp.asarray(denominator).astype(logits.dtype)
+    return _logits_grad(logits, lse, labels, pad_id, label_smoothing, scale), None, None
+
+
+cross_entropy.defvjp(_plain_forward, _plain_backward)
+
+
 @partial(jax.custom_vjp, nondiff_argnums=(5, 6, 7, 8))
 def chunked_cross_entropy(hidden: jax.Array, weight: jax.Array, bias: jax.Array | None, labels: jax.Array,
                           denominator: jax.Array, pad_id: int, label_smoothing: float,
@@ -58,12 +104,7 @@ def _forward(hidden, weight, bias, labels, denominator, pad_id, label_smoothing,
 
     def one(args: tuple[jax.Array, jax.Array]) -> tuple[jax.Array, jax.Array]:
         h, y = args
-        logits = _chunk_logits(h, weight, bias, dtype, scale)
-        lse = jax.nn.logsumexp(logits, axis=-1)
-        nll = lse - jnp.take_along_axis(logits, y[:, None], axis=-1)[:, 0]  # -log p[y]
-        smooth = lse - logits.mean(axis=-1)  # -(1/V) Σ_v log p[v]: ε over all V (PITFALLS 11)
-        per_token = (1.0 - label_smoothing) * nll + label_smoothing * smooth
-        return jnp.where(y != pad_id, per_token, 0.0).sum(), lse
+        return _token_losses(_chunk_logits(h, weight, bias, dtype, scale), y, pad_id, label_smoothing)
 
     sums, lse = jax.lax.map(one, _chunks(hidden, labels, pad_id, chunk))  # lse [n, chunk]: O(N)
     total = sums.sum() / jnp.asarray(denominator).astype(dtype)
@@ -83,10 +124,7 @@ def _backward(pad_id, label_smoothing, chunk, s, residuals, grad_out):
         grad_w, grad_b = carry
         h, y, lse_c = args
         h = h.astype(dtype)
-        logits = _chunk_logits(h, weight, bias, dtype, s)
-        g = jnp.exp(logits - lse_c[:, None]) - eps / V  # softmax - ε/V
-        g = g - (1.0 - eps) * jax.nn.one_hot(y, V, dtype=dtype)  # - (1-ε)·onehot(y)
-        g = g * jnp.where(y != pad_id, scale, 0.0)[:, None]
+        g = _logits_grad(_chunk_logits(h, weight, bias, dtype, s), lse_c, y, pad_id, eps, scale)
         # s multiplies the [chunk, d] sides (exact when s = 1), never the [chunk, V] block; the bias
         # is added after the scale.
         return (grad_w + (s * h).T @ g, grad_b + g.sum(axis=0)), (s * (g @ w.T)).astype(hidden.dtype)

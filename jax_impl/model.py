@@ -17,7 +17,7 @@ import jax.numpy as jnp
 from flax import nnx
 from jax import Array
 
-from jax_impl.ops import LayerCache, Positions, attention
+from jax_impl.ops import Dropout, LayerCache, Positions, attention, project
 from rosetta.config import ModelConfig
 from rosetta.inputs import Packing, check_packing
 from rosetta.params import embedding_names
@@ -74,7 +74,7 @@ class MultiHeadAttention(nnx.Module):
         d, bias = cfg.d_model, cfg.attention_bias
         self.q, self.k, self.v, self.o = (nnx.Linear(d, d, use_bias=bias, dtype=dtype, rngs=rngs)
                                           for _ in range(4))
-        self.num_heads, self.attention_dropout = cfg.num_heads, nnx.Dropout(cfg.attention_dropout)
+        self.num_heads, self.attention_dropout = cfg.num_heads, Dropout(cfg.attention_dropout)
 
     def split_heads(self, x: Array) -> Array:  # (B, T, d) -> (B, h, T, dh)
         B, T, d = x.shape
@@ -107,7 +107,7 @@ class FeedForward(nnx.Module):
     def __init__(self, cfg: ModelConfig, dtype: jnp.dtype, rngs: nnx.Rngs):
         self.linear1 = nnx.Linear(cfg.d_model, cfg.d_ff, use_bias=cfg.ffn_bias, dtype=dtype, rngs=rngs)
         self.linear2 = nnx.Linear(cfg.d_ff, cfg.d_model, use_bias=cfg.ffn_bias, dtype=dtype, rngs=rngs)
-        self.activation, self.dropout = cfg.activation, nnx.Dropout(cfg.activation_dropout_rate)
+        self.activation, self.dropout = cfg.activation, Dropout(cfg.activation_dropout_rate)
 
     def __call__(self, x: Array, rngs: nnx.Rngs | None = None, record: Stages | None = None,
                  name: str = "") -> Array:
@@ -142,7 +142,7 @@ class EncoderLayer(nnx.Module):
         self.self_attn, self.self_attn_norm = (MultiHeadAttention(cfg, dtype, rngs),
                                                norm_layer(cfg, dtype, rngs))
         self.ffn, self.ffn_norm = FeedForward(cfg, dtype, rngs), norm_layer(cfg, dtype, rngs)
-        self.dropout = nnx.Dropout(cfg.dropout)
+        self.dropout = Dropout(cfg.dropout)
 
     def __call__(self, x: Array, mask: Array, rngs: nnx.Rngs | None = None,
                  record: Stages | None = None, name: str = "") -> Array:
@@ -164,7 +164,7 @@ class DecoderLayer(nnx.Module):
         self.cross_attn, self.cross_attn_norm = (MultiHeadAttention(cfg, dtype, rngs),
                                                  norm_layer(cfg, dtype, rngs))
         self.ffn, self.ffn_norm = FeedForward(cfg, dtype, rngs), norm_layer(cfg, dtype, rngs)
-        self.dropout = nnx.Dropout(cfg.dropout)
+        self.dropout = Dropout(cfg.dropout)
 
     def __call__(self, x: Array, memory: Array, self_mask: Array, cross_mask: Array,
                  rngs: nnx.Rngs | None = None, record: Stages | None = None, name: str = "") -> Array:
@@ -223,7 +223,7 @@ class Generator(nnx.Module):
 
     def __call__(self, hidden: Array, tgt_table: nnx.Embed) -> Array:
         kernel = tgt_table.embedding[...].T if self.kernel is None else self.kernel[...]
-        logits = hidden @ kernel.astype(self.dtype)
+        logits = project(hidden, kernel.astype(self.dtype))
         logits = logits if self.logit_scale == 1.0 else logits * self.logit_scale  # SPEC §2 (Flax: 1/sqrt(d))
         return logits if self.bias is None else logits + self.bias[...].astype(self.dtype)
 
@@ -240,7 +240,7 @@ class Transformer(nnx.Module):
         self.encoder = Stack(cfg, EncoderLayer, cfg.num_encoder_layers, dtype, rngs)
         self.decoder = Stack(cfg, DecoderLayer, cfg.num_decoder_layers, dtype, rngs)
         self.generator = Generator(cfg, dtype)
-        self.dropout = nnx.Dropout(cfg.dropout)
+        self.dropout = Dropout(cfg.dropout)
         self.positions = Positions(jnp.asarray(model_table(cfg), dtype=jnp.promote_types(dtype, jnp.float32)))
 
     def position_table(self, rows: int) -> Array:

@@ -1,6 +1,7 @@
 """JAX-only speed paths and helpers of jax_impl/model.py: attention through
-jax.nn.dot_product_attention where it is faster (and the choice of when), the incremental-decoding
-cache (a pytree), and the variable type of the positional table. torch_impl/ops.py holds PyTorch's;
+jax.nn.dot_product_attention where it is faster (and the choice of when), dropout's CPU draw, the
+output projection's backward, the incremental-decoding cache (a pytree), and the variable type of
+the positional table. torch_impl/ops.py holds PyTorch's;
 numpy_ref/model.py computes the same numbers the plain way (and decodes without a cache).
 
 Shapes: B batch, h heads, Tq query length, Tk key length, dh d_head.
@@ -62,6 +63,48 @@ def fused_attention(q: jax.Array, k: jax.Array, v: jax.Array, mask: jax.Array) -
     if y is None:
         y = jax.nn.dot_product_attention(q, k, v, mask=mask, implementation="xla")
     return jnp.where(no_key.transpose(0, 2, 1, 3), v.mean(axis=1, keepdims=True), y)
+
+
+class Dropout(nnx.Dropout):
+    """Inverted dropout (§5.4: zero each value with probability p, scale the rest by 1/(1-p)), as
+    torch_impl.ops.Dropout: on CPUs the mask comes from 16 random bits per value (threefry's
+    classic mode hashes one 32-bit word pair per four values instead of per two: nnx.Dropout's
+    float draws were 190 ms of a 2.1 s `small` step on this project's CPU, docs/benchmarks.md).
+    p is rounded to a multiple of 2^-16 (0.1 -> 0.100006) and the scale is exactly 1/(1-p) for
+    that p. Elsewhere, or with rngs other than an nnx.Rngs, nnx.Dropout's own draw."""
+
+    def __call__(self, x: jax.Array, *, deterministic: bool | None = None,
+                 rngs: nnx.Rngs | None = None) -> jax.Array:
+        off = self.deterministic if deterministic is None else deterministic
+        if off or self.rate == 0.0 or not isinstance(rngs, nnx.Rngs) or jax.default_backend() != "cpu":
+            return super().__call__(x, deterministic=deterministic, rngs=rngs)
+        dropped = min(round(self.rate * 65536), 65535)  # of a 16-bit draw's 65536 values, those dropped
+        bits = jax.random.bits(rngs[self.rng_collection](), x.shape, jnp.uint16,
+                               out_sharding=jax.typeof(x).sharding)
+        return jnp.where(bits >= dropped, x * (65536 / (65536 - dropped)), jnp.zeros_like(x))
+
+
+@jax.custom_vjp
+def project(x: jax.Array, kernel: jax.Array) -> jax.Array:
+    """x [..., d] @ kernel [d, V], whose backward computes d/dkernel = x^T g as [d, V]. For a tied
+    kernel (E^T, §3.4) XLA's autodiff asks for E's gradient g^T x [V, d] instead, and its CPU dot
+    then first copies the [tokens, V] gradient transposed: 270 ms of a 2.1 s `small` step on this
+    project's CPU (docs/benchmarks.md). Same numbers either way; GPUs take both forms natively."""
+    return x @ kernel
+
+
+def _project_forward(x: jax.Array, kernel: jax.Array) -> tuple[jax.Array, tuple[jax.Array, jax.Array]]:
+    return x @ kernel, (x, kernel)
+
+
+def _project_backward(residuals: tuple[jax.Array, jax.Array], g: jax.Array) -> tuple[jax.Array, jax.Array]:
+    x, kernel = residuals
+    rows = tuple(range(x.ndim - 1))  # the token axes, summed over
+    grad_kernel = jax.lax.dot_general(x, g, ((rows, rows), ((), ())))  # x^T g: [d, V]
+    return g @ kernel.T, grad_kernel.astype(kernel.dtype)
+
+
+project.defvjp(_project_forward, _project_backward)
 
 
 class LayerCache(NamedTuple):

@@ -37,7 +37,7 @@ from jax_impl.distributed import (
     shard_variables,
     whole,
 )
-from jax_impl.loss import chunked_loss, generator_params
+from jax_impl.loss import chunked_loss, cross_entropy, generator_params
 from jax_impl.model import Transformer
 from rosetta.checkpoint import check_params
 from rosetta.config import ModelConfig
@@ -57,14 +57,10 @@ def loss_fn(logits: jax.Array, labels: jax.Array, pad_id: int, label_smoothing: 
     share of the global mean (rosetta/distributed.py). Returns (loss, number of non-pad labels
     here); a batch with no labels gives loss 0."""
     # log-softmax in float32 at least, even for bfloat16 logits.
-    logp = jax.nn.log_softmax(logits.astype(jnp.promote_types(logits.dtype, jnp.float32)), axis=-1)
-    nll = -jnp.take_along_axis(logp, labels[..., None], axis=-1)[..., 0]  # -log p[y]
-    smooth = -logp.mean(axis=-1)  # -(1/V) Σ_v log p[v]
-    per_token = (1.0 - label_smoothing) * nll + label_smoothing * smooth
-    mask = labels != pad_id
-    count = mask.sum()
-    denominator = count if num_tokens is None else num_tokens
-    return jnp.where(mask, per_token, 0.0).sum() / jnp.maximum(denominator, 1), count
+    wide = logits.astype(jnp.promote_types(logits.dtype, jnp.float32))
+    count = (labels != pad_id).sum()
+    denominator = jnp.maximum(count if num_tokens is None else num_tokens, 1)
+    return cross_entropy(wide, labels, denominator, pad_id, float(label_smoothing)), count
 
 
 def schedule(d_model: int, train_cfg: TrainConfig) -> optax.Schedule:

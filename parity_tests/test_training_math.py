@@ -243,6 +243,37 @@ def test_loss_matches_torch_and_optax(eps):
     assert relative_error(peer_torch.item(), peer_optax) <= 1e-6
 
 
+@pytest.mark.parametrize("eps", [0.0, 0.1])
+@pytest.mark.parametrize("num_tokens", [None, 50])
+def test_jax_loss_and_projection_backwards_equal_autodiff_in_float64(eps, num_tokens):
+    """jax_impl's own backwards (loss_fn's closed form, the output projection's x^T g) against
+    JAX's autodiff of optax's smoothed cross-entropy over a plain matmul, in float64: the
+    gradients with respect to the hidden states and to a tied table E (kernel E^T, §3.4)."""
+    from jax_impl.ops import project
+
+    rng = np.random.default_rng(0)
+    hidden, table = rng.standard_normal((3, 7, 16)), 0.3 * rng.standard_normal((40, 16))
+    labels = rng.integers(0, 40, (3, 7))
+    labels[0, 4:] = 0  # pad
+    with jax.enable_x64(True):
+        def ours(h, e):
+            return jt.loss_fn(project(h, e.T), jnp.asarray(labels), 0, eps, num_tokens)[0]
+
+        def peer(h, e):
+            q = optax.smooth_labels(jax.nn.one_hot(labels, 40), eps)
+            per_pos = optax.softmax_cross_entropy(h @ e.T, q)
+            denominator = (labels != 0).sum() if num_tokens is None else num_tokens
+            return jnp.sum(jnp.where(labels != 0, per_pos, 0.0)) / denominator
+
+        args = (jnp.asarray(hidden), jnp.asarray(table))
+        (ours_loss, ours_grads), (peer_loss, peer_grads) = (jax.value_and_grad(f, argnums=(0, 1))(*args)
+                                                            for f in (ours, peer))
+        assert ours_grads[0].dtype == jnp.float64
+        assert relative_error(float(ours_loss), float(peer_loss)) <= 1e-13
+        for a, b in zip(ours_grads, peer_grads, strict=True):
+            assert relative_error(np.asarray(a), np.asarray(b)) <= 1e-12
+
+
 def test_loss_of_bfloat16_logits_is_computed_in_float32():
     logits, labels = random_logits()
     low = torch.from_numpy(logits).to(torch.bfloat16)
@@ -432,6 +463,66 @@ def test_torch_cpu_dropout_keeps_each_value_at_its_rate_and_scales_it(rate):
     assert torch.equal(x.grad, grad * y.detach())  # d(x·mask·s)/dx = mask·s, and y = mask·s here
     assert torch.equal(y.detach(), again) and not torch.equal(again, other)
     assert layer.eval()(x) is x
+
+
+@pytest.mark.parametrize("rate", [0.1, 0.3, 0.5])
+def test_jax_cpu_dropout_keeps_each_value_at_its_rate_and_scales_it(rate):
+    """jax_impl's CPU dropout (16 random bits a value, as torch_impl's) against the binomial
+    distribution: in threefry's classic mode (the trainer's on one device) each 32-bit word feeds
+    two values, and each of the two keeps with probability 1 - p to 5 standard deviations; kept
+    values are scaled by 1/(1-p), the gradient is that mask, deterministic mode is the identity,
+    and the masks follow the key."""
+    from jax_impl.ops import Dropout
+
+    assert jax.default_backend() == "cpu"  # the path under test; GPUs keep nnx.Dropout's draw
+    n = 400_000
+    layer = Dropout(rate)
+    x = jnp.ones(n)
+    with jax.threefry_partitionable(False):
+        y, pullback = jax.vjp(lambda v: layer(v, rngs=nnx.Rngs(dropout=0)), x)
+        again = layer(x, rngs=nnx.Rngs(dropout=0))
+        other = layer(x, rngs=nnx.Rngs(dropout=1))
+    keep_p = 1 - round(rate * 65536) / 65536  # the rate rounded to 16 bits: 0.1 -> 0.100006
+    kept = np.asarray(y != 0).reshape(-1, 2)  # the two 16-bit halves of each 32-bit word
+    m = kept.shape[0]
+    for lane in range(2):
+        count = int(kept[:, lane].sum())
+        assert abs(count - m * keep_p) < 5 * math.sqrt(m * keep_p * (1 - keep_p)), (lane, count / m)
+    y = np.asarray(y)
+    np.testing.assert_allclose(y[y != 0], 1 / keep_p, rtol=1e-6, atol=0)
+    grad = np.random.default_rng(0).standard_normal(n).astype(np.float32)
+    np.testing.assert_array_equal(np.asarray(pullback(jnp.asarray(grad))[0]), grad * y)  # mask·s
+    assert np.array_equal(y, np.asarray(again)) and not np.array_equal(y, np.asarray(other))
+    assert layer(x, deterministic=True, rngs=nnx.Rngs(dropout=0)) is x
+
+
+def test_torch_cpu_attention_dropout_is_eq1_with_the_drawn_mask():
+    """With attention dropout on a CPU, torch_impl's attention takes the explicit path: its output
+    is eq. 1 in float64 NumPy (a row with every key masked gets uniform weights, SPEC §2) times
+    the mask cpu_dropout draws from the same seed, then the values."""
+    from torch_impl.ops import attention, cpu_dropout
+
+    rng = np.random.default_rng(0)
+    B, h, Tq, Tk, dh, rate = 2, 3, 5, 6, 4, 0.3
+    q, k, v = (rng.standard_normal((B, h, T, dh)).astype(np.float32) for T in (Tq, Tk, Tk))
+    mask = rng.random((B, 1, Tq, Tk)) < 0.7
+    mask[1, 0, 2] = False  # a query with no key left
+    with torch.random.fork_rng():
+        torch.manual_seed(0)
+        y, weights = attention(t(q), t(k), t(v), torch.from_numpy(mask), rate)
+        torch.manual_seed(0)
+        drawn = cpu_dropout(torch.ones(B, h, Tq, Tk), rate).numpy().astype(np.float64)
+    assert weights is None and 0 < (drawn == 0).mean() < 1
+    scores = q.astype(np.float64) @ k.astype(np.float64).transpose(0, 1, 3, 2) / math.sqrt(dh)
+    scores = np.where(mask, scores, -np.inf)
+    no_key = ~mask.any(-1, keepdims=True)
+    scores = np.where(no_key, 0.0, scores)  # uniform weights
+    p = np.exp(scores - scores.max(-1, keepdims=True))
+    p /= p.sum(-1, keepdims=True)
+    expected = ((p * drawn) @ v.astype(np.float64)).transpose(0, 2, 1, 3)  # (B, Tq, h, dh)
+    # float32: each value passes ~15 roundings of u = 6e-8 (a 4-term dot, exp, a sum of 6, a 6-term
+    # dot): under 1e-6 (6.8e-8 seen).
+    assert relative_error(y.numpy(), expected) <= 1e-6
 
 
 def test_train_step_applies_dropout_reproducibly():

@@ -1,7 +1,10 @@
 """The output projection and the label-smoothed cross-entropy (SPEC §4) in chunks of tokens, with
 their own backward: no [tokens, V] float32 tensor is ever alive for the whole batch, only one
 [chunk, V] block at a time. Same loss and gradients as torch_impl/train.py's
-`loss_fn(hidden @ W.T + b, ...)`; the math and the choice of chunk: docs/loss.md.
+`loss_fn(hidden @ W.T + b, ...)`; the math and the choice of chunk: docs/loss.md. (jax_impl/loss.py
+also gives loss_fn its closed-form backward, `cross_entropy`; here autograd's stays: a
+torch.autograd.Function of it was slower in a paired `small` step on this project's CPU, 1.73 s
+against 1.63 s a step.)
 
 Maintained kernels that do this (Liger-Kernel's fused linear cross-entropy, Apple's Cut
 Cross-Entropy) are Triton/CUDA only: Liger is not on the package index this project installs
@@ -34,6 +37,28 @@ def _chunk_logits(h: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | No
     return logits if bias is None else logits + bias.to(dtype)
 
 
+def _token_losses(logits: torch.Tensor, y: torch.Tensor, pad_id: int, label_smoothing: float
+                  ) -> tuple[torch.Tensor, torch.Tensor]:
+    """(Σ over non-pad tokens of the cross-entropy against q, logsumexp per token) of logits
+    [..., V] in their own (float32 or wider) dtype."""
+    lse = torch.logsumexp(logits, dim=-1)
+    nll = lse - logits.gather(-1, y[..., None])[..., 0]  # -log p[y]
+    smooth = lse - logits.mean(dim=-1)  # -(1/V) Σ_v log p[v]: ε over all V (PITFALLS 11)
+    per_token = (1.0 - label_smoothing) * nll + label_smoothing * smooth
+    return torch.where(y != pad_id, per_token, 0.0).sum(), lse
+
+
+def _logits_grad(logits: torch.Tensor, lse: torch.Tensor, y: torch.Tensor, pad_id: int,
+                 label_smoothing: float, scale: torch.Tensor) -> torch.Tensor:
+    """d loss / d logits = mask · (softmax - q) · scale, from the logits and their logsumexp: one
+    new [..., V] tensor, updated in place."""
+    V = logits.shape[-1]
+    g = torch.sub(logits, lse[..., None]).exp_().sub_(label_smoothing / V)  # softmax - ε/V
+    minus = torch.full_like(y[..., None], label_smoothing - 1.0, dtype=g.dtype)
+    g.scatter_add_(-1, y[..., None], minus)  # - (1-ε)·onehot(y)
+    return g.mul_(torch.where(y != pad_id, scale, 0.0)[..., None])
+
+
 class ChunkedCrossEntropy(torch.autograd.Function):
     """Σ over non-pad tokens of the cross-entropy against q = (1-ε)·onehot(y) + ε/V, divided by
     `denominator`; forward and backward both walk the tokens `chunk` at a time."""
@@ -47,13 +72,10 @@ class ChunkedCrossEntropy(torch.autograd.Function):
         lse = hidden.new_empty(hidden.shape[0], dtype=dtype)  # O(N): kept for the backward
         with torch.autocast(hidden.device.type, enabled=False):  # the logits stay in `dtype`
             for start in range(0, hidden.shape[0], chunk):
-                y = labels[start:start + chunk]
                 logits = _chunk_logits(hidden[start:start + chunk], weight, bias, dtype, scale)
-                lse[start:start + chunk] = lse_c = torch.logsumexp(logits, dim=-1)
-                nll = lse_c - logits.gather(-1, y[:, None])[:, 0]  # -log p[y]
-                smooth = lse_c - logits.mean(dim=-1)  # -(1/V) Σ_v log p[v]: ε over all V (PITFALLS 11)
-                per_token = (1.0 - label_smoothing) * nll + label_smoothing * smooth
-                total = total + torch.where(y != pad_id, per_token, 0.0).sum()
+                chunk_total, lse[start:start + chunk] = _token_losses(logits, labels[start:start + chunk],
+                                                                      pad_id, label_smoothing)
+                total = total + chunk_total
         ctx.save_for_backward(hidden, weight, bias, labels, lse, denominator)
         ctx.pad_id, ctx.label_smoothing, ctx.chunk, ctx.scale = pad_id, label_smoothing, chunk, scale
         return total / denominator.to(dtype)
@@ -74,10 +96,8 @@ class ChunkedCrossEntropy(torch.autograd.Function):
         with torch.autocast(hidden.device.type, enabled=False):
             for start in range(0, hidden.shape[0], ctx.chunk):
                 h, y = hidden[start:start + ctx.chunk].to(dtype), labels[start:start + ctx.chunk]
-                logits = _chunk_logits(h, weight, bias, dtype, s)
-                g = torch.exp(logits - lse[start:start + ctx.chunk, None]) - eps / V  # softmax - ε/V
-                g[torch.arange(len(y), device=g.device), y] -= 1.0 - eps  # - (1-ε)·onehot(y)
-                g *= torch.where(y != ctx.pad_id, scale, 0.0)[:, None]
+                g = _logits_grad(_chunk_logits(h, weight, bias, dtype, s), lse[start:start + ctx.chunk], y,
+                                 ctx.pad_id, eps, scale)
                 # s multiplies the [chunk, d] sides (exact when s = 1), never the [chunk, V] block.
                 if grad_h is not None:
                     grad_h[start:start + ctx.chunk] = (s * (g @ w)).to(hidden.dtype)

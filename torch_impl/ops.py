@@ -1,6 +1,7 @@
-"""PyTorch-only speed paths of torch_impl/model.py: attention as one fused SDPA kernel, dropout
-from 16 random bits a value on CPUs, the incremental-decoding cache (written in place), weights
-packed once for CPU decoding, and the positional buffer's growth outside compiled graphs.
+"""PyTorch-only speed paths of torch_impl/model.py: attention as one fused SDPA kernel (explicit
+on CPUs with attention dropout), dropout from 16 random bits a value on CPUs, the
+incremental-decoding cache (written in place), weights packed once for CPU decoding, and the
+positional buffer's growth outside compiled graphs.
 jax_impl/ops.py holds JAX's; numpy_ref/model.py computes the same numbers the plain way (and
 decodes without a cache).
 
@@ -28,38 +29,53 @@ def attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Ten
     a boolean mask broadcastable to (B, h, Tq, Tk), in one F.scaled_dot_product_attention call
     (attention-weight dropout inside it): (B, Tq, h, dh), and with `weights` the softmax. Keys and
     values (a cache's dtype, maybe) are cast to the queries' type."""
-    # An additive mask holding the dtype's most negative finite value (SPEC §2), not a
-    # boolean one: SDPA turns boolean masks into -inf, and a row whose keys are all masked
-    # then gives NaN or zeros instead of uniform weights (PITFALLS 4). Fused kernels
-    # (memory-efficient, cuDNN) take additive masks too.
-    bias = torch.zeros((), dtype=q.dtype, device=q.device).masked_fill(~mask, torch.finfo(q.dtype).min)
-    y = F.scaled_dot_product_attention(q, k.to(q.dtype), v.to(q.dtype), attn_mask=bias,
-                                       dropout_p=dropout)  # (B, h, Tq, dh)
-    if not weights:
-        return y.transpose(1, 2), None
-    # SDPA does not return its probabilities: recompute them the reference's way (only
-    # when asked, so the fast path stays one fused kernel).
-    scores = q @ k.to(q.dtype).transpose(-2, -1) / math.sqrt(q.shape[-1])
-    scores = scores.masked_fill(~mask, torch.finfo(scores.dtype).min)
-    return y.transpose(1, 2), scores.softmax(dim=-1)
+    k, v = k.to(q.dtype), v.to(q.dtype)
+    # Not SDPA on CPUs with attention dropout (training): its CPU math path draws one float per
+    # weight (bernoulli_); the explicit path below drops with cpu_dropout's 16-bit draws, 3% less
+    # per `small` step in a paired run on this project's CPU (docs/benchmarks.md).
+    explicit = dropout > 0.0 and q.device.type == "cpu"
+    probabilities = None
+    if explicit or weights:  # SDPA does not return its probabilities: computed the reference's way
+        # Scores and softmax in float32 at least (float64 stays float64), as jax_impl's path. Masked
+        # scores hold the most negative finite value: uniform weights, not NaN, where every key is
+        # masked (SPEC §2, PITFALLS 4).
+        wide = torch.promote_types(q.dtype, torch.float32)
+        scores = (q @ k.transpose(-2, -1)).to(wide) / math.sqrt(q.shape[-1])
+        probabilities = scores.masked_fill(~mask, torch.finfo(wide).min).softmax(dim=-1)
+    if explicit:
+        y = cpu_dropout(probabilities, dropout).to(q.dtype) @ v
+    else:
+        # An additive mask holding the dtype's most negative finite value (SPEC §2), not a
+        # boolean one: SDPA turns boolean masks into -inf, and a row whose keys are all masked
+        # then gives NaN or zeros instead of uniform weights (PITFALLS 4). Fused kernels
+        # (memory-efficient, cuDNN) take additive masks too.
+        bias = torch.zeros((), dtype=q.dtype, device=q.device).masked_fill(~mask, torch.finfo(q.dtype).min)
+        y = F.scaled_dot_product_attention(q, k, v, attn_mask=bias, dropout_p=dropout)  # (B, h, Tq, dh)
+    return y.transpose(1, 2), probabilities if weights else None
+
+
+def cpu_dropout(x: torch.Tensor, p: float) -> torch.Tensor:
+    """Inverted dropout (§5.4) at rate 0 < p < 1 from 16 random bits per value (one 64-bit draw
+    from torch's generator gives four): torch's CPU `bernoulli_` draws a float per value and was
+    ~20% of a `small` training step on this project's CPU (docs/benchmarks.md). p is rounded to a
+    multiple of 2^-16 (0.1 -> 0.100006) and the scale is exactly 1/(1-p) for that p."""
+    dropped = min(round(p * 65536), 65535)  # of the 65536 values a 16-bit draw takes, those dropped
+    words = torch.empty((x.numel() + 3) // 4, dtype=torch.int64, device=x.device)
+    bits = words.random_(-2**63, None).view(torch.int16)[:x.numel()].view(x.shape)  # full 64-bit range
+    # int16 draws are uniform on [-32768, 32767]; the mask is written once, as 1/(1-p) or 0 in
+    # x's dtype (one pass, not a comparison, a cast and a scaling).
+    scale = torch.full((), 65536 / (65536 - dropped), dtype=x.dtype)
+    return x * torch.where(bits >= dropped - 32768, scale, torch.zeros((), dtype=x.dtype))
 
 
 class Dropout(nn.Dropout):
-    """Inverted dropout (§5.4: zero each value with probability p, scale the rest by 1/(1-p)).
-    On CPUs the mask comes from 16 random bits per value (one 64-bit draw from torch's generator
-    gives four): torch's CPU `bernoulli_` draws a float per value and was ~20% of a `small`
-    training step on this project's CPU (docs/benchmarks.md). p is rounded to a multiple of 2^-16
-    (0.1 -> 0.100006) and the scale is exactly 1/(1-p) for that p. GPUs keep F.dropout's kernel;
-    attention-weight dropout stays inside SDPA; jax_impl keeps nnx.Dropout (its own stream anyway)."""
+    """Inverted dropout (§5.4), by cpu_dropout on CPUs; GPUs keep F.dropout's kernel.
+    jax_impl.ops.Dropout draws the same way (its own stream)."""
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         if not self.training or self.p == 0.0 or x.device.type != "cpu":
             return super().forward(x)
-        dropped = min(round(self.p * 65536), 65535)  # of the 65536 values a 16-bit draw takes, those dropped
-        words = torch.empty((x.numel() + 3) // 4, dtype=torch.int64, device=x.device)
-        bits = words.random_(-2**63, None).view(torch.int16)[:x.numel()].view(x.shape)  # full 64-bit range
-        keep = bits >= dropped - 32768  # int16 draws are uniform on [-32768, 32767]
-        return x * (keep.to(x.dtype) * (65536 / (65536 - dropped)))
+        return cpu_dropout(x, self.p)
 
 
 @dataclass
