@@ -235,3 +235,24 @@ def test_decode_ct2_smoke():
     size = result["settings"]["batch"] * result["settings"]["tgt_len"]
     assert all(r["tokens"] == size for r in rows.values())
     assert rows["jax"]["greedy_same_as_torch"] == rows["ctranslate2 float32"]["greedy_same_as_torch"] == 1.0
+
+
+def test_profile_cpu_smoke():
+    """benchmarks/profile_cpu.py runs end to end on tiny models (in its own process: it sets
+    XLA_FLAGS before JAX starts) and attributes each framework's time to kinds of work: matmuls
+    in every profile, and dropout's random bits in every training step (dropout is on)."""
+    import re
+    import subprocess
+    import sys
+    from pathlib import Path
+
+    out = subprocess.run([sys.executable, "-m", "benchmarks.profile_cpu", "--quick"], capture_output=True,
+                         text=True, cwd=Path(__file__).parents[1], timeout=300)
+    assert out.returncode == 0, out.stderr[-2000:]
+    tables = re.findall(r"^### (\w+): .*\n\n((?:\|.*\n)+)", out.stdout, re.M)
+    assert [name for name, _ in tables] == ["torch", "peer", "jax", "torch", "jax"]
+    for i, (name, rows) in enumerate(tables):
+        assert "| layer matmuls |" in rows, name
+        if i < 3:  # the training steps
+            assert "| dropout random bits |" in rows, name
+    assert "wrote" not in out.stdout  # --quick writes no results file

@@ -1,0 +1,226 @@
+"""Where a CPU step spends its time (issue 27): one training step of `small` on a Multi30k batch
+(benchmarks/batches.py's first bucketed batch, 4,096 tokens) for our PyTorch, the nn.Transformer
+peer and our JAX, and one beam-4 decode of decode_ct2's base-sized Marian model for our PyTorch
+and JAX, each grouped into the same kinds of work.
+
+    python -m benchmarks.profile_cpu               # ~3 minutes on 2 cores: results/profile_cpu_<date>.*
+    python -m benchmarks.profile_cpu --what train  # or decode
+
+PyTorch: torch.profiler, self CPU time per op, kinds by op name and shapes. JAX: jax.profiler,
+the XLA CPU runtime's thunks (one per fused kernel), kinds by the optimized HLO (dumped with
+--xla_dump_to before JAX starts): a thunk is a matmul when its fusion computes a dot. Thunk time is
+summed over XLA's threads, so its total exceeds the wall time when they overlap; "not in a thunk"
+is the executor's time outside them (dots run by Eigen, scheduling). Times are per step (training)
+or per call (decoding): the mean of 2 profiled calls, after 2 warm-up and 2 timed calls without
+the profiler (the wall time shown). Run it alone.
+"""
+
+from __future__ import annotations
+
+import argparse
+import datetime as dt
+import os
+import re
+import tempfile
+import time
+from collections import Counter
+from pathlib import Path
+
+HLO_DIR = Path(tempfile.mkdtemp(prefix="profile-cpu-hlo-"))
+os.environ["XLA_FLAGS"] = f"{os.environ.get('XLA_FLAGS', '')} --xla_dump_to={HLO_DIR} --xla_dump_hlo_as_text"
+
+import jax  # noqa: E402 - after XLA_FLAGS
+import numpy as np  # noqa: E402
+import torch  # noqa: E402
+
+from benchmarks.common import environment, write_results  # noqa: E402
+
+KINDS = ("output projection matmuls (over V)", "layer matmuls", "attention matmuls",
+         "loss, log-softmax over V", "dropout random bits", "top-k and beam bookkeeping",
+         "decoding cache writes and reorders", "other elementwise, norms, reductions, copies",
+         "not in a thunk (JAX)")
+
+
+def torch_kind(name: str, shapes: list, vocab: int) -> str:
+    over_v = any(vocab in s for s in shapes if isinstance(s, list))
+    if name in ("aten::mm", "aten::addmm", "aten::linear", "mkldnn::_linear_pointwise"):
+        return KINDS[0] if over_v else KINDS[1]
+    if name in ("aten::bmm", "aten::_scaled_dot_product_flash_attention_for_cpu", "aten::baddbmm"):
+        return KINDS[2]
+    if over_v and any(k in name for k in ("softmax", "gather", "fill_", "div", "add", "mean", "sum", "exp",
+                                          "topk", "sort")):
+        return KINDS[5] if any(k in name for k in ("topk", "sort")) else KINDS[3]
+    if name in ("aten::random_", "aten::bernoulli_", "aten::uniform_"):
+        return KINDS[4]
+    if name in ("aten::topk", "aten::sort", "aten::argsort"):
+        return KINDS[5]
+    cache_ops = ("aten::index", "aten::index_select", "aten::index_copy_", "aten::copy_")
+    if name in cache_ops and shapes and len(shapes[0]) == 4:
+        return KINDS[6]
+    return KINDS[7]
+
+
+def _wall(fn, calls: int) -> float:
+    """Seconds per call without a profiler: the mean of `calls` calls after 2 warm-up calls."""
+    for _ in range(2):
+        fn()
+    start = time.perf_counter()
+    for _ in range(calls):
+        fn()
+    return (time.perf_counter() - start) / calls
+
+
+def profile_torch(fn, vocab: int, calls: int = 2) -> tuple[float, Counter]:
+    from torch.profiler import ProfilerActivity, profile
+
+    wall = _wall(fn, calls)
+    with profile(activities=[ProfilerActivity.CPU], record_shapes=True) as prof:
+        for _ in range(calls):
+            fn()
+    kinds: Counter = Counter()
+    for e in prof.key_averages(group_by_input_shape=True):
+        if e.key.startswith(("aten::", "mkldnn::")):
+            kinds[torch_kind(e.key, e.input_shapes, vocab)] += e.self_cpu_time_total / 1e6 / calls
+    return wall, kinds
+
+
+def _hlo_instructions(module: str) -> dict[str, tuple[str, bool]]:
+    """Thunk name -> (the instruction's line, whether it computes a dot, itself or in its fused
+    computation), from the newest optimized HLO dump of the jitted function `module`."""
+    found: dict[str, tuple[str, bool]] = {}
+    dumps = sorted(HLO_DIR.glob(f"*jit_{module}*after_optimizations.txt"), key=lambda p: p.stat().st_mtime)
+    for path in dumps[-1:]:
+        text = path.read_text()
+        computations = dict(re.findall(r"^%?([\w.\-]+) \(.*?\n((?:.+\n)*?)\}", text, re.M))
+        dots = {name: body for name, body in computations.items() if " dot(" in body}
+        for line in text.splitlines():
+            m = re.match(r"\s*(?:ROOT )?%?([\w.\-]+) = \S+ ([\w\-]+)\(", line)
+            if m:
+                called = re.search(r"calls=%?([\w.\-]+)", line)
+                body = dots.get(called.group(1)) if called else None
+                found.setdefault(m.group(1), (line if body is None else line + "\n" + body,
+                                              m.group(2) == "dot" or body is not None))
+    return found
+
+
+def jax_kind(line: str, is_dot: bool, vocab: int) -> str:
+    """`line`: the instruction, and for a fused dot its computation (operand shapes included)."""
+    shape = line.split("=", 1)[1][:80] if "=" in line else ""
+    over_v = re.search(rf"\b{vocab}\b", line if is_dot else shape) is not None
+    op = (re.search(r'op_name="([^"]*)"', line) or [None, ""])[1]
+    if is_dot:
+        return KINDS[0] if over_v else (KINDS[2] if re.search(r"\[\d+,\d+,\d+,\d+\]", shape) else KINDS[1])
+    if over_v:
+        return KINDS[5] if any(k in op for k in ("top_k", "sort", "argmax")) else KINDS[3]
+    if re.match(r"\s*u(8|16|32)\[\d{4,}", shape):  # large unsigned arrays: only random bits here
+        return KINDS[4]
+    if any(k in op for k in ("top_k", "sort")) or "TopK" in line:
+        return KINDS[5]
+    if any(k in op for k in ("dynamic_update_slice", "gather")) or "dynamic-update-slice" in line:
+        return KINDS[6]
+    return KINDS[7]
+
+
+def profile_jax(fn, vocab: int, module: str, calls: int = 2) -> tuple[float, Counter]:
+    from jax.profiler import ProfileData
+
+    wall = _wall(lambda: jax.block_until_ready(fn()), calls)
+    trace = Path(tempfile.mkdtemp(prefix="profile-cpu-trace-"))
+    jax.profiler.start_trace(str(trace))
+    for _ in range(calls):
+        jax.block_until_ready(fn())
+    jax.profiler.stop_trace()
+    instructions = _hlo_instructions(module)
+    kinds: Counter = Counter()
+    executing = 0
+    data = ProfileData.from_file(str(next(trace.rglob("*.xplane.pb"))))
+    for plane in data.planes:
+        for line in plane.lines:
+            if not line.name.startswith("tf_XLA"):  # XLA's threads: its pool's, the client's
+                continue
+            for event in line.events:
+                seconds = event.duration_ns / 1e9 / calls
+                if event.name == "ThunkExecutor::Execute":
+                    executing += seconds
+                elif event.name in instructions:
+                    kinds[jax_kind(*instructions[event.name], vocab)] += seconds
+    kinds[KINDS[8]] = max(executing - sum(kinds.values()), 0.0)
+    return wall, kinds
+
+
+def train_cases(quick: bool) -> dict:
+    from benchmarks.batches import length_pairs, runners, sample_batches
+    from benchmarks.peer import make_peer
+    from rosetta import preset
+
+    name, lengths, tokens = ("tiny", "wmt", 512) if quick else ("small", "multi30k", 4096)
+    peer, cfg, params = make_peer(preset(name))
+    batch = sample_batches(length_pairs(lengths, cfg.src_vocab_size, None), cfg, tokens, None, 1)
+    fns = runners(cfg, params, peer, batch, "float32", "cpu", with_peer=True)
+    return {"what": f"one `{name}` training step, batch {batch[0].src.shape} ({lengths} lengths, bucketed)",
+            "vocab": cfg.tgt_vocab_size,
+            "cases": [("torch", "torch", fns["torch"]), ("peer", "torch", fns["peer"]),
+                      ("jax", "_train_step", fns["jax"])]}
+
+
+def decode_cases(quick: bool) -> dict:
+    from benchmarks.decode_ct2 import BASE, QUICK, marian_model
+    from rosetta import from_params
+
+    B, L = (4, 8) if quick else (32, 24)
+    folder = Path(tempfile.mkdtemp(prefix="profile-cpu-"))
+    cfg, params = marian_model(QUICK if quick else BASE, folder / "marian")
+    rng = np.random.default_rng(0)
+    src = np.concatenate([rng.integers(2, cfg.src_vocab_size - 1, (B, L - 1)), np.full((B, 1), cfg.eos_id)],
+                         axis=1)
+    cases = []
+    for name, module in (("torch", "torch"), ("jax", "_beam_search")):
+        model = from_params(cfg, params, name, "float32")
+        cases.append((name, module, lambda m=model: m.generate(src, 4, 1.0, L, "hf", max_new_tokens=L)))
+    return {"what": f"one beam-4 decode of {B} x {L} source tokens, {L} target tokens each, "
+                    f"d_model {cfg.d_model} Marian (benchmarks/decode_ct2.py's setup)",
+            "vocab": cfg.tgt_vocab_size, "cases": cases}
+
+
+def table(title: str, wall: float, kinds: Counter) -> str:
+    total = sum(kinds.values())
+    lines = [f"### {title}: {wall * 1e3:.0f} ms a call unprofiled; {total * 1e3:.0f} ms of work profiled", "",
+             "| kind of work | ms | share |", "| --- | --- | --- |"]
+    for kind in KINDS:
+        if kinds.get(kind, 0) > 0:
+            lines.append(f"| {kind} | {kinds[kind] * 1e3:.{0 if kinds[kind] >= 0.01 else 1}f} | "
+                         f"{kinds[kind] / total:.0%} |")
+    return "\n".join(lines) + "\n"
+
+
+def main(argv: list[str] | None = None) -> None:
+    parser = argparse.ArgumentParser(description=__doc__,
+                                     formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--what", choices=("train", "decode", "both"), default="both")
+    parser.add_argument("--threads", type=int, default=2, help="torch threads (XLA takes every core)")
+    parser.add_argument("--no-write", action="store_true", help="print only")
+    parser.add_argument("--quick", action="store_true", help="tiny models (the smoke test); nothing written")
+    args = parser.parse_args(argv)
+    torch.set_num_threads(args.threads)
+    env = environment()
+    parts = [f"# Where a CPU step's time goes, {env['date']} (commit {env['commit']}, {env['processor']}, "
+             f"{env['cpus']} cores, torch {env.get('torch')}, jax {env.get('jax')})", ""]
+    result = {"environment": env, "threads": args.threads, "profiles": []}
+    for what in (("train", "decode") if args.what == "both" else (args.what,)):
+        setup = train_cases(args.quick) if what == "train" else decode_cases(args.quick)
+        parts += [f"## {setup['what']}", ""]
+        for name, module, fn in setup["cases"]:  # module: the jitted function's name for JAX
+            if module == "torch":
+                wall, kinds = profile_torch(fn, setup["vocab"])
+            else:
+                wall, kinds = profile_jax(fn, setup["vocab"], module)
+            parts.append(table(name, wall, kinds))
+            result["profiles"].append({"what": what, "impl": name, "wall_s": wall, "kinds_s": dict(kinds)})
+            print(parts[-1], flush=True)
+    text = "\n".join(parts)
+    if not args.no_write and not args.quick:
+        print("wrote", *write_results(f"profile_cpu_{dt.date.today().isoformat()}", result, text))
+
+
+if __name__ == "__main__":
+    main()
