@@ -37,7 +37,7 @@ from benchmarks.common import environment, write_results  # noqa: E402
 
 KINDS = ("output projection matmuls (over V)", "layer matmuls", "attention matmuls",
          "loss, log-softmax over V", "dropout random bits", "top-k and beam bookkeeping",
-         "decoding cache writes and reorders", "other elementwise, norms, reductions, copies",
+         "head-layout copies, cache writes and reorders", "other elementwise, norms, reductions, copies",
          "not in a thunk (JAX)")
 
 
