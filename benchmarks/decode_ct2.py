@@ -30,8 +30,9 @@ from pathlib import Path
 
 import numpy as np
 
-from benchmarks.common import environment, write_results
+from benchmarks.common import RESULTS, environment, write_results
 from rosetta import from_params, init_params
+from rosetta.cli_args import positive_int
 from rosetta.files import atomic_write_bytes
 from rosetta.interop.convert import convert
 from rosetta.interop.marian import config_from_marian, write_marian
@@ -151,8 +152,9 @@ def main(argv: list[str] | None = None) -> None:
     parser = argparse.ArgumentParser(description=__doc__,
                                      formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--quick", action="store_true", help="a small model, one round (nothing written)")
-    parser.add_argument("--rounds", type=int, default=3)
-    parser.add_argument("--threads", type=int, default=2)
+    parser.add_argument("--rounds", type=positive_int, default=3)
+    parser.add_argument("--threads", type=positive_int, default=2)
+    parser.add_argument("--out-dir", type=Path, default=RESULTS)
     parser.add_argument("--no-write", action="store_true", help="print only")
     args = parser.parse_args(argv)
     import ctranslate2
@@ -163,7 +165,7 @@ def main(argv: list[str] | None = None) -> None:
     print(text)
     if not args.no_write and not args.quick:
         paths = write_results(f"decode_ct2_cpu_{dt.date.today().isoformat()}", {"environment": env, **result},
-                              text)
+                              text, args.out_dir)
         print("wrote", *paths)
 
 

@@ -21,19 +21,17 @@ import argparse
 import datetime as dt
 import os
 import re
+import sys
 import tempfile
 import time
 from collections import Counter
 from pathlib import Path
 
-HLO_DIR = Path(tempfile.mkdtemp(prefix="profile-cpu-hlo-"))
-os.environ["XLA_FLAGS"] = f"{os.environ.get('XLA_FLAGS', '')} --xla_dump_to={HLO_DIR} --xla_dump_hlo_as_text"
+import numpy as np
+import torch
 
-import jax  # noqa: E402 - after XLA_FLAGS
-import numpy as np  # noqa: E402
-import torch  # noqa: E402
-
-from benchmarks.common import environment, write_results  # noqa: E402
+from benchmarks.common import RESULTS, environment, write_results
+from rosetta.cli_args import positive_int
 
 KINDS = ("output projection matmuls (over V)", "layer matmuls", "attention matmuls",
          "loss, log-softmax over V", "dropout random bits", "top-k and beam bookkeeping",
@@ -84,11 +82,11 @@ def profile_torch(fn, vocab: int, calls: int = 2) -> tuple[float, Counter]:
     return wall, kinds
 
 
-def _hlo_instructions(module: str) -> dict[str, tuple[str, bool]]:
+def _hlo_instructions(module: str, hlo_dir: Path) -> dict[str, tuple[str, bool]]:
     """Thunk name -> (the instruction's line, whether it computes a dot, itself or in its fused
     computation), from the newest optimized HLO dump of the jitted function `module`."""
     found: dict[str, tuple[str, bool]] = {}
-    dumps = sorted(HLO_DIR.glob(f"*jit_{module}*after_optimizations.txt"), key=lambda p: p.stat().st_mtime)
+    dumps = sorted(hlo_dir.glob(f"*jit_{module}*after_optimizations.txt"), key=lambda p: p.stat().st_mtime)
     for path in dumps[-1:]:
         text = path.read_text()
         computations = dict(re.findall(r"^%?([\w.\-]+) \(.*?\n((?:.+\n)*?)\}", text, re.M))
@@ -121,7 +119,8 @@ def jax_kind(line: str, is_dot: bool, vocab: int) -> str:
     return KINDS[7]
 
 
-def profile_jax(fn, vocab: int, module: str, calls: int = 2) -> tuple[float, Counter]:
+def profile_jax(fn, vocab: int, module: str, hlo_dir: Path, calls: int = 2) -> tuple[float, Counter]:
+    import jax
     from jax.profiler import ProfileData
 
     wall = _wall(lambda: jax.block_until_ready(fn()), calls)
@@ -130,7 +129,7 @@ def profile_jax(fn, vocab: int, module: str, calls: int = 2) -> tuple[float, Cou
     for _ in range(calls):
         jax.block_until_ready(fn())
     jax.profiler.stop_trace()
-    instructions = _hlo_instructions(module)
+    instructions = _hlo_instructions(module, hlo_dir)
     kinds: Counter = Counter()
     executing = 0
     data = ProfileData.from_file(str(next(trace.rglob("*.xplane.pb"))))
@@ -197,10 +196,18 @@ def main(argv: list[str] | None = None) -> None:
     parser = argparse.ArgumentParser(description=__doc__,
                                      formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--what", choices=("train", "decode", "both"), default="both")
-    parser.add_argument("--threads", type=int, default=2, help="torch threads (XLA takes every core)")
+    parser.add_argument("--threads", type=positive_int, default=2,
+                        help="torch threads (XLA takes every core)")
+    parser.add_argument("--out-dir", type=Path, default=RESULTS)
     parser.add_argument("--no-write", action="store_true", help="print only")
     parser.add_argument("--quick", action="store_true", help="tiny models (the smoke test); nothing written")
     args = parser.parse_args(argv)
+    if "jax" in sys.modules:  # XLA reads XLA_FLAGS once, when JAX starts; JAX is imported only below
+        parser.error("JAX is already imported in this process: run `python -m benchmarks.profile_cpu` "
+                     "on its own")
+    hlo_dir = Path(tempfile.mkdtemp(prefix="profile-cpu-hlo-"))  # the optimized HLO, for the thunk names
+    flags = f"--xla_dump_to={hlo_dir} --xla_dump_hlo_as_text"
+    os.environ["XLA_FLAGS"] = f"{os.environ.get('XLA_FLAGS', '')} {flags}"
     torch.set_num_threads(args.threads)
     env = environment()
     parts = [f"# Where a CPU step's time goes, {env['date']} (commit {env['commit']}, {env['processor']}, "
@@ -213,13 +220,14 @@ def main(argv: list[str] | None = None) -> None:
             if module == "torch":
                 wall, kinds = profile_torch(fn, setup["vocab"])
             else:
-                wall, kinds = profile_jax(fn, setup["vocab"], module)
+                wall, kinds = profile_jax(fn, setup["vocab"], module, hlo_dir)
             parts.append(table(name, wall, kinds))
             result["profiles"].append({"what": what, "impl": name, "wall_s": wall, "kinds_s": dict(kinds)})
             print(parts[-1], flush=True)
     text = "\n".join(parts)
     if not args.no_write and not args.quick:
-        print("wrote", *write_results(f"profile_cpu_{dt.date.today().isoformat()}", result, text))
+        print("wrote", *write_results(f"profile_cpu_{dt.date.today().isoformat()}", result, text,
+                                          args.out_dir))
 
 
 if __name__ == "__main__":

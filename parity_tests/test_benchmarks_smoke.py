@@ -192,6 +192,10 @@ def test_time_to_quality_table(tmp_path):
     ("batches", ["--max-tokens", "0"], "--max-tokens"),
     ("batches", ["--repeats", "-2"], "--repeats"),
     ("batches", ["--preset", "huge"], "--preset"),
+    ("decode_ct2", ["--rounds", "0"], "--rounds"),
+    ("decode_ct2", ["--threads", "-1"], "--threads"),
+    ("profile_cpu", ["--threads", "0"], "--threads"),
+    ("profile_cpu", ["--what", "inference"], "--what"),
 ])
 def test_benchmark_flags_out_of_range_are_refused_by_name(tmp_path, capsys, module, args, flag):
     """Refused by the parser in one line naming the flag, before any training or timing."""
