@@ -87,11 +87,11 @@ def make_optimizer(model: Transformer, train_cfg: TrainConfig) -> nnx.Optimizer:
     return nnx.Optimizer(model, tx, wrt=nnx.Param)
 
 
-@nnx.jit(static_argnames=("train_cfg", "mesh", "loss"))
+@nnx.jit(static_argnames=("train_cfg", "mesh", "loss", "keep_grads"))
 def _train_step(model: Transformer, optimizer: nnx.Optimizer, rngs: nnx.Rngs, src: jax.Array,
                 tgt: jax.Array, labels: jax.Array, num_tokens: jax.Array | None, train_cfg: TrainConfig,
                 mesh: Mesh | None = None, packing: Packing | None = None,
-                loss: str = "plain") -> tuple[jax.Array, jax.Array, jax.Array]:
+                loss: str = "plain", keep_grads: bool = False) -> tuple[jax.Array, ...]:
     """`train_step` on K micro-batches `src, tgt, labels` [K, rows, L] (K = 1: one batch), also
     returning the global gradient norm before clipping (a 0-d array): the harness stops a run at
     the first non-finite one (rosetta/harness/loop.py). Each micro-batch's loss is its label sum
@@ -100,7 +100,8 @@ def _train_step(model: Transformer, optimizer: nnx.Optimizer, rngs: nnx.Rngs, sr
     over the devices and inserts the gradient all-reduce (and, for sharded parameters, the
     all-gathers); the new state is pinned to the variables' shardings, so the next call hits
     the same compiled step. `packing`: a packed batch's segment and position arrays [K, rows, L]
-    (docs/packing.md), a pytree: None or a Packing of arrays, each compiled once per shape."""
+    (docs/packing.md), a pytree: None or a Packing of arrays, each compiled once per shape.
+    `keep_grads` (`rosetta train --trace`): the gradients before clipping are returned fourth."""
     chunked = loss == "chunked"
 
     def loss_of(model: Transformer, rngs: nnx.Rngs, src: jax.Array, tgt: jax.Array,
@@ -118,7 +119,7 @@ def _train_step(model: Transformer, optimizer: nnx.Optimizer, rngs: nnx.Rngs, sr
     optimizer.update(model, grads)
     if mesh is not None:
         pin((model, optimizer), mesh)
-    return loss, lr, optax.tree.norm(grads)
+    return (loss, lr, optax.tree.norm(grads)) + ((grads,) if keep_grads else ())
 
 
 def _accumulated(value_and_grad: Callable, model: Transformer, rngs: nnx.Rngs, src: jax.Array,
@@ -176,14 +177,14 @@ def make_train_step(model: Transformer, optimizer: nnx.Optimizer, rngs: nnx.Rngs
     cached = nnx.cached_partial(_train_step, model, optimizer, rngs)
 
     def step(src: jax.Array, tgt: jax.Array, labels: jax.Array, num_tokens: jax.Array | int | None = None,
-             packing: Packing | None = None) -> tuple[jax.Array, jax.Array, jax.Array]:
+             packing: Packing | None = None, keep_grads: bool = False) -> tuple[jax.Array, ...]:
         src, tgt, labels = (jnp.asarray(a) for a in (src, tgt, labels))
         packing = None if packing is None else Packing(*(jnp.asarray(a) for a in packing))
         if src.ndim == 2:
             src, tgt, labels = src[None], tgt[None], labels[None]
             packing = jax.tree.map(lambda a: a[None], packing)
         return cached(src, tgt, labels, num_tokens, train_cfg=train_cfg, mesh=mesh, packing=packing,
-                      loss=loss)
+                      loss=loss, keep_grads=keep_grads)
 
     return step
 
@@ -303,19 +304,27 @@ class Trainer:
         """Updates done so far (the next update is step_count + 1 in the paper's eq. 3)."""
         return int(self.optimizer.step[...])
 
-    def step(self, batch: Batch) -> dict[str, Any]:
+    def step(self, batch: Batch, keep_grads: bool = False) -> dict[str, Any]:
         """One update on the global `batch` (§5.3); returns {step, loss, lr, grad_norm,
         num_src_tokens, num_tgt_tokens, world_size, worker_rows}: the global batch's loss and
         counts, grad_norm the global gradient norm before clipping, worker_rows the rows of one
-        device's micro-batch. Reading the loss synchronises the devices, so a wall clock around
-        this call is honest."""
+        device's micro-batch; with `keep_grads` `grads`, the gradients before clipping, canonical
+        (for `rosetta train --trace`). Reading the loss synchronises the devices, so a wall clock
+        around this call is honest."""
         (src, tgt, labels), packing, rows = self._global_batch(batch)
         with self._context():
-            loss, lr, grad_norm = self._train_step(src, tgt, labels, int(batch.num_tgt_tokens), packing)
+            loss, lr, grad_norm, *grads = self._train_step(src, tgt, labels, int(batch.num_tgt_tokens),
+                                                           packing, keep_grads=keep_grads)
             loss_value, norm_value = float(loss), float(grad_norm)
-        return {"step": self.step_count, "loss": loss_value, "lr": float(lr), "grad_norm": norm_value,
-                "num_src_tokens": int(batch.num_src_tokens), "num_tgt_tokens": int(batch.num_tgt_tokens),
-                "world_size": self.world_size, "worker_rows": rows}
+        metrics = {"step": self.step_count, "loss": loss_value, "lr": float(lr), "grad_norm": norm_value,
+                   "num_src_tokens": int(batch.num_src_tokens), "num_tgt_tokens": int(batch.num_tgt_tokens),
+                   "world_size": self.world_size, "worker_rows": rows}
+        if keep_grads:
+            flat = {flax_name(path): whole(value.get_value() if hasattr(value, "get_value") else value)
+                    .astype(canonical_dtype(self.dtype)) for path, value in nnx.to_flat_state(grads[0])}
+            check_params(self.cfg, flat, source="gradients")
+            metrics["grads"] = {name: flat[name] for name in param_shapes(self.cfg)}  # checkpoint order
+        return metrics
 
     def any_process(self, flag: bool) -> bool:
         """Whether `flag` holds on any process of the launch (a collective; alone: `flag`), so that

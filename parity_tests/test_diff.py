@@ -16,15 +16,18 @@ import pytest
 import torch
 from torch import nn
 
+from parity_tests.test_diagnose import CONFIG_FOR
 from rosetta import init_params, preset
 from rosetta.backends import from_params
 from rosetta.checkpoint import save_checkpoint
 from rosetta.cli import main
 from rosetta.config import ModelConfig
+from rosetta.diff.capture import capture_nnx, capture_torch
+from rosetta.diff.catalogue import CATALOGUE
 from rosetta.diff.compare import compare_stages, first_over
-from rosetta.diff.dump import read_dump, write_dump
-from rosetta.errors import CheckpointError
-from rosetta.parity import random_batch, target_positions
+from rosetta.diff.dump import read_dump, stage_order, write_dump
+from rosetta.errors import CheckpointError, InputError
+from rosetta.parity import diagnostic_batch, random_batch, target_positions
 
 
 def perturbed_params(cfg: ModelConfig, seed: int = 1) -> dict[str, np.ndarray]:
@@ -319,43 +322,26 @@ def load_canonical(model: UserModel, params: dict[str, np.ndarray]) -> None:
     model.load_state_dict(sd, strict=True)
 
 
-def dump_with_hooks(model: UserModel, path, src: np.ndarray, tgt: np.ndarray):
-    """The recipe of docs/diff.md: forward hooks on the user's modules collect the stages."""
-    stages: dict[str, np.ndarray] = {}
-
-    def keep(name):
-        def hook(module, args, output):
-            output = output[0] if isinstance(output, tuple) else output  # attention: (out, weights)
-            stages[name] = output.detach().numpy()  # as computed: the dtype sets the tolerance
-        return hook
-
-    def keep_weights(name):
-        def hook(module, args, output):
-            stages[name] = output[1].detach().numpy()
-        return hook
-
-    def want_weights(module, args, kwargs):  # ask nn.MultiheadAttention for per-head weights
-        return args, {**kwargs, "need_weights": True, "average_attn_weights": False}
-
+def user_name_map(model: UserModel) -> dict[str, str]:
+    """Our stage names -> the user's submodule paths (the name map of docs/diff.md's recipe)."""
     tr = model.transformer
-    modules = {"src_embed": model.src_embed, "encoder": tr.encoder, "tgt_embed": model.tgt_embed,
-               "decoder": tr.decoder, "logits": model.generator}
+    names = {"src_embed": "src_embed", "encoder": "transformer.encoder", "tgt_embed": "tgt_embed",
+             "decoder": "transformer.decoder", "logits": "generator"}
     for kind, layers in (("encoder", tr.encoder.layers), ("decoder", tr.decoder.layers)):
-        for i, layer in enumerate(layers):
-            p = f"{kind}.layers.{i}"
-            modules |= {p: layer, f"{p}.self_attn": layer.self_attn, f"{p}.ffn": layer.linear2}
-            if kind == "decoder":
-                modules[f"{p}.cross_attn"] = layer.multihead_attn
-    handles = [module.register_forward_hook(keep(name)) for name, module in modules.items()]
-    for name, module in modules.items():
-        if name.endswith("attn"):
-            handles.append(module.register_forward_pre_hook(want_weights, with_kwargs=True))
-            handles.append(module.register_forward_hook(keep_weights(name + ".weights")))
-    # Grad mode on: nn.TransformerEncoderLayer's inference fast path would skip the hooks.
-    model.eval()(torch.from_numpy(src), torch.from_numpy(tgt))
-    for handle in handles:
-        handle.remove()
-    return write_dump(path, src, tgt, stages)
+        for i in range(len(layers)):
+            p, theirs = f"{kind}.layers.{i}", f"transformer.{kind}.layers.{i}"
+            attns = {"self_attn": "self_attn", "cross_attn": "multihead_attn"} if kind == "decoder" \
+                else {"self_attn": "self_attn"}
+            names |= {p: theirs, f"{p}.ffn": f"{theirs}.linear2"}
+            for ours, module in attns.items():  # nn.MultiheadAttention returns (output, weights)
+                names |= {f"{p}.{ours}": f"{theirs}.{module}", f"{p}.{ours}.weights": f"{theirs}.{module}"}
+    return names
+
+
+def dump_with_hooks(model: UserModel, path, src: np.ndarray, tgt: np.ndarray):
+    """The recipe of docs/diff.md: rosetta.diff.capture.capture_torch's forward hooks on the user's
+    modules collect the stages."""
+    return write_dump(path, src, tgt, capture_torch(model, src, tgt, user_name_map(model)))
 
 
 def test_hook_recipe_on_a_users_model_with_our_weights_reports_no_difference(tmp_path, capsys):
@@ -551,6 +537,142 @@ def test_nnx_sow_recipe_reports_no_difference(tmp_path, tiny, checkpoint, capsys
     dump = write_dump(tmp_path / "sow.npz", src, tgt, stages)
     assert main(["diff", str(dump), str(checkpoint)]) == 0
     assert "no difference at any stage" in capsys.readouterr().out
+
+
+# -- rosetta.diff.capture on our own models (torch_impl, jax_impl) --------------------------------
+
+def our_name_map(cfg: ModelConfig, weights: bool) -> dict[str, str]:
+    """Stage -> submodule path in torch_impl's and jax_impl's Transformer, written from their
+    attribute names: the model-level dropout runs once per embedding (source first), a stack's
+    output is its final norm's or, without one, its last layer's. With `weights`, jax_impl's
+    attention-dropout modules, which see the softmax on the explicit (CPU) path."""
+    names = {"src_embed": "dropout#0", "tgt_embed": "dropout#1", "logits": "generator"}
+    for kind, n in (("encoder", cfg.num_encoder_layers), ("decoder", cfg.num_decoder_layers)):
+        names[kind] = f"{kind}.final_norm" if cfg.has_final_norm else f"{kind}.layers.{n - 1}"
+        for i in range(n):
+            p = f"{kind}.layers.{i}"
+            attns = ("self_attn", "cross_attn") if kind == "decoder" else ("self_attn",)
+            names |= {p: p, f"{p}.ffn": f"{p}.ffn"} | {f"{p}.{a}": f"{p}.{a}" for a in attns}
+            if weights:
+                names |= {f"{p}.{a}.weights": f"{p}.{a}.attention_dropout" for a in attns}
+    return names
+
+
+@pytest.mark.parametrize("variant", sorted(FINE_CONFIGS))
+@pytest.mark.parametrize("framework", ["torch", "jax"])
+def test_capture_of_our_models_gives_their_stages(framework, variant):
+    import jax
+
+    cfg = preset("tiny", **FINE_CONFIGS[variant])
+    params = perturbed_params(cfg)
+    src, tgt = random_batch(cfg, 3, 7, 6, seed=2)
+    model = from_params(cfg, params, framework, "float32")
+    # torch_impl computes the softmax inside a function, not a module: no module returns it.
+    weights = framework == "jax" and jax.default_backend() == "cpu"
+    names = our_name_map(cfg, weights)
+    capture = capture_torch if framework == "torch" else capture_nnx
+    got = capture(model.module, src, tgt, names)
+    assert list(got) == sorted(names, key=stage_order)
+    assert all(v.dtype == np.float32 for v in got.values())
+    for want, tolerance in ((model.stages(src, tgt, fine=True), 1e-6),
+                            (from_params(cfg, params, "numpy", "float64").stages(src, tgt, fine=True), 1e-5)):
+        rows = compare_stages(cfg.pad_id, src, tgt, got, want, tolerance)
+        assert len(rows) == len(names) and first_over(rows) is None, [r for r in rows if r.over]
+
+
+def test_capture_nnx_of_a_bfloat16_model_comes_back_as_float32():
+    cfg = preset("tiny")
+    params = perturbed_params(cfg)
+    src, tgt = random_batch(cfg, 3, 7, 6, seed=2)
+    model = from_params(cfg, params, "jax", "bfloat16")
+    got = capture_nnx(model.module, src, tgt, {"logits": "generator", "encoder.layers.1": "encoder.layers.1"})
+    assert [v.dtype for v in got.values()] == [np.float32, np.float32]
+    want = from_params(cfg, params, "numpy", "float64").stages(src, tgt)
+    assert first_over(compare_stages(cfg.pad_id, src, tgt, got, want, 3e-2)) is None  # bfloat16's
+
+
+@pytest.mark.parametrize("framework", ["torch", "jax"])
+@pytest.mark.parametrize("target, message", [
+    ("encoder.layers.7", "'encoder.layers.7'"),
+    ("encoder.layer.0", "'encoder.layer.0'"),
+    ("dropout#2", "'dropout#2' ran 2 times in the forward pass, no call 2"),
+])
+def test_a_bad_name_map_is_refused_in_one_line_naming_the_path(framework, target, message):
+    cfg = preset("tiny")
+    src, tgt = random_batch(cfg, 2, 5, 4)
+    model = from_params(cfg, perturbed_params(cfg), framework).module
+    capture = capture_torch if framework == "torch" else capture_nnx
+    with pytest.raises(InputError, match="name map: stage 'encoder.layers.0'") as e:
+        capture(model, src, tgt, {"encoder.layers.0": target})
+    assert message in str(e.value) and "\n" not in str(e.value)
+    with pytest.raises(InputError, match="'encoder.layers.0.mlp' is not a stage name"):
+        capture(model, src, tgt, {"encoder.layers.0.mlp": "encoder.layers.0.ffn"})
+
+
+def test_capture_leaves_no_hook_or_wrapper_behind():
+    from jax_impl.model import EncoderLayer
+
+    cfg = preset("tiny")
+    src, tgt = random_batch(cfg, 2, 5, 4)
+    torch_model = from_params(cfg, perturbed_params(cfg), "torch").module.train()
+    capture_torch(torch_model, src, tgt, {"encoder.layers.0": "encoder.layers.0"})
+    assert torch_model.training and not torch_model.encoder.layers[0]._forward_hooks
+    before = dict(vars(EncoderLayer))
+    capture_nnx(from_params(cfg, perturbed_params(cfg), "jax").module, src, tgt,
+                {"encoder.layers.0": "encoder.layers.0"})
+    assert dict(vars(EncoderLayer)) == before
+
+
+# -- the diagnostic batch: every catalogue entry can show ------------------------------------------
+
+@pytest.mark.parametrize("name", [entry.name for entry in CATALOGUE])
+def test_the_diagnostic_batch_lets_every_catalogue_entry_show(name):
+    from rosetta.diff.catalogue import BY_NAME, mistaken_stages
+    from rosetta.diff.variant import forward_stages
+
+    entry = BY_NAME[name]
+    cfg = preset("tiny", **CONFIG_FOR.get(name, {}))  # test_diagnose's: where the entry applies
+    src, tgt = diagnostic_batch(cfg)
+    assert entry.requires is None or entry.requires(cfg, src, tgt)
+    assert entry.applies(cfg, src, tgt)
+    params = {k: np.asarray(v, np.float64) for k, v in perturbed_params(cfg).items()}
+    correct = forward_stages(params, cfg, src, tgt, fine=True)
+    with np.errstate(all="ignore"):
+        wrong = mistaken_stages(name, cfg, params, src, tgt, fine=True)
+    assert any(not np.array_equal(wrong[s], correct[s], equal_nan=True) for s in correct), name
+
+
+def test_diagnostic_batch_layout():
+    """The rows docs/diff.md describes, for the tiny preset and a short max_len."""
+    for cfg in (preset("tiny"), preset("tiny", bos_id=0), preset("tiny", max_len=5)):
+        src, tgt = diagnostic_batch(cfg, seed=3)
+        S, T = min(11, cfg.max_len), min(9, cfg.max_len - 1)
+        assert src.shape == (4, S) and tgt.shape == (4, T)
+        real_src, real_tgt = src != cfg.pad_id, tgt != cfg.pad_id
+        assert real_src[0].all() and real_tgt[0, 1:].all()          # row 0: full length
+        assert 0 < real_src[1].sum() < S and 0 < real_tgt[1, 1:].sum() < T - 1  # row 1: padded
+        assert not real_src[2].any()                                # row 2: all padding
+        assert real_src[3].sum() == 1 and not real_tgt[3, 1:].any()  # row 3: one token, the start token
+        assert (tgt[:, 0] == cfg.bos_id).all()
+        np.testing.assert_array_equal(diagnostic_batch(cfg, seed=3)[0], src)  # deterministic
+    src, _ = random_batch(preset("tiny"))  # the old default: no source row of nothing but padding
+    assert (src != preset("tiny").pad_id).any(axis=1).all()
+
+
+def test_diff_runs_on_the_diagnostic_batch_by_default(tmp_path, checkpoint, capsys):
+    cfg = preset("tiny")
+    counted = {}
+    for flags in ([], ["--batch", "random"], ["--batch", "random", "--seed", "4"]):
+        out = tmp_path / "d.json"
+        assert main(["diff", f"{checkpoint}@torch", str(checkpoint), "--json", str(out), *flags]) == 0
+        counted[" ".join(flags)] = json.loads(out.read_text())["logits"]["positions"]
+    # The number of counted target positions tells which batch ran (rosetta.parity.target_positions).
+    assert counted[""] == target_positions(cfg, diagnostic_batch(cfg)[1]).sum()
+    assert counted["--batch random"] == target_positions(cfg, random_batch(cfg)[1]).sum()
+    assert counted["--batch random --seed 4"] == target_positions(cfg, random_batch(cfg, seed=4)[1]).sum()
+    capsys.readouterr()
+    assert main(["diff", str(checkpoint), str(checkpoint), "--batch", "random", "--src", "5 6"]) == 2
+    assert "--batch picks the batch of two models without --src" in capsys.readouterr().err
 
 
 def test_two_dumps_of_different_widths_are_refused(tmp_path, tiny, capsys):

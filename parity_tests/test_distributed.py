@@ -207,6 +207,19 @@ def test_two_process_run_records_its_workers(two_process_run):
     assert summary["world_size"] == 2 and summary["median_tgt_tokens_per_s_per_worker"] > 0
 
 
+def test_a_two_process_trace_shows_no_difference_from_one_process(tmp_path):
+    """The training diff's clean pair (docs/training_diff.md): `rosetta train --trace` in float64
+    under DDP on 2 gloo processes, and in one process: `rosetta diff` finds no difference at any
+    step, whole (gradients, updated weights) or by norms."""
+    for n in (1, 2):
+        done = _rosetta([*TRAIN_ARGS, "--out", str(tmp_path / f"p{n}"), "--nproc", str(n),
+                         "--dtype", "float64", "--trace", "3"])
+        assert done.returncode == 0, done.stderr[-3000:]
+    done = _rosetta(["diff", str(tmp_path / "p2" / "torch"), str(tmp_path / "p1" / "torch")])
+    assert done.returncode == 0, done.stdout + done.stderr[-3000:]
+    assert f"no difference at any of {STEPS} steps (tolerance 1e-09)" in done.stdout
+
+
 def test_two_device_torch_and_jax_runs_agree_step_by_step(two_process_run, tmp_path):
     """The cross-framework check of test_harness.py, at 2 workers each (float32, as `rosetta train`
     runs): 2 gloo processes against 2 JAX host devices see the same batches, split alike, and step 1

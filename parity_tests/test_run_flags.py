@@ -13,7 +13,8 @@ from rosetta.harness.commands import run_from_args
 from rosetta.harness.recipes import RECIPES
 from rosetta.harness.run_config import RunConfig
 
-# Every flag of `rosetta train` before the flags were generated (rosetta/cli.py at b43eaea).
+# Every flag of `rosetta train` before the flags were generated (rosetta/cli.py at b43eaea), and
+# those added since (--trace: issue 28).
 HAND_WRITTEN = {
     "--recipe", "--backend", "--preset", "--set", "--seed", "--out", "--resume", "--overwrite", "--task",
     "--pair", "--data-dir", "--download", "--vocab-size", "--train-size", "--eval-size", "--eval-split",
@@ -21,7 +22,7 @@ HAND_WRITTEN = {
     "--lr-factor", "--label-smoothing", "--clip-norm", "--loss", "--dtype", "--device", "--eval-every",
     "--beam", "--alpha", "--margin", "--bleu-samples", "--checkpoint-every", "--keep", "--log-every",
     "--peak-tflops", "--progress", "--no-progress", "--time-budget", "--target-bleu", "--average-last",
-    "--nproc", "--accumulate", "--shard", "--devices", "--dist-timeout", "--baseline",
+    "--nproc", "--accumulate", "--shard", "--devices", "--dist-timeout", "--baseline", "--trace",
 }
 
 

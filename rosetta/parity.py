@@ -63,6 +63,26 @@ def random_batch(
     return src, tgt
 
 
+def diagnostic_batch(cfg: ModelConfig, seed: int = 0) -> tuple[np.ndarray, np.ndarray]:
+    """`rosetta diff`'s default batch (docs/diff.md): random ids in a fixed layout that lets every
+    entry of rosetta.diff.catalogue show. Source length 11, target length 9 (cut to max_len; the
+    lengths differ, or keys sized with the query length pass unseen); start token bos_id in every
+    row (equal to pad_id where the config says so, PITFALLS 12). Rows:
+      0  full length, no padding (the row rosetta.diff.plots draws);
+      1  both sides padded after about half their length (mask polarity, PITFALLS 4);
+      2  a source of nothing but padding: every cross-attention key masked (the fills, PITFALLS 4);
+      3  one source token, the start token alone (the shortest pair)."""
+    S = min(11, cfg.max_len)
+    T = max(1, min(9, S - 1))
+    src, tgt = random_batch(cfg, 4, S, T, seed, pad=False)
+    src[1, max(1, (S + 1) // 2):] = cfg.pad_id
+    tgt[1, max(1, (T + 1) // 2):] = cfg.pad_id
+    src[2, :] = cfg.pad_id
+    src[3, 1:] = cfg.pad_id
+    tgt[3, 1:] = cfg.pad_id
+    return src, tgt
+
+
 def target_positions(cfg: ModelConfig, tgt: np.ndarray) -> np.ndarray:
     """[B, T] bool: the positions whose logits are part of the contract."""
     real = tgt != cfg.pad_id

@@ -203,9 +203,10 @@ class Trainer(Protocol):
     def step_count(self) -> int:
         """Updates done so far."""
 
-    def step(self, batch: Batch) -> dict[str, Any]:
+    def step(self, batch: Batch, keep_grads: bool = False) -> dict[str, Any]:
         """One update on the global `batch`: {step, loss, lr, grad_norm, token counts, world_size,
-        worker_rows}."""
+        worker_rows}; with `keep_grads` also `grads`, the canonical gradients before clipping
+        (`rosetta train --trace`, rosetta/diff/trace.py)."""
 
     def any_process(self, flag: bool) -> bool:
         """Whether `flag` holds on any process of the launch."""

@@ -293,10 +293,11 @@ class Trainer:
         """Updates done so far (the next update is step_count + 1 in the paper's eq. 3)."""
         return int(self.scheduler.last_epoch)
 
-    def step(self, batch: Batch) -> dict[str, Any]:
+    def step(self, batch: Batch, keep_grads: bool = False) -> dict[str, Any]:
         """One update on `batch` (§5.3); returns {step, loss, lr, grad_norm, num_src_tokens,
-        num_tgt_tokens}, grad_norm the global gradient norm before clipping. Reading the loss
-        synchronises the device, so a wall clock around this call is honest."""
+        num_tgt_tokens}, grad_norm the global gradient norm before clipping, and with `keep_grads`
+        `grads`: the gradients before clipping, canonical (for `rosetta train --trace`). Reading
+        the loss synchronises the device, so a wall clock around this call is honest."""
         k = self.accumulate
         mine = split_rows(batch, self.world_size * k, self.cfg.pad_id)[self.rank * k:(self.rank + 1) * k]
         micro = [(self._tensor(b.src), self._tensor(b.tgt_in), self._tensor(b.labels),
@@ -307,9 +308,21 @@ class Trainer:
             loss, lr, grad_norm = _train_step(self.replica, self.optimizer, self.scheduler, micro, num_tokens,
                                               self.train_cfg, self.autocast, self.forward, self.world_size)
             loss_value, norm_value = loss.item(), grad_norm.item()
-        return {"step": self.step_count, "loss": loss_value, "lr": float(lr), "grad_norm": norm_value,
-                "num_src_tokens": int(batch.num_src_tokens), "num_tgt_tokens": int(batch.num_tgt_tokens),
-                "world_size": self.world_size, "worker_rows": int(mine[0].shape[0])}
+        metrics = {"step": self.step_count, "loss": loss_value, "lr": float(lr), "grad_norm": norm_value,
+                   "num_src_tokens": int(batch.num_src_tokens), "num_tgt_tokens": int(batch.num_tgt_tokens),
+                   "world_size": self.world_size, "worker_rows": int(mine[0].shape[0])}
+        if keep_grads:
+            metrics["grads"] = self._gradients(norm_value)
+        return metrics
+
+    def _gradients(self, grad_norm: float) -> Params:
+        """The last update's gradients before clipping, canonical (a collective when sharded). The
+        clipped ones are what `p.grad` holds: divided back by clipping's min(1, clip / norm)."""
+        clip = self.train_cfg.clip_norm
+        scale = 1.0 if clip is None else min(1.0, clip / grad_norm)
+        grads = {name: whole(p.grad if p.grad is not None else torch.zeros_like(p)).detach() / scale
+                 for name, p in self.module.named_parameters()}
+        return from_state_dict(self.cfg, grads, canonical_dtype(self.dtype))
 
     def any_process(self, flag: bool) -> bool:
         """Whether `flag` holds on any process of the launch (a collective; alone: `flag`), so that

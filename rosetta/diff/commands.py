@@ -8,6 +8,7 @@ from __future__ import annotations
 import argparse
 import json
 import math
+from typing import Any, NamedTuple
 
 from rosetta.errors import InputError, RosettaError
 from rosetta.files import atomic_write_bytes
@@ -15,16 +16,24 @@ from rosetta.inputs import parse_id_line
 
 
 def cmd_diff(args: argparse.Namespace) -> int:
-    """Both sides on one batch, stage by stage (docs/diff.md); exit 1 where they differ."""
+    """Both sides on one batch, stage by stage (docs/diff.md); exit 1 where they differ. Two
+    training traces (or run directories holding one) go to the training diff (docs/training_diff.md)."""
     from rosetta.diff.compare import compare_stages, first_over, format_rows
     from rosetta.diff.sides import check_compatible, pad_id, parse_sides, pick_batch
+    from rosetta.diff.train_commands import cmd_diff_traces, is_training_diff
 
+    if is_training_diff(args.a, args.b):
+        return cmd_diff_traces(args)
+    if args.steps is not None:
+        raise InputError("--steps is for two training traces")
     a, b = parse_sides(args.a, args.b)
     check_compatible(a, b)
+    if args.batch is not None and (args.src is not None or a.dump is not None or b.dump is not None):
+        raise InputError("--batch picks the batch of two models without --src; a dump holds its own")
     if args.src is None:
         if args.tgt is not None or args.ids:
             raise InputError("--tgt and --ids go with --src")
-        src, tgt = pick_batch([a, b], args.seed)
+        src, tgt = pick_batch([a, b], args.seed, args.batch or "diagnostic")
     else:
         if a.dump is not None or b.dump is not None:
             raise InputError("a dump holds its own batch: --src and --tgt are for two models")
@@ -38,10 +47,13 @@ def cmd_diff(args: argparse.Namespace) -> int:
         raise RosettaError(f"{args.a} and {args.b} have no stage in common to compare")
     first = first_over(rows)
     print(format_rows(rows, tolerance))
+    logits = _logit_lines(a, b, src, tgt, stages_a, stages_b)
     print(f"first difference at {first.stage} (relative error {first.rel:.3e} > {tolerance:.0e})"
           if first else f"no difference at any stage (tolerance {tolerance:.0e})")
+    if logits.verdict is not None:
+        print(logits.verdict_line)
     if args.json:
-        _write_diff_json(args, rows, tolerance, first)
+        _write_diff_json(args, rows, tolerance, first, logits)
     if args.diagnose:
         _diagnose(a, b, src, tgt, stages_a, stages_b, tolerance, first)
     if args.plot:
@@ -54,7 +66,32 @@ def cmd_diff(args: argparse.Namespace) -> int:
     return 1 if first else 0
 
 
-def _write_diff_json(args: argparse.Namespace, rows: list, tolerance: float, first) -> None:
+class _Logits(NamedTuple):
+    metrics: Any = None        # rosetta.diff.compare.LogitMetrics, None without finite logits
+    verdict: Any = None        # LowPrecisionVerdict when a side computes in 16 bits, else None
+    dtype: str | None = None   # that side's 16-bit type
+    verdict_line: str = ""
+
+
+def _logit_lines(a, b, src, tgt, stages_a, stages_b) -> _Logits:
+    """Print the logits' KL and top-k line under the table; the low-precision rule's verdict
+    (printed by the caller, after the first-difference line) when either side is 16-bit. The exit
+    code stays the relative error's: the verdict is a second opinion on the output distribution."""
+    from rosetta.diff.compare import format_logit_metrics, format_verdict, logit_metrics
+    from rosetta.diff.compare import low_precision_verdict as verdict_of
+    from rosetta.diff.sides import pad_id
+
+    if "logits" not in stages_a or "logits" not in stages_b:
+        return _Logits()
+    pad, za, zb = pad_id([a, b]), stages_a["logits"], stages_b["logits"]
+    metrics = logit_metrics(pad, src, tgt, za, zb)
+    print(format_logit_metrics(metrics) if metrics else "logits: not finite on a side: no KL or top-k")
+    dtype = a.low_precision or b.low_precision
+    verdict = None if dtype is None or metrics is None else verdict_of(pad, src, tgt, za, zb)
+    return _Logits(metrics, verdict, dtype, format_verdict(verdict, dtype) if verdict else "")
+
+
+def _write_diff_json(args: argparse.Namespace, rows: list, tolerance: float, first, logits: _Logits) -> None:
     """--json: the rows and the verdict (schema in docs/diff.md); non-finite errors as null."""
     def number(x: float) -> float | None:
         return x if math.isfinite(x) else None
@@ -62,7 +99,10 @@ def _write_diff_json(args: argparse.Namespace, rows: list, tolerance: float, fir
     record = {"a": args.a, "b": args.b, "tolerance": tolerance, "differ": first is not None,
               "first_difference": first.stage if first else None,
               "rows": [{"stage": r.stage, "rel": number(r.rel), "max_abs": number(r.max_abs), "over": r.over}
-                       for r in rows]}
+                       for r in rows],
+              "logits": logits.metrics._asdict() if logits.metrics else None,
+              "low_precision": None if logits.verdict is None else
+              {"dtype": logits.dtype, **logits.verdict._asdict(), "worst": number(logits.verdict.worst)}}
     # atomic_write: parent directories made, a directory in the way refused in one line.
     atomic_write_bytes(args.json, (json.dumps(record, indent=1) + "\n").encode("utf-8"))
 
@@ -149,7 +189,7 @@ def _flag_ids(flag: str, text: str, vocab_size: int, side: str, hint: str = "") 
 
 def add_parsers(cmds: argparse._SubParsersAction) -> None:
     """Register `diff` and `attention` on rosetta/cli.py's subcommands."""
-    from rosetta.cli_args import non_negative_int, non_negative_real, output_file
+    from rosetta.cli_args import non_negative_int, non_negative_real, output_file, positive_int
 
     sides = ("SIDE: a model file or directory (rosetta checkpoint, marian, flax-wmt) as "
              "PATH[@BACKEND[:DTYPE]] (default numpy at its first dtype), a Marian directory run by "
@@ -159,7 +199,9 @@ def add_parsers(cmds: argparse._SubParsersAction) -> None:
             "directory's tokenizer.json), else token ids")
     p = cmds.add_parser("diff", help="find the first stage where two implementations part, and why",
                         epilog=sides + ". Exit code 0: every shared stage within the tolerance; 1: they "
-                               "differ (the first stage over is marked); 2: bad input or usage")
+                               "differ (the first stage over is marked); 2: bad input or usage. A 16-bit "
+                               "side also gets the low-precision rule's verdict (KL and top-1 of the "
+                               "logits), which leaves the exit code alone")
     p.add_argument("a", help="the side under test")
     p.add_argument("b", help="the side it is compared with (the reference: ||a - b|| / ||b||)")
     p.add_argument("--tolerance", type=non_negative_real,
@@ -172,15 +214,22 @@ def add_parsers(cmds: argparse._SubParsersAction) -> None:
     p.add_argument("--plot", type=output_file, metavar="FILE",
                    help="PNG: the error per stage and the attention where they part")
     p.add_argument("--src", help=f"compare on this one source sentence, {text}: e.g. "
-                                 f"\"Ein Hund läuft.\" or \"5 6 7 2\" (default: a random batch)")
+                                 f"\"Ein Hund läuft.\" or \"5 6 7 2\" (default: --batch)")
     p.add_argument("--tgt", help="its decoder input: a reference translation as text (fed as training "
                                  "does: the start token, then its tokens), or ids starting with the start "
                                  "token (default: the start token and the greedy translation of the first "
                                  "side run in one of our backends)")
     p.add_argument("--ids", action="store_true", help="read --src and --tgt as token ids even where a "
                                                        "tokenizer is found")
+    p.add_argument("--batch", choices=("diagnostic", "random"),
+                   help="the batch two models run on without --src: diagnostic (the default: padded "
+                        "rows, an all-padding source, lengths that differ; every --diagnose entry can "
+                        "show) or random (rosetta.parity.random_batch)")
     p.add_argument("--seed", type=non_negative_int, default=0,
-                   help="the random batch (when no side is a dump and --src is not given)")
+                   help="the token ids of --batch (when no side is a dump and --src is not given)")
+    p.add_argument("--steps", type=positive_int, metavar="N",
+                   help="two training traces: compare their first N steps (default: all; they must have "
+                        "as many)")
     p.set_defaults(func=cmd_diff)
 
     p = cmds.add_parser("attention", help="plot every attention map of one side on one sentence pair",

@@ -4,6 +4,10 @@ The metric is rosetta.parity's relative error ||a - b|| / ||b|| (b: the second s
 reference), taken only at the positions the contract covers (SPEC §2): a pad source position's
 encoder output, or a pad target position's decoder output, is whatever each framework's masking
 leaves there and means nothing.
+
+The logits are also compared as what they define, next-token distributions (logit_metrics:
+KL(p_b || p_a) and top-1/top-5 agreement, in float64), and a 16-bit side is judged by the
+low-precision rule (low_precision_verdict), derived from bfloat16's rounding in docs/diff.md.
 """
 
 from __future__ import annotations
@@ -77,3 +81,119 @@ def format_rows(rows: list[StageRow], tolerance: float) -> str:
         lines.append(f"{r.stage:<{width}}  {r.rel:10.3e}  {r.max_abs:10.3e}  "
                      f"{'OVER' if r.over else 'ok':<4} {mark}".rstrip())
     return "\n".join(lines)
+
+
+# -- The logits as distributions: KL divergence and top-k agreement ------------------------
+
+class LogitMetrics(NamedTuple):
+    positions: int   # counted target positions (contract_positions of "logits")
+    kl_mean: float   # mean over them of KL(p_b || p_a), p = softmax(logits), in nats
+    kl_max: float
+    top1: float      # fraction of them where the two argmaxes are the same token
+    top5: float      # mean of |top5(a) & top5(b)| / 5 (MaxText's top-k overlap, averaged)
+
+
+def log_softmax(logits: np.ndarray) -> np.ndarray:
+    """log softmax over the last axis in float64, max subtracted first (no overflow in exp)."""
+    z = np.asarray(logits, dtype=np.float64)
+    z = z - z.max(axis=-1, keepdims=True)
+    return z - np.log(np.exp(z).sum(axis=-1, keepdims=True))
+
+
+def kl_divergence(logits_a: np.ndarray, logits_b: np.ndarray) -> np.ndarray:
+    """KL(p_b || p_a) per row [..., V] -> [...]: B is the reference, as in the relative error (and
+    MaxText's logit checker: KL(golden || model)). Rounding can leave -1e-17: clipped to 0."""
+    log_a, log_b = log_softmax(logits_a), log_softmax(logits_b)
+    return np.maximum((np.exp(log_b) * (log_b - log_a)).sum(axis=-1), 0.0)
+
+
+def top_k(logits: np.ndarray, k: int) -> np.ndarray:
+    """The indices [..., k] of the k largest logits, ties to the lower index (a stable sort)."""
+    return np.argsort(-np.asarray(logits, dtype=np.float64), axis=-1, kind="stable")[..., :k]
+
+
+def top_k_overlap(logits_a: np.ndarray, logits_b: np.ndarray, k: int) -> np.ndarray:
+    """|top_k(a) & top_k(b)| / k per row [..., V] -> [...] (k cut to V)."""
+    k = min(k, np.shape(logits_b)[-1])
+    ta, tb = top_k(logits_a, k), top_k(logits_b, k)
+    return (ta[..., :, None] == tb[..., None, :]).any(axis=-1).sum(axis=-1) / k
+
+
+def _counted_logits(pad_id: int, src: np.ndarray, tgt: np.ndarray, a: np.ndarray, b: np.ndarray):
+    """Both sides' logits [N, V] at the counted positions, float64; None when a side is not finite."""
+    where = contract_positions(pad_id, np.asarray(src), np.asarray(tgt), "logits")
+    a, b = _select(a, where, False), _select(b, where, False)
+    return (a, b) if np.isfinite(a).all() and np.isfinite(b).all() else None
+
+
+def logit_metrics(pad_id: int, src: np.ndarray, tgt: np.ndarray, a: np.ndarray,
+                  b: np.ndarray) -> LogitMetrics | None:
+    """KL and top-k agreement of two sides' logits [B, T, V] at the counted target positions;
+    None when a side holds NaN or infinity there (the table already says so)."""
+    counted = _counted_logits(pad_id, src, tgt, a, b)
+    if counted is None:
+        return None
+    a, b = counted
+    kl = kl_divergence(a, b)
+    same = top_k(a, 1)[:, 0] == top_k(b, 1)[:, 0]
+    return LogitMetrics(len(kl), float(kl.mean()), float(kl.max()), float(same.mean()),
+                        float(top_k_overlap(a, b, 5).mean()))
+
+
+def format_logit_metrics(m: LogitMetrics) -> str:
+    return (f"logits: KL mean {m.kl_mean:.1e} max {m.kl_max:.1e}, top-1 {100 * m.top1:.1f}%, "
+            f"top-5 {100 * m.top5:.1f}% ({m.positions} positions)")
+
+
+# -- When is a 16-bit difference rounding? (docs/diff.md, "The low-precision rule") ----------
+
+# bfloat16 keeps 8 significant bits: round to nearest moves a value by at most u = 2^-8 relative.
+BFLOAT16_U = 2.0 ** -8
+# A 16-bit side's logits may be off by 8u of the position's largest |logit| (8u = 1/32 ~ 3.1e-2,
+# the relative error rosetta.parity.TOLERANCES allows bfloat16 (3e-2); measured: 6e-3 to 8e-3,
+# about 2u, so a 4x margin).
+ROUNDINGS = 8
+
+
+class LowPrecisionVerdict(NamedTuple):
+    accepted: bool
+    positions: int
+    kl_over: int          # positions whose KL is over their budget 1/2 delta^2
+    worst: float          # the largest KL / budget over the positions (0 when every KL is 0)
+    flips: int            # argmax disagreements where the reference's margin is over 2 delta
+    near_ties: int        # argmax disagreements within 2 delta: rounding may flip those
+
+
+def low_precision_verdict(pad_id: int, src: np.ndarray, tgt: np.ndarray, a: np.ndarray, b: np.ndarray,
+                          u: float = BFLOAT16_U) -> LowPrecisionVerdict | None:
+    """The low-precision rule: with delta = ROUNDINGS * u * max_j |z_b[j]| at each counted
+    position (z_b: the reference's logits there), accept when at every position
+    KL(p_b || p_a) <= delta^2 / 2 and the argmaxes agree unless the reference's margin between
+    the two tokens is <= 2 delta. Both hold whenever no logit of A is more than delta from B's:
+    KL = log E_p[exp e] - E_p[e] for e = z_a - z_b, at most (2 delta)^2 / 8 by Hoeffding's lemma,
+    and two logits delta apart at most can swap only across a margin of 2 delta. None when a
+    side is not finite."""
+    counted = _counted_logits(pad_id, src, tgt, a, b)
+    if counted is None:
+        return None
+    a, b = counted
+    delta = ROUNDINGS * u * np.abs(b).max(axis=-1)
+    budget = delta ** 2 / 2
+    kl = kl_divergence(a, b)
+    over = kl > budget
+    ratio = np.divide(kl, budget, out=np.where(kl > 0, np.inf, 0.0), where=budget > 0)
+    ia, ib = top_k(a, 1)[:, 0], top_k(b, 1)[:, 0]
+    rows = np.arange(len(b))
+    margin = b[rows, ib] - b[rows, ia]
+    differ = ia != ib
+    flips, ties = int((differ & (margin > 2 * delta)).sum()), int((differ & (margin <= 2 * delta)).sum())
+    return LowPrecisionVerdict(not over.any() and flips == 0, len(kl), int(over.sum()),
+                               float(ratio.max()), flips, ties)
+
+
+def format_verdict(v: LowPrecisionVerdict, dtype: str) -> str:
+    word = "accepted" if v.accepted else "REJECTED"
+    share = f"{100 * v.worst:.2g}% of it" if v.worst < 1 else f"{v.worst:.3g} times it"
+    return (f"{dtype} rule: {word} (KL within its budget at {v.positions - v.kl_over} of {v.positions} "
+            f"positions, worst {share}; {v.flips} top-1 flips outside near-ties, "
+            f"{v.near_ties} near-ties)")

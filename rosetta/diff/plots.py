@@ -284,3 +284,30 @@ def _diverging_maps(stages_a: Mapping[str, np.ndarray], stages_b: Mapping[str, n
             a, b = a[:, :q, :k], b[:, :q, :k]
         out.append((f"{_KIND[side, sub]} layer {layer}", a, b))
     return out
+
+
+def plot_training_diff(path: str | os.PathLike, a: object, b: object, rows: Sequence[object],
+                       first_step: int | None, steps: int) -> Path:
+    """`rosetta diff TRACE_A TRACE_B --plot`: the two loss curves over the compared steps, and
+    per step the relative difference of the loss, gradients and updated weights (train_compare's
+    metrics; 0 drawn at the floor of the log axis), the first difference marked."""
+    fig = _figure(8.0, 6.0)
+    top, bottom = fig.subplots(2, 1, sharex=True)
+    x = np.arange(1, steps + 1)
+    for trace, label in ((a, "A"), (b, "B")):
+        top.plot(x, [s.loss for s in trace.steps[:steps]], label=f"{label}: {trace.path}", lw=1.2)
+    top.set_ylabel("training loss")
+    top.legend(fontsize=7)
+    floor = 1e-18
+    for key in ("loss", "grads", "params"):
+        values = [max(getattr(r, key), floor) if np.isfinite(getattr(r, key)) else np.nan for r in rows]
+        bottom.semilogy([r.step for r in rows], values, marker=".", label=key)
+    if first_step is not None:
+        for ax in (top, bottom):
+            ax.axvline(first_step, color="red", ls="--", lw=0.8)
+    bottom.set_xlabel("step")
+    bottom.set_ylabel("relative difference (A vs B)")
+    bottom.legend(fontsize=7)
+    fig.suptitle(f"training traces: first difference at step {first_step}" if first_step
+                 else "training traces: agree")
+    return _save(fig, path)

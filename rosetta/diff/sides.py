@@ -27,7 +27,7 @@ from rosetta.diff import transformers_side
 from rosetta.diff.dump import Dump, read_dump, stage_kind
 from rosetta.errors import ConfigError, InputError
 from rosetta.params import Params
-from rosetta.parity import TOLERANCES, random_batch
+from rosetta.parity import TOLERANCES, diagnostic_batch, random_batch
 
 # The numpy reference against itself (float64 vs float64): only summation order differs.
 FLOAT64_TOLERANCE = 1e-10
@@ -36,6 +36,11 @@ DUMP_TOLERANCES = {"float64": FLOAT64_TOLERANCE, "float32": 1e-5, "float16": 1e-
 # The fields that fix the stages' shapes: two sides that differ here cannot be compared.
 SHAPE_FIELDS = ("src_vocab_size", "tgt_vocab_size", "d_model", "num_heads", "num_encoder_layers",
                 "num_decoder_layers", "d_ff")
+# 16-bit floating types: a side computing in one of these gets the low-precision verdict
+# (rosetta.diff.compare.low_precision_verdict, docs/diff.md).
+LOW_PRECISION = ("bfloat16", "float16")
+# The batches `rosetta diff` may run two models on when --src is not given (docs/diff.md).
+BATCHES = {"diagnostic": diagnostic_batch, "random": random_batch}
 # What may follow '@': one of our backends, or the original implementation of a Marian directory.
 SIDE_BACKENDS = (*MODEL_BACKENDS, transformers_side.BACKEND)
 _SPEC = re.compile(r"(?P<path>.+?)(@(?P<backend>[a-z]+)(:(?P<dtype>[a-z0-9]+))?)?")
@@ -66,6 +71,17 @@ class Side:
             return DUMP_TOLERANCES[transformers_side.DTYPE]
         dtypes = {str(v.dtype) for v in self.dump.stages.values()} or {"float64"}
         return max(DUMP_TOLERANCES.get(d, 3e-2) for d in dtypes)
+
+    @property
+    def low_precision(self) -> str | None:
+        """The 16-bit type this side computes in (LOW_PRECISION), None for 32 and 64 bits. A dump
+        says only its arrays' dtype: float16 arrays (NumPy has no bfloat16) count as 16-bit."""
+        if self.model is not None:
+            return self.model.dtype if self.model.dtype in LOW_PRECISION else None
+        if self.dump is not None:
+            return next((str(v.dtype) for v in self.dump.stages.values() if str(v.dtype) in LOW_PRECISION),
+                        None)
+        return None
 
     def stages(self, src: np.ndarray, tgt: np.ndarray) -> dict[str, np.ndarray]:
         """Every stage this side has for the batch (src, tgt); a dump must hold that batch."""
@@ -150,15 +166,19 @@ def _check_dump_fits(cfg: ModelConfig, side: Side) -> None:
                               f"{getattr(cfg, f'num_{layer[1]}_layers')} {layer[1]} layers")
 
 
-def pick_batch(sides: Sequence[Side], seed: int = 0) -> tuple[np.ndarray, np.ndarray]:
-    """The batch both sides run on: a dump's own (two dumps must agree), else a random one."""
+def pick_batch(sides: Sequence[Side], seed: int = 0,
+               kind: str = "diagnostic") -> tuple[np.ndarray, np.ndarray]:
+    """The batch both sides run on: a dump's own (two dumps must agree), else BATCHES[kind] of the
+    first side's config (rosetta.parity.diagnostic_batch by default: every catalogue entry can show)."""
     dumps = [s for s in sides if s.dump is not None]
     if dumps:
         src, tgt = dumps[0].dump.src, dumps[0].dump.tgt
         for other in dumps[1:]:
             other.stages(src, tgt)  # refuses another batch, naming it
         return src, tgt
-    return random_batch(sides[0].config, seed=seed)
+    if kind not in BATCHES:
+        raise InputError(f"unknown batch {kind!r}; known: {', '.join(BATCHES)}")
+    return BATCHES[kind](sides[0].config, seed=seed)
 
 
 def side_tokenizer(sides: Sequence[Side]) -> Any:

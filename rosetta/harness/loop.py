@@ -7,12 +7,12 @@ is imported only when its trainer is built.
     results = train(RunConfig(backends=("torch", "jax"), task="copy", steps=300, out="runs/copy"))
 
 Per backend `b`, `out/b/` holds `run.json` (settings), `log.jsonl` (one JSON record per logged
-step and per evaluation), `checkpoints/` (rosetta/harness/run_dir.py), `result.json`,
-`plot.png`, and `tokenizer.json` for text tasks; `out/` holds the combined `plot.png`,
-`summary.json` and `summary.md`, and `.rosetta.lock`, which keeps a second process out of `out`
-while a run holds it. Nothing the harness did not write is overwritten or deleted (a user's own
-summary.md, a stray file in a run directory given to --overwrite): such files are refused by name
-before training starts. A file system error (read-only, full) is one line naming the path.
+step and per evaluation), `checkpoints/` (rosetta/harness/run_dir.py), `result.json`, `plot.png`,
+`tokenizer.json` for text tasks, `trace/` with --trace; `out/` holds the combined `plot.png`,
+`summary.json`, `summary.md`, and `.rosetta.lock` (a second process stays out while a run holds it).
+Nothing the harness did not write is overwritten or deleted (a user's own summary.md, a stray file
+in a run directory given to --overwrite): such files are refused by name before training starts.
+A file system error (read-only, full) is one line naming the path.
 Batching is by token budget (paper §5.1, rosetta/harness/batching.py),
 the optimizer and schedule are §5.3's, label smoothing and dropout §5.4's.
 
@@ -40,6 +40,7 @@ import numpy as np
 from rosetta.backends import BACKENDS, from_params, get_trainer
 from rosetta.checkpoint import Checkpoint, load_checkpoint, save_checkpoint
 from rosetta.config import ModelConfig, preset
+from rosetta.diff.trace import Tracer
 from rosetta.distributed import LaunchEnv, launch_env
 from rosetta.errors import CheckpointError, RosettaError
 from rosetta.files import atomic_write_bytes
@@ -350,12 +351,17 @@ class _Run:
                 log_file.flush()
 
         stop = None  # why the loop ends before total_steps: "time_budget" or "target_bleu"
+        tracer = None if run.trace is None else Tracer(  # --trace N (rosetta/diff/trace.py); process 0 writes
+            self.dir / "trace" if log_file else None, self.cfg, run.trace, self.train_cfg.to_dict(),
+            f"rosetta {self.backend} trainer", trainer.params())
         while trainer.step_count < self.total_steps and stop is None:
             epoch = self.iterator.epoch  # the epoch this batch belongs to
             batch = next(self.iterator)
             start = time.perf_counter()
-            metrics = trainer.step(batch)
+            metrics = trainer.step(batch) if tracer is None else trainer.step(batch, keep_grads=True)
             seconds = time.perf_counter() - start
+            if tracer is not None:
+                tracer.record(trainer, batch, metrics)  # before the check below: a trace shows a divergence
             self._check_finite(metrics)
             _fault_injection(self.env, metrics["step"])
             if self.totals is not None:
@@ -377,8 +383,7 @@ class _Run:
             if (run.eval_every and step % run.eval_every == 0) or last:
                 result = evaluate(trainer, self.task, self.loss_batches, self.gen_batches, self.num_gen, run)
                 emit({"kind": "eval", "backend": self.backend, "step": step, **result,
-                      "tgt_tokens_total": (self.totals or {}).get("tgt_tokens"),
-                      "elapsed_s": elapsed()})
+                      "tgt_tokens_total": (self.totals or {}).get("tgt_tokens"), "elapsed_s": elapsed()})
                 if run.target_bleu is not None and trainer.any_process(result["bleu"] >= run.target_bleu):
                     stop, last = stop or "target_bleu", True  # stop at the first evaluation at the target
                 elif stop is None and over_budget():

@@ -52,7 +52,7 @@ def os_errors(path: Path, action: str | None = None) -> Iterator[None]:
 # What a run directory holds besides hidden temporaries (names with ".tmp": atomic writes,
 # checkpoints being written); --overwrite deletes a run directory whole, so anything else in
 # it is someone else's.
-RUN_ENTRIES = {"run.json", "log.jsonl", "result.json", "plot.png", "tokenizer.json", "checkpoints"}
+RUN_ENTRIES = {"run.json", "log.jsonl", "result.json", "plot.png", "tokenizer.json", "checkpoints", "trace"}
 
 
 def foreign_entries(run_dir: Path) -> list[Path]:

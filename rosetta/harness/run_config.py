@@ -26,6 +26,7 @@ PEER_REFUSES: tuple[tuple[str, Any, str], ...] = (
     ("shard", False, "it trains in one process (no FSDP2 sharding)"),
     ("batching", "bucketed", "nn.Transformer takes no segment ids for packed rows"),
     ("loss", "plain", "nn.Transformer returns logits, not the decoder's output"),
+    ("trace", None, "its parameters are nn.Transformer's, not canonical, until the end of the run"),
 )
 DEFAULT_STEPS = 1000
 # The settings a resumed run must share with the run it continues (what fixes its batches,
@@ -91,7 +92,8 @@ class RunConfig:
     log_every: int = setting(1, "steps between log.jsonl records", "evaluation")
     resume: bool = setting(False, "continue the run in OUT from its latest checkpoint")
     overwrite: bool = setting(False, "delete an earlier run in OUT and start afresh")
-    dtype: str = setting("float32", "compute dtype: float32 or bfloat16", "optimizer")
+    dtype: str = setting("float32", "compute dtype: float32 or bfloat16; float64 to compare training loops "
+                         "exactly (--trace, docs/training_diff.md)", "optimizer")
     device: str | None = setting(
         None, "framework device, e.g. cpu or cuda (default: the framework's)", "optimizer")
     warmup: int = setting(4000, "warmup steps of eq. 3", "optimizer")
@@ -139,6 +141,10 @@ class RunConfig:
     loss: str = setting(
         "plain", "plain (logits, then the loss) or chunked (the output projection and the loss chunk by "
         "chunk: no [tokens, vocabulary] logits, docs/loss.md)", "optimizer")
+    trace: int | None = setting(
+        None, "write a training trace to OUT/<backend>/trace: every step's batch hash, loss, lr and "
+        "per-tensor norms, and the first N steps whole (gradients, updated weights) for `rosetta diff` "
+        "(docs/training_diff.md)", "evaluation", metavar="N")
 
     def to_dict(self) -> dict[str, Any]:
         return {k: list(v) if isinstance(v, tuple) else v for k, v in dataclasses.asdict(self).items()}
@@ -184,8 +190,8 @@ def check_run(run: RunConfig) -> None:
         raise RosettaError(f"--loss must be one of {', '.join(LOSSES)}, got {run.loss!r}")
     if run.batching not in BATCHINGS:
         raise RosettaError(f"--batching must be one of {', '.join(BATCHINGS)}, got {run.batching!r}")
-    if run.dtype not in ("float32", "bfloat16"):
-        raise RosettaError(f"--dtype must be float32 or bfloat16, got {run.dtype!r}")
+    if run.dtype not in ("float32", "bfloat16", "float64"):
+        raise RosettaError(f"--dtype must be float32, bfloat16 or float64, got {run.dtype!r}")
     if run.resume and run.overwrite:
         raise RosettaError("--resume continues a run and --overwrite discards it: give one of them")
     if run.peak_tflops is not None and not run.peak_tflops > 0:
@@ -193,6 +199,11 @@ def check_run(run: RunConfig) -> None:
     for name in ("accumulate", "nproc"):
         _positive(name, getattr(run, name))
     _positive("devices", run.devices, optional=True)
+    _positive("trace", run.trace, minimum=0, optional=True)
+    if run.trace is not None and run.shard:
+        raise RosettaError("--trace with --shard: trace a run without sharding (the updates are the same)")
+    if run.trace is not None and run.resume:
+        raise RosettaError("--trace starts a trace at step 1: trace a fresh run, not a --resume")
     _positive("average_last", run.average_last, minimum=2, optional=True)
     if run.average_last is not None and run.average_last > run.keep:
         raise RosettaError(f"--average-last {run.average_last} needs that many checkpoints kept: give --keep "

@@ -1,0 +1,306 @@
+"""`rosetta diff` on training traces (docs/training_diff.md): the trace format, clean pairs that
+must agree, every catalogued mistake made by a plain loop (parity_tests/training_loops.py) and
+named first by --diagnose at the step where it shows, runs that must not be diagnosed, and bad
+traces refused in one line.
+
+Everything that asks "the same algorithm?" runs in float64 (parity_tests/dp_case.py says why);
+the case is dp_case's: the tiny model without dropout, five batches of 11 padded rows.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import shutil
+
+import numpy as np
+import pytest
+
+from parity_tests import dp_case
+from parity_tests.training_loops import (
+    JAX_MISTAKES,
+    TORCH_MISTAKES,
+    expected_first_step,
+    jax_loop,
+    torch_loop,
+)
+from rosetta.cli import main
+from rosetta.diff.trace import Tracer, TraceWriter, batch_digest, read_trace
+from rosetta.diff.train_catalogue import BY_NAME, ENTRIES
+from rosetta.errors import CheckpointError, RosettaError
+
+CLIPPED = dp_case.TRAIN.replace(clip_norm=0.1)  # below every step's gradient norm here: clipping acts
+CLIP_MISTAKES = ("clip_per_tensor", "clip_torch_eps")
+
+
+@pytest.fixture(scope="module")
+def case():
+    return dp_case.case()
+
+
+def trainer_trace(backend: str, case, tc, path, full_steps: int = 3, **kwargs):
+    """Our `backend` trainer in float64 on the case's batches, traced as `rosetta train --trace` does."""
+    cfg, params, batches = case
+    if backend == "torch":
+        from torch_impl.train import Trainer
+
+        trainer = Trainer(cfg, params, tc, device="cpu", dtype="float64", **kwargs)
+        _trace(trainer, backend, cfg, tc, batches, path, full_steps)
+    else:
+        import jax
+
+        from jax_impl.train import Trainer as JaxTrainer
+
+        with jax.enable_x64(True):
+            trainer = JaxTrainer(cfg, params, tc, device="cpu", dtype="float64", **kwargs)
+            _trace(trainer, backend, cfg, tc, batches, path, full_steps)
+    return path
+
+
+def _trace(trainer, backend, cfg, tc, batches, path, full_steps):
+    tracer = Tracer(path, cfg, full_steps, tc.to_dict(), f"rosetta {backend} trainer", trainer.params())
+    for batch in batches:
+        tracer.record(trainer, batch, trainer.step(batch, keep_grads=True))
+
+
+@pytest.fixture(scope="module")
+def reference(case, tmp_path_factory):
+    """Our torch trainer's float64 traces: the paper's settings, and with clipping at 0.1."""
+    root = tmp_path_factory.mktemp("reference")
+    return {"plain": trainer_trace("torch", case, dp_case.TRAIN, root / "plain"),
+            "clipped": trainer_trace("torch", case, CLIPPED, root / "clipped")}
+
+
+def diff(a, b, tmp_path, *flags) -> tuple[int, dict, str]:
+    out_json = tmp_path / "diff.json"
+    code = main(["diff", str(a), str(b), "--json", str(out_json), *flags])
+    return code, json.loads(out_json.read_text()), ""
+
+
+# -- the format ---------------------------------------------------------------------------------------
+
+def test_trace_round_trip(case, reference):
+    cfg, params, batches = case
+    trace = read_trace(reference["plain"])
+    assert len(trace) == len(batches) and trace.full_steps == 3 and trace.dtype == "float64"
+    assert trace.train_config == dp_case.TRAIN.to_dict() and trace.writer == "rosetta torch trainer"
+    assert all(np.array_equal(trace.initial()[n], params[n]) for n in params)
+    for k, batch in enumerate(batches[:3], 1):
+        step = trace.full(k)
+        assert np.array_equal(step.src, batch.src) and np.array_equal(step.labels, batch.labels)
+        record = trace.steps[k - 1]
+        assert record.batch_sha256 == batch_digest(batch.src, batch.tgt_in, batch.labels)
+        norms = {n: float(np.linalg.norm(g)) for n, g in step.grads.items()}
+        assert record.grad_norm == pytest.approx(math.sqrt(sum(v * v for v in norms.values())), rel=1e-12)
+    # The digest is of the ids, not of their integer type or framework.
+    b = batches[0]
+    assert batch_digest(b.src.astype(np.int32), b.tgt_in, b.labels) == batch_digest(b.src, b.tgt_in, b.labels)
+
+
+# -- clean pairs report no difference ------------------------------------------------------------------
+
+@pytest.mark.parametrize("side", ["torch_loop", "jax_trainer", "jax_loop"])
+def test_clean_pairs_agree(side, case, reference, tmp_path, capsys):
+    cfg, params, batches = case
+    path = tmp_path / side
+    if side == "torch_loop":
+        torch_loop(cfg, params, dp_case.TRAIN, batches, path)
+    elif side == "jax_trainer":
+        trainer_trace("jax", case, dp_case.TRAIN, path)
+    else:
+        import jax
+
+        with jax.enable_x64(True):
+            jax_loop(cfg, params, dp_case.TRAIN, batches, path)
+    code, record, _ = diff(path, reference["plain"], tmp_path, "--diagnose")
+    out = capsys.readouterr().out
+    assert code == 0, out
+    assert record["differ"] is False and len(record["rows"]) == len(batches)
+    assert "no difference at any of 5 steps (tolerance 1e-09)" in out
+    assert "diagnosis: nothing to explain" in out
+
+
+# -- every catalogue entry, made by a plain loop, is named first -----------------------------------------
+
+def test_every_entry_has_a_loop():
+    assert set(TORCH_MISTAKES) == set(BY_NAME) - {"beta2_0.98"}  # ours is 0.98: that one cannot be made here
+    assert set(JAX_MISTAKES) <= set(BY_NAME) and len(JAX_MISTAKES) >= 4
+
+
+def _check_named(code, record, out, mistake):
+    assert code == 1, out
+    assert record["first_difference"] == expected_first_step(mistake), out
+    assert record["diagnosis"]["explained_by"] == [mistake], out
+    assert f"diagnosis: {mistake} explains the difference" in out
+    assert BY_NAME[mistake].fix in out
+
+
+@pytest.mark.parametrize("mistake", TORCH_MISTAKES)
+def test_a_torch_loop_mistake_is_named_first(mistake, case, reference, tmp_path, capsys):
+    cfg, params, batches = case
+    tc = CLIPPED if mistake in CLIP_MISTAKES else dp_case.TRAIN
+    torch_loop(cfg, params, tc, batches, tmp_path / "mine", mistake)
+    code, record, _ = diff(tmp_path / "mine", reference["clipped" if tc is CLIPPED else "plain"], tmp_path,
+                           "--diagnose")
+    _check_named(code, record, capsys.readouterr().out, mistake)
+
+
+def test_two_mistakes_at_once_are_named_as_a_pair(case, reference, tmp_path, capsys):
+    """clip_grad_norm_ called per parameter: clipped per tensor, and by torch's c / (‖g‖ + 1e-6)."""
+    cfg, params, batches = case
+    torch_loop(cfg, params, CLIPPED, batches, tmp_path / "mine", "clip_per_parameter_torch")
+    code, record, _ = diff(tmp_path / "mine", reference["clipped"], tmp_path, "--diagnose")
+    out = capsys.readouterr().out
+    assert code == 1, out
+    assert sorted(record["diagnosis"]["explained_by"]) == ["clip_per_tensor", "clip_torch_eps"], out
+
+
+@pytest.mark.parametrize("mistake", JAX_MISTAKES)
+def test_a_jax_optax_loop_mistake_is_named_first(mistake, case, reference, tmp_path, capsys):
+    import jax
+
+    cfg, params, batches = case
+    with jax.enable_x64(True):
+        jax_loop(cfg, params, dp_case.TRAIN, batches, tmp_path / "mine", mistake)
+    code, record, _ = diff(tmp_path / "mine", reference["plain"], tmp_path, "--diagnose")
+    _check_named(code, record, capsys.readouterr().out, mistake)
+
+
+def test_the_localization_names_the_part_of_the_step(case, reference, tmp_path, capsys):
+    """A loss mistake parts at the loss; a schedule mistake at the learning rate; an optimizer one at
+    the update with the same gradients."""
+    cfg, params, batches = case
+    expected = {"annotated_kl": "the loss, on the same weights and batch",
+                "schedule_from_zero_clamped": None, "schedule_from_zero": "the learning rate",
+                "adamw_decay": "the update, with the same gradients and learning rate"}
+    for mistake, phrase in expected.items():
+        torch_loop(cfg, params, dp_case.TRAIN, batches, tmp_path / mistake, mistake)
+        assert main(["diff", str(tmp_path / mistake), str(reference["plain"])]) == 1
+        out = capsys.readouterr().out
+        if phrase:
+            assert f"first difference at step 1: {phrase}" in out.replace("\n", " ") or phrase in out, out
+    assert "weight decay" in out  # adamw's update is B's less lr·λ·θ
+
+
+# -- runs that must not be diagnosed ---------------------------------------------------------------------
+
+def test_two_seeds_are_never_diagnosed(case, tmp_path, capsys):
+    """Other seeds: another batch order ("saw different batches"), or the same batches with other
+    dropout masks (B cannot be replayed: "not diagnosed")."""
+    cfg, params, batches = case
+    dropout = cfg.replace(dropout=0.1)
+    runs = {}
+    for seed in (0, 1):
+        runs[seed] = trainer_trace("torch", (dropout, params, batches), dp_case.TRAIN.replace(seed=seed),
+                                   tmp_path / f"seed{seed}")
+    assert main(["diff", str(runs[1]), str(runs[0]), "--diagnose"]) == 1
+    out = capsys.readouterr().out
+    assert "diagnosis: not diagnosed" in out and "explains" not in out, out
+    assert "trains with dropout 0.1" in out
+    shuffled = trainer_trace("torch", (cfg, params, batches[::-1]), dp_case.TRAIN, tmp_path / "shuffled")
+    plain = trainer_trace("torch", case, dp_case.TRAIN, tmp_path / "plain")
+    assert main(["diff", str(shuffled), str(plain), "--diagnose"]) == 1
+    out = capsys.readouterr().out
+    assert "the runs saw different batches from step 1" in out and "not diagnosed" in out
+
+
+def test_rosetta_train_trace_runs_compare_clean(tmp_path, capsys):
+    """`rosetta train --trace` in both frameworks (float32, no dropout): the same batches, and no
+    difference at float32's tolerance; `--plot` draws the curves."""
+    out = tmp_path / "run"
+    assert main(["train", "--backend", "torch", "jax", "--task", "copy", "--steps", "3", "--trace", "2",
+                 "--set", "dropout=0", "--eval-every", "0", "--checkpoint-every", "0", "--eval-size", "8",
+                 "--bleu-samples", "4", "--out", str(out)]) == 0
+    trace = read_trace(out / "torch")
+    assert len(trace) == 3 and trace.full_steps == 2 and trace.dtype == "float32"
+    capsys.readouterr()
+    assert main(["diff", str(out / "jax"), str(out / "torch"), "--plot", str(tmp_path / "d.png")]) == 0
+    text = capsys.readouterr().out
+    assert "no difference at any of 3 steps (tolerance 1e-05)" in text
+    assert (tmp_path / "d.png").read_bytes()[:4] == b"\x89PNG"
+
+
+# -- bad input -----------------------------------------------------------------------------------------
+
+def _cut_last_line(path):
+    text = (path / "steps.jsonl").read_text()
+    (path / "steps.jsonl").write_text(text[:-40])
+
+
+def _nan_loss(path):
+    lines = (path / "steps.jsonl").read_text().splitlines()
+    record = json.loads(lines[1])
+    record["loss"] = float("nan")
+    lines[1] = json.dumps(record)
+    (path / "steps.jsonl").write_text("\n".join(lines) + "\n")
+
+
+def _drop_step_file(path):
+    (path / "step_000002.safetensors").unlink()
+
+
+def _drop_last_step(path):
+    lines = (path / "steps.jsonl").read_text().splitlines()
+    (path / "steps.jsonl").write_text("\n".join(lines[:-1]) + "\n")
+
+
+BAD_TRACES = {
+    "truncated line": (_cut_last_line, "is cut off: the trace is truncated"),
+    "NaN loss": (_nan_loss, "step 2's loss is nan: the run had diverged there"),
+    "missing step file": (_drop_step_file, "step_000002.safetensors is missing: the trace is truncated"),
+    "different lengths": (_drop_last_step, "the traces have different lengths: 4 steps in"),
+}
+
+
+@pytest.mark.parametrize("name", sorted(BAD_TRACES))
+def test_bad_traces_are_refused_in_one_line(name, reference, tmp_path, capsys):
+    change, message = BAD_TRACES[name]
+    bad = tmp_path / "bad"
+    shutil.copytree(reference["plain"], bad)
+    change(bad)
+    capsys.readouterr()
+    assert main(["diff", str(bad), str(reference["plain"])]) == 2
+    err = capsys.readouterr().err
+    assert err.startswith("rosetta: error:") and len(err.strip().splitlines()) == 1, err
+    assert message in err, err
+
+
+def test_traces_of_other_models_and_a_model_are_refused(case, reference, tmp_path, capsys):
+    cfg, params, batches = case
+    other = cfg.replace(d_ff=48)
+    from rosetta.params import init_params
+
+    path = tmp_path / "other"
+    torch_loop(other, init_params(other, 0), dp_case.TRAIN, batches, path)
+    capsys.readouterr()
+    assert main(["diff", str(path), str(reference["plain"])]) == 2
+    assert "the traces are of different models: d_ff 48 in" in capsys.readouterr().err
+    from rosetta.checkpoint import save_checkpoint
+
+    ckpt = save_checkpoint(tmp_path / "m.safetensors", cfg, params)
+    assert main(["diff", str(reference["plain"]), str(ckpt)]) == 2
+    assert "is a training trace and" in capsys.readouterr().err
+
+
+def test_the_writer_refuses_what_the_reader_would(case, tmp_path):
+    cfg, params, _ = case
+    (tmp_path / "full").mkdir()
+    (tmp_path / "full" / "mine.txt").write_text("keep me")
+    with pytest.raises(RosettaError, match="already exists and is not an empty directory"):
+        TraceWriter(tmp_path / "full", cfg)
+    assert (tmp_path / "full" / "mine.txt").read_text() == "keep me"
+    writer = TraceWriter(tmp_path / "t", cfg)
+    name = "encoder.layers.0.ffn.linear1.kernel"
+    with pytest.raises(RosettaError, match=r"\[out, in\]: transpose it"):
+        writer.start({**params, name: params[name].T})
+    with pytest.raises(CheckpointError, match="not a training trace"):
+        read_trace(tmp_path / "nothing")
+
+
+def test_catalogue_entries_are_unique_and_documented():
+    from pathlib import Path
+
+    doc = (Path(__file__).parent.parent / "docs" / "training_diff.md").read_text()
+    assert len({e.name for e in ENTRIES}) == len(ENTRIES)
+    for entry in ENTRIES:
+        assert f"`{entry.name}`" in doc, entry.name
