@@ -58,7 +58,7 @@ def trainer_trace(backend: str, case, tc, path, full_steps: int = 3, **kwargs):
 
 
 def _trace(trainer, backend, cfg, tc, batches, path, full_steps):
-    tracer = Tracer(path, cfg, full_steps, tc.to_dict(), f"rosetta {backend} trainer", trainer.params())
+    tracer = Tracer(path, cfg, full_steps, tc.to_dict(), f"rosetta {backend} trainer", trainer)
     for batch in batches:
         tracer.record(trainer, batch, trainer.step(batch, keep_grads=True))
 
@@ -118,6 +118,25 @@ def test_clean_pairs_agree(side, case, reference, tmp_path, capsys):
     assert record["differ"] is False and len(record["rows"]) == len(batches)
     assert "no difference at any of 5 steps (tolerance 1e-09)" in out
     assert "diagnosis: nothing to explain" in out
+    last_whole = 3 if side == "jax_trainer" else 2  # the loops store 2 steps whole, our trainers 3
+    assert record["outputs"]["step"] == last_whole and record["outputs"]["top1"] == 1.0
+    # Equal models up to float64 rounding: KL <= δ²/2 for logits δ apart (~1e-26), plus evaluating a
+    # sum of V = 64 terms of size <= 1 in float64 (<= 64u = 1.4e-14).
+    assert record["outputs"]["kl_max"] < 1e-13
+
+
+def test_a_bfloat16_run_is_compared_at_bfloat16s_tolerance(reference, tmp_path, capsys):
+    """A trace whose forward pass computed in bfloat16 (its header says so) is compared at
+    rosetta.parity.TOLERANCES' bfloat16 entry, with a note; the outputs' KL and top-k follow."""
+    low = tmp_path / "low"
+    shutil.copytree(reference["plain"], low)
+    header = json.loads((low / "trace.json").read_text())
+    (low / "trace.json").write_text(json.dumps({**header, "compute_dtype": "bfloat16"}))
+    code, record, _ = diff(low, reference["plain"], tmp_path)
+    out = capsys.readouterr().out
+    assert code == 0 and record["tolerance"] == 3e-2, out
+    assert "note: A computed in bfloat16: compared at 3e-02" in out
+    assert "the models after step 3, on its batch: logits: KL mean" in out
 
 
 # -- every catalogue entry, made by a plain loop, is named first -----------------------------------------

@@ -105,12 +105,14 @@ class TraceWriter:
 
     `grads` (before clipping) and `params` (after the update) map canonical names to arrays of
     NumPy, PyTorch or JAX; their shapes are checked against `cfg` (a torch Linear weight must be
-    transposed to [in, out]). `train_config`: the settings, when known (our trainers give theirs).
+    transposed to [in, out]). `train_config`: the settings, when known (our trainers give theirs);
+    `compute_dtype`: what the forward pass computed in, when it differs from the stored tensors'
+    (a bfloat16 run keeps float32 weights), for the comparison's tolerance.
     """
 
     def __init__(self, path: str | os.PathLike, cfg: ModelConfig, full_steps: int = 5, *,
                  train_config: Mapping[str, Any] | None = None, writer: str = "user",
-                 dtype: str | None = None):
+                 dtype: str | None = None, compute_dtype: str | None = None):
         if isinstance(full_steps, bool) or not isinstance(full_steps, int) or full_steps < 0:
             raise ConfigError(f"full_steps must be an integer >= 0, got {full_steps!r}")
         if dtype not in (None, *DTYPES):
@@ -122,7 +124,7 @@ class TraceWriter:
                                f"give a new path (nothing there is replaced)")
         self.header = {"format": TRACE_FORMAT, "model_config": cfg.to_dict(), "names": list(self.shapes),
                        "full_steps": full_steps, "dtype": dtype, "writer": writer,
-                       "train_config": dict(train_config or {}) or None}
+                       "compute_dtype": compute_dtype, "train_config": dict(train_config or {}) or None}
         self.steps_done, self._started = 0, False
         with _os_errors(self.path):
             self.path.mkdir(parents=True, exist_ok=True)
@@ -193,9 +195,10 @@ class Tracer:
     sharded weights is a collective); `path` None on the processes that do not write."""
 
     def __init__(self, path: Path | None, cfg: ModelConfig, full_steps: int, train_config: Mapping[str, Any],
-                 writer: str, params: Params):
+                 writer: str, trainer: Any):
+        params = trainer.params()  # a collective: every process
         self.writer = None if path is None else TraceWriter(path, cfg, full_steps, train_config=train_config,
-                                                            writer=writer)
+                                                            writer=writer, compute_dtype=trainer.dtype)
         if self.writer is not None:
             self.writer.start(params)
 
@@ -232,6 +235,7 @@ class Trace:
     train_config: dict[str, Any] | None
     writer: str
     steps: list[StepRecord]
+    compute_dtype: str | None = None  # the forward pass's, when the writer said it
     _cache: dict[int, Any] = field(default_factory=dict, repr=False)
 
     def __len__(self) -> int:
@@ -334,8 +338,9 @@ def read_trace(path: str | os.PathLike) -> Trace:
             raise CheckpointError(f"{found}: {step_file(k)} is missing: the trace is truncated "
                                   f"(steps 0..{full} must be stored whole)")
         read_header(found / step_file(k), "trace step")
+    compute = header.get("compute_dtype")
     return Trace(found, cfg, header["names"], full, header["dtype"], header.get("train_config"),
-                 str(header.get("writer", "")), steps)
+                 str(header.get("writer", "")), steps, compute if isinstance(compute, str) else None)
 
 
 def _read_header(folder: Path) -> dict[str, Any]:

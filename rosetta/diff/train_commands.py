@@ -43,10 +43,17 @@ def cmd_diff_traces(args: argparse.Namespace) -> int:
     a, b = read_trace(args.a), read_trace(args.b)
     steps = check_comparable(a, b, getattr(args, "steps", None))
     coarse = "float32" if "float32" in (a.dtype, b.dtype) else "float64"
-    tolerance = TOLERANCES[coarse] if args.tolerance is None else args.tolerance
+    low = [f"{side} computed in {t.compute_dtype}" for side, t in (("A", a), ("B", b))
+           if t.compute_dtype in ("bfloat16", "float16")]
+    tolerance = TOLERANCES["bfloat16" if low else coarse] if args.tolerance is None else args.tolerance
     print(f"A: {a.path} ({a.writer or 'unnamed writer'}, {a.dtype}, {len(a)} steps, {a.full_steps} whole)")
     print(f"B: {b.path} ({b.writer or 'unnamed writer'}, {b.dtype}, {len(b)} steps, {b.full_steps} whole)")
-    for note in config_notes(a, b):
+    notes = config_notes(a, b)
+    if low:
+        notes.append(f"{' and '.join(low)}: compared at {tolerance:.0e}, 16-bit rounding's tolerance "
+                     f"(rosetta.parity.TOLERANCES); the KL and top-k of the models' outputs below say "
+                     f"whether the runs still predict alike")
+    for note in notes:
         print(f"note: {note}")
     start = initial_difference(a, b, tolerance)
     rows = [] if start else compare_traces(a, b, tolerance, steps)
@@ -60,16 +67,41 @@ def cmd_diff_traces(args: argparse.Namespace) -> int:
             print(f"no difference at any of {steps} steps (tolerance {tolerance:.0e})")
         else:
             print(f"first difference at step {first.step}: " + "; ".join(localize(a, b, first, tolerance)))
+    outputs = None if start else _outputs(a, b, rows, first)
     diagnosis = None
     if args.diagnose:
         diagnosis = _diagnose(a, b, rows, first, tolerance, steps, bool(start))
     if args.json:
-        _write_json(args, a, b, rows, tolerance, first, start, diagnosis)
+        _write_json(args, a, b, rows, tolerance, first, start, diagnosis, outputs)
     if args.plot:
         from rosetta.diff.plots import plot_training_diff
 
         print(f"wrote {plot_training_diff(args.plot, a, b, rows, first.step if first else None, steps)}")
     return 1 if (first or start) else 0
+
+
+def _outputs(a: Trace, b: Trace, rows: list, first):
+    """The two runs' models after one whole step (the first that differs, else the last whole
+    one), run by the float64 reference on that step's batch: KL and top-1/top-5 agreement of their
+    logits (rosetta.diff.compare.logit_metrics, B as the reference), printed; (step, metrics)."""
+    import numpy as np
+
+    from numpy_ref.model import forward
+    from rosetta.diff.compare import format_logit_metrics, logit_metrics
+
+    whole = [r.step for r in rows if r.whole and r.same_batch]
+    if not whole:
+        return None
+    k = first.step if first is not None and first.step in whole else whole[-1]
+    fa, fb = a.full(k), b.full(k)
+
+    def logits(trace: Trace, params: dict) -> np.ndarray:
+        return forward({n: v.astype(np.float64) for n, v in params.items()}, trace.cfg, fb.src, fb.tgt_in)
+
+    metrics = logit_metrics(b.cfg.pad_id, fb.src, fb.tgt_in, logits(a, fa.params), logits(b, fb.params))
+    if metrics is not None:
+        print(f"the models after step {k}, on its batch: {format_logit_metrics(metrics)}")
+    return k, metrics
 
 
 def _diagnose(a: Trace, b: Trace, rows: list, first, tolerance: float, steps: int, start: bool):
@@ -90,7 +122,7 @@ def _diagnose(a: Trace, b: Trace, rows: list, first, tolerance: float, steps: in
 
 
 def _write_json(args: argparse.Namespace, a: Trace, b: Trace, rows: list, tolerance: float, first, start,
-                diagnosis) -> None:
+                diagnosis, outputs) -> None:
     """--json: the rows, the verdict and the diagnosis (schema in docs/training_diff.md)."""
     def number(x: float) -> float | None:
         return x if math.isfinite(x) else None
@@ -100,7 +132,9 @@ def _write_json(args: argparse.Namespace, a: Trace, b: Trace, rows: list, tolera
               "first_difference": first.step if first else None,
               "rows": [{"step": r.step, "same_batch": r.same_batch, "loss": number(r.loss),
                         "lr": number(r.lr), "grads": number(r.grads), "params": number(r.params),
-                        "whole": r.whole, "over": list(r.over)} for r in rows]}
+                        "whole": r.whole, "over": list(r.over)} for r in rows],
+              "outputs": None if not outputs or outputs[1] is None else
+              {"step": outputs[0], **outputs[1]._asdict()}}
     if diagnosis is not None:
         best = diagnosis.explained
         record["diagnosis"] = {"refused": diagnosis.refused,

@@ -21,11 +21,13 @@ import numpy as np
 from rosetta.diff.trace import Trace
 from rosetta.errors import InputError
 from rosetta.params import Params
+from rosetta.parity import TOLERANCES as PARITY_TOLERANCES
 from rosetta.parity import relative_error
 
 # The default tolerance by the traces' dtype (the coarser side's): float64 loops part only by
 # summation order (~1e-15 per operation, grown by a few steps of Adam); float32 as a forward pass.
-TOLERANCES = {"float64": 1e-9, "float32": 1e-5}
+# A run whose forward pass computed in bfloat16 (its trace's compute_dtype): rosetta.parity's entry.
+TOLERANCES = {"float64": 1e-9, "float32": 1e-5, "bfloat16": PARITY_TOLERANCES[("torch", "bfloat16")]}
 UNIT_ROUNDOFF = 2.0**-53  # float64's
 SHAPE_FIELDS = ("src_vocab_size", "tgt_vocab_size", "d_model", "num_heads", "num_encoder_layers",
                 "num_decoder_layers", "d_ff", "share_embeddings")

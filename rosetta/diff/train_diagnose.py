@@ -190,10 +190,12 @@ def _fit_decay(a: Trace, b: Trace, tc: TrainConfig, variant: Variant, cache: dic
     base = replay(b, tc, with_decay(variant, 0.0), 1, cache)[0]
     masked = [k for k, v in initial.items() if decayed(k, v, variant)]
     theta = np.concatenate([initial[k].ravel() for k in masked])
+    if not base.lr:  # a schedule whose first rate is 0: step 1 does not move with λ
+        return _search_decay(a, b, tc, variant, cache, initial, n)
     if variant.decoupled:
         drift = np.concatenate([(seen[k] - base.params[k]).ravel() for k in masked])
         return max(float(-(drift @ theta) / (base.lr * (theta @ theta))), 0.0)
-    if not variant.bias_correction or variant.eps_inside_sqrt or not base.lr:
+    if not variant.bias_correction or variant.eps_inside_sqrt:
         return _search_decay(a, b, tc, variant, cache, initial, n)
     eps = variant.eps if variant.eps is not None else tc.adam_eps
     clipped = clip(base.grads, tc.clip_norm, variant)
