@@ -263,7 +263,17 @@ def _drop_last_step(path):
     (path / "steps.jsonl").write_text("\n".join(lines[:-1]) + "\n")
 
 
+def _nested_header(path):
+    (path / "trace.json").write_text("[" * 100_000)  # json's recursion limit, not a traceback
+
+
+def _endless_line(path):
+    (path / "steps.jsonl").write_text("1" * 10**7)  # read only up to the longest record a model has
+
+
 BAD_TRACES = {
+    "nested header": (_nested_header, "trace.json: not readable JSON (RecursionError)"),
+    "endless line": (_endless_line, "line 1 is longer than any step record of this model"),
     "truncated line": (_cut_last_line, "is cut off: the trace is truncated"),
     "NaN loss": (_nan_loss, "step 2's loss is nan: the run had diverged there"),
     "missing step file": (_drop_step_file, "step_000002.safetensors is missing: the trace is truncated"),

@@ -26,6 +26,7 @@ from __future__ import annotations
 
 import contextlib
 import hashlib
+import itertools
 import json
 import math
 import os
@@ -44,6 +45,7 @@ from rosetta.params import Params, param_shapes
 
 TRACE_FORMAT = "rosetta-trace/1"
 HEADER, STEPS = "trace.json", "steps.jsonl"
+HEADER_LIMIT = 16 * 2**20  # bytes of trace.json read at most
 DTYPES = ("float32", "float64")  # of the stored tensors (a bfloat16 run keeps float32 weights)
 BATCH_KEYS = ("src", "tgt_in", "labels")
 
@@ -346,12 +348,16 @@ def read_trace(path: str | os.PathLike) -> Trace:
 def _read_header(folder: Path) -> dict[str, Any]:
     path = folder / HEADER
     try:
-        header = json.loads(path.read_text(encoding="utf-8"))
+        with path.open("rb") as f:
+            raw = f.read(HEADER_LIMIT + 1)  # a config and the names: far below the limit
+        if len(raw) > HEADER_LIMIT:
+            raise CheckpointError(f"{path}: larger than {HEADER_LIMIT:,} bytes: not a trace header")
+        header = json.loads(raw.decode("utf-8"))
     except FileNotFoundError:
         raise CheckpointError(f"{path} is missing: the trace is truncated (the writer stopped before "
                               f"its first step?)") from None
-    except (OSError, UnicodeDecodeError, json.JSONDecodeError) as e:
-        raise CheckpointError(f"{path}: not readable JSON ({e})") from None
+    except (OSError, UnicodeDecodeError, json.JSONDecodeError, RecursionError) as e:
+        raise CheckpointError(f"{path}: not readable JSON ({type(e).__name__})") from None
     if not isinstance(header, dict) or header.get("format") != TRACE_FORMAT:
         raise CheckpointError(f"{path}: not a {TRACE_FORMAT} header")
     n = header.get("full_steps")
@@ -371,23 +377,31 @@ _PER_TENSOR = ("grad_norms", "grad_sums", "param_norms", "param_sums")
 
 def _read_steps(folder: Path, names: list[str]) -> list[StepRecord]:
     path = folder / STEPS
+    limit = 4096 + 4 * 64 * len(names) + sum(4 * len(n) for n in names)  # a record's longest line
+    steps = []
     try:
-        text = path.read_text(encoding="utf-8")
+        with path.open("rb") as f:
+            for number in itertools.count(1):
+                line = f.readline(limit + 1)  # bounded: a hostile line is never read whole
+                if not line:
+                    break
+                if len(line) > limit:
+                    raise CheckpointError(f"{path}: line {number} is longer than any step record of this "
+                                          f"model ({limit:,} bytes): the trace is corrupt")
+                if not line.endswith(b"\n"):
+                    raise CheckpointError(f"{path}: line {number} is cut off: the trace is truncated (the "
+                                          f"writer stopped mid-line); remove that line to compare the steps "
+                                          f"before it")
+                try:
+                    record = json.loads(line.decode("utf-8"))
+                except (UnicodeDecodeError, json.JSONDecodeError, RecursionError):
+                    raise CheckpointError(f"{path}: line {number} is not JSON: the trace is corrupt"
+                                          ) from None
+                steps.append(_step_record(path, number, record, names))
     except FileNotFoundError:
         raise CheckpointError(f"{path} is missing: the trace is truncated") from None
-    except (OSError, UnicodeDecodeError) as e:
-        raise CheckpointError(f"{path}: not readable ({e})") from None
-    lines = text.split("\n")
-    if lines[-1]:
-        raise CheckpointError(f"{path}: line {len(lines)} is cut off: the trace is truncated (the writer "
-                              f"stopped mid-line); remove that line to compare the steps before it")
-    steps = []
-    for number, line in enumerate(lines[:-1], 1):
-        try:
-            record = json.loads(line)
-        except json.JSONDecodeError:
-            raise CheckpointError(f"{path}: line {number} is not JSON: the trace is corrupt") from None
-        steps.append(_step_record(path, number, record, names))
+    except OSError as e:
+        raise CheckpointError(f"{path}: not readable ({e.strerror or e})") from None
     if not steps:
         raise CheckpointError(f"{path}: no steps: the trace is empty")
     return steps
