@@ -71,10 +71,10 @@ def reference(case, tmp_path_factory):
             "clipped": trainer_trace("torch", case, CLIPPED, root / "clipped")}
 
 
-def diff(a, b, tmp_path, *flags) -> tuple[int, dict, str]:
+def diff(a, b, tmp_path, *flags) -> tuple[int, dict]:
     out_json = tmp_path / "diff.json"
     code = main(["diff", str(a), str(b), "--json", str(out_json), *flags])
-    return code, json.loads(out_json.read_text()), ""
+    return code, json.loads(out_json.read_text())
 
 
 # -- the format ---------------------------------------------------------------------------------------
@@ -112,7 +112,7 @@ def test_clean_pairs_agree(side, case, reference, tmp_path, capsys):
 
         with jax.enable_x64(True):
             jax_loop(cfg, params, dp_case.TRAIN, batches, path)
-    code, record, _ = diff(path, reference["plain"], tmp_path, "--diagnose")
+    code, record = diff(path, reference["plain"], tmp_path, "--diagnose")
     out = capsys.readouterr().out
     assert code == 0, out
     assert record["differ"] is False and len(record["rows"]) == len(batches)
@@ -132,7 +132,7 @@ def test_a_bfloat16_run_is_compared_at_bfloat16s_tolerance(reference, tmp_path, 
     shutil.copytree(reference["plain"], low)
     header = json.loads((low / "trace.json").read_text())
     (low / "trace.json").write_text(json.dumps({**header, "compute_dtype": "bfloat16"}))
-    code, record, _ = diff(low, reference["plain"], tmp_path)
+    code, record = diff(low, reference["plain"], tmp_path)
     out = capsys.readouterr().out
     assert code == 0 and record["tolerance"] == 3e-2, out
     assert "note: A computed in bfloat16: compared at 3e-02" in out
@@ -159,7 +159,7 @@ def test_a_torch_loop_mistake_is_named_first(mistake, case, reference, tmp_path,
     cfg, params, batches = case
     tc = CLIPPED if mistake in CLIP_MISTAKES else dp_case.TRAIN
     torch_loop(cfg, params, tc, batches, tmp_path / "mine", mistake)
-    code, record, _ = diff(tmp_path / "mine", reference["clipped" if tc is CLIPPED else "plain"], tmp_path,
+    code, record = diff(tmp_path / "mine", reference["clipped" if tc is CLIPPED else "plain"], tmp_path,
                            "--diagnose")
     _check_named(code, record, capsys.readouterr().out, mistake)
 
@@ -168,7 +168,7 @@ def test_two_mistakes_at_once_are_named_as_a_pair(case, reference, tmp_path, cap
     """clip_grad_norm_ called per parameter: clipped per tensor, and by torch's c / (‖g‖ + 1e-6)."""
     cfg, params, batches = case
     torch_loop(cfg, params, CLIPPED, batches, tmp_path / "mine", "clip_per_parameter_torch")
-    code, record, _ = diff(tmp_path / "mine", reference["clipped"], tmp_path, "--diagnose")
+    code, record = diff(tmp_path / "mine", reference["clipped"], tmp_path, "--diagnose")
     out = capsys.readouterr().out
     assert code == 1, out
     assert sorted(record["diagnosis"]["explained_by"]) == ["clip_per_tensor", "clip_torch_eps"], out
@@ -181,7 +181,7 @@ def test_a_jax_optax_loop_mistake_is_named_first(mistake, case, reference, tmp_p
     cfg, params, batches = case
     with jax.enable_x64(True):
         jax_loop(cfg, params, dp_case.TRAIN, batches, tmp_path / "mine", mistake)
-    code, record, _ = diff(tmp_path / "mine", reference["plain"], tmp_path, "--diagnose")
+    code, record = diff(tmp_path / "mine", reference["plain"], tmp_path, "--diagnose")
     _check_named(code, record, capsys.readouterr().out, mistake)
 
 

@@ -42,7 +42,7 @@ class Candidate(NamedTuple):
     names: tuple[str, ...]
     variant: Variant
     error: float            # worst over the steps and quantities
-    first_step: int | None  # where the replay and A first part (None: nowhere)
+    worst_step: int | None  # the step of that error (None: no error anywhere)
 
 
 @dataclass
