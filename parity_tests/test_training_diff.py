@@ -309,6 +309,9 @@ def test_traces_of_other_models_and_a_model_are_refused(case, reference, tmp_pat
     ckpt = save_checkpoint(tmp_path / "m.safetensors", cfg, params)
     assert main(["diff", str(reference["plain"]), str(ckpt)]) == 2
     assert "is a training trace and" in capsys.readouterr().err
+    for flags in (["--batch", "random"], ["--ids"], ["--seed", "3"], ["--src", "5 6"]):
+        assert main(["diff", str(reference["plain"]), str(reference["plain"]), *flags]) == 2
+        assert f"{flags[0]} chooses the batch of a forward diff" in capsys.readouterr().err
 
 
 def test_the_writer_refuses_what_the_reader_would(case, tmp_path):

@@ -33,7 +33,7 @@ def cmd_diff(args: argparse.Namespace) -> int:
     if args.src is None:
         if args.tgt is not None or args.ids:
             raise InputError("--tgt and --ids go with --src")
-        src, tgt = pick_batch([a, b], args.seed, args.batch or "diagnostic")
+        src, tgt = pick_batch([a, b], args.seed or 0, args.batch or "diagnostic")
     else:
         if a.dump is not None or b.dump is not None:
             raise InputError("a dump holds its own batch: --src and --tgt are for two models")
@@ -225,8 +225,8 @@ def add_parsers(cmds: argparse._SubParsersAction) -> None:
                    help="the batch two models run on without --src: diagnostic (the default: padded "
                         "rows, an all-padding source, lengths that differ; every --diagnose entry can "
                         "show) or random (rosetta.parity.random_batch)")
-    p.add_argument("--seed", type=non_negative_int, default=0,
-                   help="the token ids of --batch (when no side is a dump and --src is not given)")
+    p.add_argument("--seed", type=non_negative_int,
+                   help="the token ids of --batch (when no side is a dump and --src is not given; default 0)")
     p.add_argument("--steps", type=positive_int, metavar="N",
                    help="two training traces: compare their first N steps (default: all; they must have "
                         "as many)")

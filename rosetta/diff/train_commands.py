@@ -37,8 +37,8 @@ def cmd_diff_traces(args: argparse.Namespace) -> int:
         localize,
     )
 
-    for flag in ("src", "tgt"):
-        if getattr(args, flag, None) is not None:
+    for flag in ("src", "tgt", "ids", "batch", "seed"):  # refused, never ignored
+        if getattr(args, flag, None) not in (None, False):
             raise InputError(f"--{flag} chooses the batch of a forward diff: a trace holds its own batches")
     a, b = read_trace(args.a), read_trace(args.b)
     steps = check_comparable(a, b, getattr(args, "steps", None))
