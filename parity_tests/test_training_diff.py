@@ -18,7 +18,9 @@ import pytest
 
 from parity_tests import dp_case
 from parity_tests.training_loops import (
+    ACCUMULATE,
     JAX_MISTAKES,
+    JUDGED,
     TORCH_MISTAKES,
     expected_first_step,
     jax_loop,
@@ -30,7 +32,7 @@ from rosetta.diff.train_catalogue import BY_NAME, ENTRIES
 from rosetta.errors import CheckpointError, RosettaError
 
 CLIPPED = dp_case.TRAIN.replace(clip_norm=0.1)  # below every step's gradient norm here: clipping acts
-CLIP_MISTAKES = ("clip_per_tensor", "clip_torch_eps")
+CLIP_MISTAKES = ("clip_per_tensor", "clip_torch_eps", "clip_before_accumulation")
 
 
 @pytest.fixture(scope="module")
@@ -58,17 +60,20 @@ def trainer_trace(backend: str, case, tc, path, full_steps: int = 3, **kwargs):
 
 
 def _trace(trainer, backend, cfg, tc, batches, path, full_steps):
-    tracer = Tracer(path, cfg, full_steps, tc.to_dict(), f"rosetta {backend} trainer", trainer)
+    settings = {**tc.to_dict(), "accumulate": trainer.accumulate}  # as rosetta/harness/loop.py writes them
+    tracer = Tracer(path, cfg, full_steps, settings, f"rosetta {backend} trainer", trainer)
     for batch in batches:
         tracer.record(trainer, batch, trainer.step(batch, keep_grads=True))
 
 
 @pytest.fixture(scope="module")
 def reference(case, tmp_path_factory):
-    """Our torch trainer's float64 traces: the paper's settings, and with clipping at 0.1."""
+    """Our torch trainer's float64 traces: the paper's settings, with clipping at 0.1, and clipped
+    with 2 micro-batches an update."""
     root = tmp_path_factory.mktemp("reference")
     return {"plain": trainer_trace("torch", case, dp_case.TRAIN, root / "plain"),
-            "clipped": trainer_trace("torch", case, CLIPPED, root / "clipped")}
+            "clipped": trainer_trace("torch", case, CLIPPED, root / "clipped"),
+            "accumulated": trainer_trace("torch", case, CLIPPED, root / "accumulated", accumulate=ACCUMULATE)}
 
 
 def diff(a, b, tmp_path, *flags) -> tuple[int, dict]:
@@ -83,7 +88,8 @@ def test_trace_round_trip(case, reference):
     cfg, params, batches = case
     trace = read_trace(reference["plain"])
     assert len(trace) == len(batches) and trace.full_steps == 3 and trace.dtype == "float64"
-    assert trace.train_config == dp_case.TRAIN.to_dict() and trace.writer == "rosetta torch trainer"
+    assert trace.train_config == {**dp_case.TRAIN.to_dict(), "accumulate": 1}
+    assert trace.writer == "rosetta torch trainer"
     assert all(np.array_equal(trace.initial()[n], params[n]) for n in params)
     for k, batch in enumerate(batches[:3], 1):
         step = trace.full(k)
@@ -99,12 +105,14 @@ def test_trace_round_trip(case, reference):
 
 # -- clean pairs report no difference ------------------------------------------------------------------
 
-@pytest.mark.parametrize("side", ["torch_loop", "jax_trainer", "jax_loop"])
+@pytest.mark.parametrize("side", ["torch_loop", "torch_loop_min_swapped", "jax_trainer", "jax_loop"])
 def test_clean_pairs_agree(side, case, reference, tmp_path, capsys):
+    """`min` with its arguments swapped is eq. 3 (min is symmetric): the tutorials' variant is clean."""
     cfg, params, batches = case
     path = tmp_path / side
-    if side == "torch_loop":
-        torch_loop(cfg, params, dp_case.TRAIN, batches, path)
+    if side.startswith("torch_loop"):
+        mistake = "schedule_min_swapped" if "min" in side else None
+        torch_loop(cfg, params, dp_case.TRAIN, batches, path, mistake)
     elif side == "jax_trainer":
         trainer_trace("jax", case, dp_case.TRAIN, path)
     else:
@@ -142,7 +150,8 @@ def test_a_bfloat16_run_is_compared_at_bfloat16s_tolerance(reference, tmp_path, 
 # -- every catalogue entry, made by a plain loop, is named first -----------------------------------------
 
 def test_every_entry_has_a_loop():
-    assert set(TORCH_MISTAKES) == set(BY_NAME) - {"beta2_0.98"}  # ours is 0.98: that one cannot be made here
+    # ours is 0.98: beta2_0.98 cannot be made here
+    assert set(TORCH_MISTAKES) | set(JUDGED) == set(BY_NAME) - {"beta2_0.98"}
     assert set(JAX_MISTAKES) <= set(BY_NAME) and len(JAX_MISTAKES) >= 4
 
 
@@ -159,8 +168,9 @@ def test_a_torch_loop_mistake_is_named_first(mistake, case, reference, tmp_path,
     cfg, params, batches = case
     tc = CLIPPED if mistake in CLIP_MISTAKES else dp_case.TRAIN
     torch_loop(cfg, params, tc, batches, tmp_path / "mine", mistake)
-    code, record = diff(tmp_path / "mine", reference["clipped" if tc is CLIPPED else "plain"], tmp_path,
-                           "--diagnose")
+    against = "clipped" if tc is CLIPPED else "plain"
+    against = "accumulated" if mistake == "clip_before_accumulation" else against
+    code, record = diff(tmp_path / "mine", reference[against], tmp_path, "--diagnose")
     _check_named(code, record, capsys.readouterr().out, mistake)
 
 
@@ -183,6 +193,37 @@ def test_a_jax_optax_loop_mistake_is_named_first(mistake, case, reference, tmp_p
         jax_loop(cfg, params, dp_case.TRAIN, batches, tmp_path / "mine", mistake)
     code, record = diff(tmp_path / "mine", reference["plain"], tmp_path, "--diagnose")
     _check_named(code, record, capsys.readouterr().out, mistake)
+
+
+def test_tf32_is_only_pointed_at_by_its_size(case, reference, tmp_path, capsys):
+    """A float32 loop with (emulated) TF32 matmuls: no replay matches it, and the report says the
+    size fits TF32 without naming it (train_checks.py: a size is not a diagnosis)."""
+    cfg, params, batches = case
+    torch_loop(cfg, params, dp_case.TRAIN, batches, tmp_path / "tf32", "tf32_matmuls")
+    code, record = diff(tmp_path / "tf32", reference["plain"], tmp_path, "--diagnose")
+    out = capsys.readouterr().out
+    assert code == 1 and record["first_difference"] == 1, out
+    assert "hint: the size fits tf32_matmuls" in out and BY_NAME["tf32_matmuls"].fix in out, out
+    assert record["diagnosis"]["explained_by"] is None and "diagnosis: not explained" in out, out
+
+
+def test_dropout_left_on_at_evaluation_is_named_from_the_evaluations(case, reference, tmp_path, capsys):
+    """A loop with dropout 0.1 that evaluates without model.eval(): its evaluations are named
+    (train_checks.py), whatever its training steps (dropout masks: no replay matches them); the same
+    loop with model.eval() is not."""
+    cfg, params, batches = case
+    noisy = cfg.replace(dropout=0.1)
+    for mistake in ("dropout_at_evaluation", None):
+        path = tmp_path / str(mistake)
+        torch_loop(noisy, params, dp_case.TRAIN, batches[:1], path, mistake, evaluate=True)
+        code, record = diff(path, reference["plain"], tmp_path, "--diagnose", "--steps", "1")
+        out = capsys.readouterr().out
+        if mistake:
+            assert record["diagnosis"]["explained_by"] == [mistake], out
+            assert "diagnosis: dropout_at_evaluation: A's evaluation after step 1" in out, out
+            assert BY_NAME[mistake].fix in out
+        else:
+            assert "dropout_at_evaluation" not in out and record["diagnosis"]["explained_by"] is None, out
 
 
 def test_the_localization_names_the_part_of_the_step(case, reference, tmp_path, capsys):

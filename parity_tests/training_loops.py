@@ -22,9 +22,61 @@ TORCH_MISTAKES = (
     "eps_inside_sqrt", "no_bias_correction", "beta2_0.999", "eps_1e-8", "adamw_decay", "adamw_decay_matrices",
     "l2_in_gradient", "l2_in_gradient_matrices", "schedule_from_zero", "schedule_from_zero_clamped",
     "clip_per_tensor", "clip_torch_eps", "smooth_over_v_minus_1", "annotated_kl", "pad_in_loss",
-    "per_sentence",
+    "per_sentence", "schedule_scaled", "clip_before_accumulation",
 )
+# Entries judged another way than by a replay (rosetta/diff/train_checks.py), each with its own test;
+# the loop can make them too ("tf32_matmuls": float32 with emulated TF32 matmuls).
+JUDGED = ("tf32_matmuls", "dropout_at_evaluation")
+ACCUMULATE = 2  # micro-batches per update of the clip_before_accumulation loop (and of its reference)
+NOAM_BASE_LR = 1e-3  # schedule_scaled: ESPnet's NoamLR, base_lr·warmup^0.5·min(step^-0.5, step·warmup^-1.5)
 JAX_MISTAKES = ("eps_inside_sqrt", "beta2_0.999", "eps_1e-8", "adamw_decay", "schedule_from_zero")
+
+
+def _tf32(x):
+    """float32 -> TF32 by its bits: add half of the 13 dropped bits' unit (ties to even), clear them."""
+    import torch
+
+    bits = x.contiguous().view(torch.int32)
+    bits = (bits + 0xFFF + ((bits >> 13) & 1)) & ~0x1FFF
+    return bits.view(torch.float32)
+
+
+def tf32_mode():
+    """A TorchFunctionMode giving every linear, matmul and SDPA of a float32 forward TF32 operands
+    (backward: the gradient and the saved operands too), as a GPU with allow_tf32 does."""
+    import torch
+    import torch.nn.functional as F
+    from torch.overrides import TorchFunctionMode
+
+    class Product(torch.autograd.Function):
+        @staticmethod
+        def forward(ctx, a, b):
+            a, b = _tf32(a), _tf32(b)
+            ctx.save_for_backward(a, b)
+            return a @ b
+
+        @staticmethod
+        def backward(ctx, g):
+            a, b = ctx.saved_tensors
+            g = _tf32(g)
+            ga, gb = g @ b.transpose(-2, -1), a.transpose(-2, -1) @ g
+            while gb.dim() > b.dim():
+                gb = gb.sum(0)
+            return ga, gb
+
+    def sdpa(q, k, v, attn_mask=None, dropout_p=0.0, is_causal=False, scale=None, **_):
+        scores = Product.apply(q, k.transpose(-2, -1)) / q.shape[-1] ** 0.5 + attn_mask
+        return Product.apply(scores.softmax(-1), v)
+
+    table = {F.linear: lambda x, w, b=None: Product.apply(x, w.t()) + (0 if b is None else b),
+             torch.matmul: Product.apply, torch.Tensor.__matmul__: Product.apply,
+             F.scaled_dot_product_attention: sdpa}
+
+    class Mode(TorchFunctionMode):
+        def __torch_function__(self, func, types, args=(), kwargs=None):
+            return table.get(func, func)(*args, **(kwargs or {}))
+
+    return Mode()
 
 
 def rate(step: float, d_model: int, tc: TrainConfig) -> float:
@@ -92,14 +144,19 @@ class _HandAdam:
 
 
 def torch_loop(cfg: ModelConfig, params: dict[str, np.ndarray], tc: TrainConfig, batches: list[Batch],
-               path, mistake: str | None = None, full_steps: int = 2) -> None:
-    """Train `batches` in float64 with torch.optim, one `mistake` (or none), tracing to `path`."""
+               path, mistake: str | None = None, full_steps: int = 2, evaluate: bool = False) -> None:
+    """Train `batches` in float64 (TF32's loop: float32, as on a GPU) with torch.optim, one `mistake`
+    (or none), tracing to `path`; with `evaluate`, an evaluation on each whole step's batch after
+    its update (dropout_at_evaluation: without model.eval())."""
+    import contextlib
+
     import torch
 
     from torch_impl.backend import Model
     from torch_impl.convert import from_state_dict
 
-    model = Model(cfg, params, "float64", device="cpu").module.train()  # our forward; dropout 0 in cfg
+    dtype, np_dtype = ("float32", np.float32) if mistake == "tf32_matmuls" else ("float64", np.float64)
+    model = Model(cfg, params, dtype, device="cpu").module.train()  # our forward; dropout 0 in cfg
     named = dict(model.named_parameters())
     matrices = [p for n, p in named.items() if p.ndim == 2 and "embed" not in n]
     others = [p for p in named.values() if all(p is not m for m in matrices)]
@@ -123,18 +180,39 @@ def torch_loop(cfg: ModelConfig, params: dict[str, np.ndarray], tc: TrainConfig,
         lr_of = lambda step: rate(step, cfg.d_model, tc)  # noqa: E731 -- LambdaLR's count from 0, as given
     elif mistake == "schedule_from_zero_clamped":
         lr_of = lambda step: rate(max(step, 1), cfg.d_model, tc)  # noqa: E731 -- the Annotated Transformer's
+    elif mistake == "schedule_min_swapped":  # min(step·warmup^-1.5, step^-0.5), as coqui writes it
+        lr_of = lambda step: tc.lr_factor * cfg.d_model**-0.5 * min(  # noqa: E731
+            (step + 1) * tc.warmup_steps**-1.5, (step + 1) ** -0.5)
+    elif mistake == "schedule_scaled":  # ESPnet's NoamLR, a factor in front of the same shape
+        lr_of = lambda step: NOAM_BASE_LR * tc.warmup_steps**0.5 * min((step + 1) ** -0.5,  # noqa: E731
+                                                                      (step + 1) * tc.warmup_steps**-1.5)
     else:
         lr_of = lambda step: rate(step + 1, cfg.d_model, tc)  # noqa: E731
     sched = None if hand else torch.optim.lr_scheduler.LambdaLR(opt, lr_of)
+    parts = ACCUMULATE if mistake == "clip_before_accumulation" else 1
+
+    def clip_by_global_norm():
+        norm = torch.sqrt(sum((p.grad**2).sum() for p in model.parameters()))
+        for p in model.parameters():
+            p.grad.mul_(torch.clamp(tc.clip_norm / norm, max=1.0))
+
     with TraceWriter(path, cfg, full_steps) as trace:
-        trace.start(from_state_dict(cfg, model.state_dict(), np.float64))
+        trace.start(from_state_dict(cfg, model.state_dict(), np_dtype))
         for k, batch in enumerate(batches, 1):
             src, tgt_in, labels = (torch.from_numpy(x) for x in (batch.src, batch.tgt_in, batch.labels))
             for p in model.parameters():
                 p.grad = None
-            loss = _torch_loss(model(src, tgt_in), labels, cfg.pad_id, tc.label_smoothing, mistake)
-            loss.backward()
-            grads = from_state_dict(cfg, {n: p.grad.clone() for n, p in named.items()}, np.float64)
+            tokens, loss = (labels != cfg.pad_id).sum(), 0.0
+            for i, (s, t, y) in enumerate(zip(*(x.chunk(parts) for x in (src, tgt_in, labels)), strict=True)):
+                if i:  # the mistake: clip_grad_norm_ inside the accumulation loop, after each backward
+                    clip_by_global_norm()
+                with tf32_mode() if mistake == "tf32_matmuls" else contextlib.nullcontext():
+                    logits = model(s, t)
+                share = (y != cfg.pad_id).sum().to(logits.dtype) / tokens  # of the per-token mean
+                part = _torch_loss(logits, y, cfg.pad_id, tc.label_smoothing, mistake) * share
+                part.backward()
+                loss += part.item()
+            grads = from_state_dict(cfg, {n: p.grad.clone() for n, p in named.items()}, np_dtype)
             if mistake in ("clip_per_tensor", "clip_per_parameter_torch"):
                 for p in model.parameters():  # by hand: min(1, c/‖g‖); torch's clip_grad_norm_ adds its 1e-6
                     if mistake == "clip_per_tensor":
@@ -144,15 +222,21 @@ def torch_loop(cfg: ModelConfig, params: dict[str, np.ndarray], tc: TrainConfig,
             elif mistake == "clip_torch_eps":
                 torch.nn.utils.clip_grad_norm_(model.parameters(), tc.clip_norm)
             elif tc.clip_norm is not None:
-                norm = torch.sqrt(sum((p.grad**2).sum() for p in model.parameters()))
-                for p in model.parameters():
-                    p.grad.mul_(torch.clamp(tc.clip_norm / norm, max=1.0))
+                clip_by_global_norm()
             lr = lr_of(k - 1) if hand else opt.param_groups[0]["lr"]
             opt.step(lr) if hand else opt.step()
             if sched is not None:
                 sched.step()
-            trace.step(k, src, tgt_in, labels, loss.item(), lr, grads,
-                       from_state_dict(cfg, model.state_dict(), np.float64))
+            trace.step(k, src, tgt_in, labels, loss, lr, grads,
+                       from_state_dict(cfg, model.state_dict(), np_dtype))
+            if evaluate and k <= full_steps:
+                model.train(mistake == "dropout_at_evaluation")  # the mistake: model.eval() forgotten
+                with torch.no_grad():
+                    logits = model(src, tgt_in)
+                value = torch.nn.functional.cross_entropy(logits.flatten(0, 1), labels.flatten(),
+                                                          ignore_index=cfg.pad_id)
+                trace.evaluation(k, src, tgt_in, labels, value.item())
+                model.train()
 
 
 # -- JAX + optax -------------------------------------------------------------------------------------

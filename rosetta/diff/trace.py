@@ -14,6 +14,8 @@ A trace is a directory:
     step_00000k.safetensors  for k = 1..N: the batch (`src`, `tgt_in`, `labels`), the gradients
                              before clipping (`grads.<name>`) and the weights after the update
                              (`params.<name>`), canonical names and math layout ([in, out])
+    forward_00000k.npz       optional, k <= N: a forward pass's stages on step k's batch; and
+    evals.jsonl, eval_*      the loop's evaluations (rosetta/diff/trace_forward.py: both formats)
 
 `TraceWriter` writes one (our trainers through `rosetta train --trace N`, a user's loop through
 the recipe in the docs); `read_trace` reads one strictly: a trace usually comes from someone
@@ -24,13 +26,11 @@ step or tensor at fault.
 
 from __future__ import annotations
 
-import contextlib
-import hashlib
-import itertools
 import json
 import math
 import os
-from collections.abc import Iterator, Mapping
+from collections import OrderedDict
+from collections.abc import Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, NamedTuple
@@ -39,6 +39,24 @@ import numpy as np
 
 from rosetta.checkpoint import read_header, read_tensors, write_safetensors
 from rosetta.config import ModelConfig
+from rosetta.diff.dump import Dump
+from rosetta.diff.trace_forward import (
+    BATCH_KEYS,
+    EvalRecord,
+    batch_digest,
+    check_ids,
+    check_ids_header,
+    eval_file,
+    forward_file,
+    json_lines,
+    os_errors,
+    read_evaluation_batch,
+    read_evaluations,
+    read_forward,
+    to_numpy,
+    write_evaluation,
+    write_forward,
+)
 from rosetta.errors import CheckpointError, ConfigError, RosettaError
 from rosetta.files import atomic_write_bytes
 from rosetta.params import Params, param_shapes
@@ -47,31 +65,11 @@ TRACE_FORMAT = "rosetta-trace/1"
 HEADER, STEPS = "trace.json", "steps.jsonl"
 HEADER_LIMIT = 16 * 2**20  # bytes of trace.json read at most
 DTYPES = ("float32", "float64")  # of the stored tensors (a bfloat16 run keeps float32 weights)
-BATCH_KEYS = ("src", "tgt_in", "labels")
+CACHED_STEPS = 2  # whole steps a reader keeps besides step 0: a step and the one before it
 
 
 def step_file(k: int) -> str:
     return f"step_{k:06d}.safetensors"
-
-
-def batch_digest(src: Any, tgt_in: Any, labels: Any) -> str:
-    """sha256 of the batch's ids as int64 with their shapes: equal for the same batch whatever
-    integer type or framework held it."""
-    digest = hashlib.sha256()
-    for ids in (src, tgt_in, labels):
-        ids = np.ascontiguousarray(_numpy(ids), dtype=np.int64)
-        digest.update(repr(ids.shape).encode() + ids.tobytes())
-    return digest.hexdigest()
-
-
-def _numpy(value: Any) -> np.ndarray:
-    """A NumPy copy of a NumPy, PyTorch or JAX array (torch's bfloat16 widened to float32)."""
-    if hasattr(value, "detach"):  # a torch tensor: on the CPU, and a dtype NumPy knows
-        value = value.detach().cpu()
-        if str(value.dtype) in ("torch.bfloat16", "torch.float16"):
-            value = value.float()
-        return value.numpy()
-    return np.asarray(value)
 
 
 class StepRecord(NamedTuple):
@@ -104,6 +102,8 @@ class TraceWriter:
         with TraceWriter("trace", cfg, full_steps=5) as trace:
             trace.start(initial_params)
             for each update k = 1, 2, ...:  trace.step(k, src, tgt_in, labels, loss, lr, grads, params)
+                                            trace.forward(k, stages)   # optional, whole steps
+            any time after update k:        trace.evaluation(k, src, tgt_in, labels, loss)  # optional
 
     `grads` (before clipping) and `params` (after the update) map canonical names to arrays of
     NumPy, PyTorch or JAX; their shapes are checked against `cfg` (a torch Linear weight must be
@@ -127,8 +127,10 @@ class TraceWriter:
         self.header = {"format": TRACE_FORMAT, "model_config": cfg.to_dict(), "names": list(self.shapes),
                        "full_steps": full_steps, "dtype": dtype, "writer": writer,
                        "compute_dtype": compute_dtype, "train_config": dict(train_config or {}) or None}
-        self.steps_done, self._started = 0, False
-        with _os_errors(self.path):
+        self.steps_done, self.started = 0, False
+        self.last_batch: tuple[np.ndarray, np.ndarray] | None = None  # the last step's src, tgt_in
+        self.last_evaluation = -1  # the step of the last evaluation record
+        with os_errors(self.path):
             self.path.mkdir(parents=True, exist_ok=True)
             (self.path / STEPS).write_bytes(b"")
 
@@ -146,7 +148,7 @@ class TraceWriter:
                                f"parameter under its canonical name (rosetta.params.param_shapes)")
         out = {}
         for name, shape in self.shapes.items():
-            value = _numpy(tensors[name])
+            value = to_numpy(tensors[name])
             if value.shape != tuple(shape):
                 flipped = value.shape == tuple(shape)[::-1]
                 hint = " (a torch Linear weight is [out, in]: transpose it)" if flipped else ""
@@ -163,18 +165,18 @@ class TraceWriter:
         arrays = self._tensors("initial params", params)
         atomic_write_bytes(self.path / HEADER, (json.dumps(self.header, indent=1) + "\n").encode("utf-8"))
         write_safetensors(self.path / step_file(0), {f"params.{n}": v for n, v in arrays.items()}, {})
-        self._started = True
+        self.started = True
 
     def step(self, step: int, src: Any, tgt_in: Any, labels: Any, loss: float, lr: float,
              grads: Mapping[str, Any], params: Mapping[str, Any]) -> None:
         """Update `step` (from 1): its batch, loss, learning rate, gradients before clipping and the
         weights after the update."""
-        if not self._started:
+        if not self.started:
             raise RosettaError("trace: call start(initial params) before the first step")
         if step != self.steps_done + 1:
             raise RosettaError(f"trace: step {step} after step {self.steps_done}: steps go 1, 2, 3, ...")
         g, p = self._tensors(f"step {step} grads", grads), self._tensors(f"step {step} params", params)
-        ids = {key: np.asarray(_numpy(v), dtype=np.int64)
+        ids = {key: np.asarray(to_numpy(v), dtype=np.int64)
                for key, v in zip(BATCH_KEYS, (src, tgt_in, labels), strict=True)}
         norms = {n: float(np.linalg.norm(v.astype(np.float64))) for n, v in g.items()}
         record = {"step": step, "batch_sha256": batch_digest(*ids.values()), "loss": float(loss),
@@ -186,9 +188,36 @@ class TraceWriter:
             write_safetensors(self.path / step_file(step),
                               {**ids, **{f"grads.{n}": v for n, v in g.items()},
                                **{f"params.{n}": v for n, v in p.items()}}, {})
-        with _os_errors(self.path), (self.path / STEPS).open("a", encoding="utf-8") as lines:
+        with os_errors(self.path), (self.path / STEPS).open("a", encoding="utf-8") as lines:
             lines.write(json.dumps(record) + "\n")  # one write per line: a crash leaves whole lines
-        self.steps_done = step
+        self.steps_done, self.last_batch = step, (ids["src"], ids["tgt_in"])
+
+    def forward(self, step: int, stages: Mapping[str, Any], *, src: Any = None, tgt_in: Any = None) -> Path:
+        """The stages (rosetta.diff.capture's `{stage: array}`) of one forward pass on update `step`'s
+        src and tgt_in with the weights before that update, dropout off; call it right after
+        `step(step, ...)`, for a step stored whole. `src`/`tgt_in`, when given, must be that batch."""
+        if self.last_batch is None or step != self.steps_done:
+            raise RosettaError(f"trace: forward({step!r}) must follow step({step!r}), the update whose batch "
+                               f"it ran on (the last step written is {self.steps_done})")
+        if step > self.full_steps:
+            raise RosettaError(f"trace: forward dumps are kept for the steps stored whole "
+                               f"(1..{self.full_steps}), not step {step}: raise TraceWriter's full_steps")
+        path = self.path / forward_file(step)
+        return write_forward(path, self.cfg, step, self.last_batch, stages, src, tgt_in)
+
+    def evaluation(self, step: int, src: Any, tgt_in: Any, labels: Any, loss: float) -> None:
+        """The loop's evaluation loss after update `step` (0: before any) on a batch it chooses: the
+        mean cross entropy over the labels that are not pad_id, no label smoothing, dropout off."""
+        if not self.started:
+            raise RosettaError("trace: call start(initial params) before the first evaluation")
+        if isinstance(step, bool) or not isinstance(step, int) or not 0 <= step <= self.steps_done:
+            raise RosettaError(f"trace: evaluation after step {step!r}: steps 0..{self.steps_done} are "
+                               f"written (0: before the first update)")
+        if step <= self.last_evaluation:
+            raise RosettaError(f"trace: an evaluation after step {step} follows one after step "
+                               f"{self.last_evaluation}: at most one per step, in order")
+        write_evaluation(self.path, self.cfg, step, (src, tgt_in, labels), loss)
+        self.last_evaluation = step
 
 
 class Tracer:
@@ -212,15 +241,6 @@ class Tracer:
                              metrics["lr"], grads, params)
 
 
-@contextlib.contextmanager
-def _os_errors(path: Path) -> Iterator[None]:
-    """A file system error (read-only, full, a file in the way) as one line naming the path."""
-    try:
-        yield
-    except OSError as e:
-        raise RosettaError(f"trace: cannot write {path}: {e.strerror or e}") from None
-
-
 def _sums(tensors: Params) -> dict[str, float]:
     return {n: float(v.astype(np.float64).sum()) for n, v in tensors.items()}
 
@@ -238,7 +258,8 @@ class Trace:
     writer: str
     steps: list[StepRecord]
     compute_dtype: str | None = None  # the forward pass's, when the writer said it
-    _cache: dict[int, Any] = field(default_factory=dict, repr=False)
+    evaluations: list[EvalRecord] = field(default_factory=list)  # evals.jsonl's, when there is one
+    _cache: OrderedDict[int, Any] = field(default_factory=OrderedDict, repr=False)
 
     def __len__(self) -> int:
         return len(self.steps)
@@ -254,8 +275,29 @@ class Trace:
         ids, params, grads = self._load(k)
         return FullStep(*ids, grads, params)
 
+    def forward(self, k: int) -> Dump | None:
+        """Step k's forward dump (rosetta.diff.dump.Dump: the stages on step k's src and tgt_in with
+        the weights before update k), None when the trace holds none (dumps are of whole steps)."""
+        if isinstance(k, bool) or not isinstance(k, int) or not 1 <= k <= len(self):
+            raise RosettaError(f"{self.path}: no step {k!r} (steps 1..{len(self)})")
+        path = self.path / forward_file(k)
+        if k > self.full_steps or not path.is_file():
+            return None
+        step = self.full(k)
+        return read_forward(path, self.cfg, k, step.src, step.tgt_in)
+
+    def evaluation_batch(self, step: int) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+        """(src, tgt_in, labels) of the evaluation after update `step`, checked against its record."""
+        record = next((r for r in self.evaluations if r.step == step), None)
+        if record is None:
+            shown = ", ".join(str(r.step) for r in self.evaluations[:8]) or "none"
+            raise RosettaError(f"{self.path}: no evaluation after step {step!r} (evaluations after steps: "
+                               f"{shown})")
+        return read_evaluation_batch(self.path / eval_file(step), self.cfg, record)
+
     def _load(self, k: int) -> tuple:
         if k in self._cache:
+            self._cache.move_to_end(k)
             return self._cache[k]
         path = self.path / step_file(k)
         header = read_header(path, "trace step")
@@ -271,12 +313,8 @@ class Trace:
                 if tuple(info.shape) != tuple(shapes[name]) or info.dtype != np.dtype(self.dtype):
                     raise CheckpointError(f"{path}: {group}.{name} is {info.dtype} {tuple(info.shape)}, "
                                           f"expected {self.dtype} {tuple(shapes[name])}")
-        for key in () if k == 0 else BATCH_KEYS:
-            info = header.tensors[key]
-            shape, kind = tuple(info.shape), np.dtype(info.dtype).kind
-            if len(shape) != 2 or shape[1] > self.cfg.max_len or kind not in "iu":
-                raise CheckpointError(f"{path}: {key} must be [rows, length <= max_len {self.cfg.max_len}] "
-                                      f"integer ids, got {info.dtype} {shape}")
+        if k:
+            check_ids_header(path, header, self.cfg)
         tensors = read_tensors(path, header)
         out: dict[str, Params] = {}
         for group in groups:
@@ -289,24 +327,16 @@ class Trace:
                 out[group][name] = value
         ids = None
         if k:
-            ids = tuple(_check_batch(path, key, tensors[key], self.cfg) for key in BATCH_KEYS)
+            ids = tuple(check_ids(path, key, tensors[key], self.cfg) for key in BATCH_KEYS)
             if batch_digest(*ids) != self.steps[k - 1].batch_sha256:
                 raise CheckpointError(f"{path}: its batch does not hash to step {k}'s batch_sha256 in "
                                       f"{STEPS}: the files come from different runs")
         result = (ids, out["params"], out.get("grads"))
         self._cache[k] = result
+        # Step 0 stays (every comparison starts there); the least recently used others go (memory).
+        for key in [key for key in self._cache if key != 0][:-CACHED_STEPS]:
+            del self._cache[key]
         return result
-
-
-def _check_batch(path: Path, key: str, ids: np.ndarray, cfg: ModelConfig) -> np.ndarray:
-    vocab = cfg.src_vocab_size if key == "src" else cfg.tgt_vocab_size
-    if ids.ndim != 2 or ids.dtype.kind not in "iu" or ids.size == 0:
-        raise CheckpointError(f"{path}: {key} must be a non-empty [rows, length] integer array, "
-                              f"got {ids.dtype} {ids.shape}")
-    if ids.min() < 0 or ids.max() >= vocab:
-        raise CheckpointError(f"{path}: {key} holds ids outside [0, {vocab}) (ids {int(ids.min())}.."
-                              f"{int(ids.max())}): a trace of another model?")
-    return ids.astype(np.int64)
 
 
 def find_trace(path: str | os.PathLike) -> Path | None:
@@ -342,7 +372,8 @@ def read_trace(path: str | os.PathLike) -> Trace:
         read_header(found / step_file(k), "trace step")
     compute = header.get("compute_dtype")
     return Trace(found, cfg, header["names"], full, header["dtype"], header.get("train_config"),
-                 str(header.get("writer", "")), steps, compute if isinstance(compute, str) else None)
+                 str(header.get("writer", "")), steps, compute if isinstance(compute, str) else None,
+                 read_evaluations(found, len(steps)))
 
 
 def _read_header(folder: Path) -> dict[str, Any]:
@@ -378,30 +409,11 @@ _PER_TENSOR = ("grad_norms", "grad_sums", "param_norms", "param_sums")
 def _read_steps(folder: Path, names: list[str]) -> list[StepRecord]:
     path = folder / STEPS
     limit = 4096 + 4 * 64 * len(names) + sum(4 * len(n) for n in names)  # a record's longest line
-    steps = []
     try:
-        with path.open("rb") as f:
-            for number in itertools.count(1):
-                line = f.readline(limit + 1)  # bounded: a hostile line is never read whole
-                if not line:
-                    break
-                if len(line) > limit:
-                    raise CheckpointError(f"{path}: line {number} is longer than any step record of this "
-                                          f"model ({limit:,} bytes): the trace is corrupt")
-                if not line.endswith(b"\n"):
-                    raise CheckpointError(f"{path}: line {number} is cut off: the trace is truncated (the "
-                                          f"writer stopped mid-line); remove that line to compare the steps "
-                                          f"before it")
-                try:
-                    record = json.loads(line.decode("utf-8"))
-                except (UnicodeDecodeError, json.JSONDecodeError, RecursionError):
-                    raise CheckpointError(f"{path}: line {number} is not JSON: the trace is corrupt"
-                                          ) from None
-                steps.append(_step_record(path, number, record, names))
+        steps = [_step_record(path, number, record, names)
+                 for number, record in json_lines(path, limit, "any step record of this model")]
     except FileNotFoundError:
         raise CheckpointError(f"{path} is missing: the trace is truncated") from None
-    except OSError as e:
-        raise CheckpointError(f"{path}: not readable ({e.strerror or e})") from None
     if not steps:
         raise CheckpointError(f"{path}: no steps: the trace is empty")
     return steps

@@ -1,6 +1,8 @@
 """`rosetta diff TRACE_A TRACE_B`: the command-line side of the training diff (docs/training_diff.md).
 rosetta/diff/commands.py hands an invocation over when either side is a trace (or a run directory
-holding one); errors are rosetta errors (exit code 2).
+holding one); errors are rosetta errors (exit code 2). Inside the first step that differs, a trace's
+forward dump of that step (rosetta/diff/trace_forward.py) is compared with the float64 reference on
+that trace's own weights: forward_check.
 """
 
 from __future__ import annotations
@@ -8,9 +10,10 @@ from __future__ import annotations
 import argparse
 import json
 import math
+from typing import Any, NamedTuple
 
 from rosetta.diff.trace import Trace, find_trace, read_trace
-from rosetta.errors import InputError
+from rosetta.errors import CheckpointError, InputError
 from rosetta.files import atomic_write_bytes
 
 
@@ -65,19 +68,110 @@ def cmd_diff_traces(args: argparse.Namespace) -> int:
         print(format_rows(rows, tolerance))
         if first is None:
             print(f"no difference at any of {steps} steps (tolerance {tolerance:.0e})")
-        else:
-            print(f"first difference at step {first.step}: " + "; ".join(localize(a, b, first, tolerance)))
+    checks = [] if first is None else _forward_checks(a, b, first, args.diagnose)
+    if first is not None:
+        where = localize(a, b, first, tolerance, tuple(c.side for c in checks))
+        print(f"first difference at step {first.step}: " + "; ".join(where))
+        for check in checks:
+            print(forward_report(check, first.over))
     outputs = None if start else _outputs(a, b, rows, first)
     diagnosis = None
     if args.diagnose:
         diagnosis = _diagnose(a, b, rows, first, tolerance, steps, bool(start))
     if args.json:
-        _write_json(args, a, b, rows, tolerance, first, start, diagnosis, outputs)
+        _write_json(args, a, b, rows, tolerance, first, start, diagnosis, outputs, checks)
     if args.plot:
         from rosetta.diff.plots import plot_training_diff
 
         print(f"wrote {plot_training_diff(args.plot, a, b, rows, first.step if first else None, steps)}")
     return 1 if (first or start) else 0
+
+
+def _forward_checks(a: Trace, b: Trace, first, diagnose: bool) -> list[ForwardCheck]:
+    """Where the loss or the gradients part first: each side's forward dump of that step (when it
+    holds one) against the float64 reference on that side's weights before the step."""
+    if not {"loss", "grads"} & set(first.over):
+        return []
+    checks = (forward_check(trace, first.step, side, diagnose) for side, trace in (("A", a), ("B", b)))
+    return [check for check in checks if check is not None]
+
+
+class ForwardCheck(NamedTuple):
+    step: int
+    side: str            # "A" or "B"
+    tolerance: float     # the forward diff's for the dump's dtype (and the trace's compute dtype)
+    rows: list           # rosetta.diff.compare.StageRow, in forward order
+    first: Any           # the first StageRow over the tolerance, None when the forward passes agree
+    diagnosis: Any       # rosetta.diff.diagnose.Diagnosis, with --diagnose and a difference
+
+
+def forward_check(trace: Trace, k: int, side: str, diagnose: bool = False) -> ForwardCheck | None:
+    """Step k's forward dump (None without one) against the float64 reference (numpy_ref, as
+    `rosetta diff MODEL DUMP` runs it) on this trace's weights before update k and the dump's batch,
+    stage by stage; with `diagnose`, the forward catalogue (rosetta.diff.diagnose) on a difference."""
+    from rosetta.backends import get_backend
+    from rosetta.diff.catalogue import as_float64
+    from rosetta.diff.compare import compare_stages, first_over
+    from rosetta.diff.sides import DUMP_TOLERANCES, FLOAT64_TOLERANCE, LOW_PRECISION, Side
+
+    dump = trace.forward(k)
+    if dump is None:
+        return None
+    params = as_float64(trace.initial() if k == 1 else trace.full(k - 1).params)
+    reference = get_backend("numpy")(trace.cfg, params, "float64").stages(dump.src, dump.tgt, fine=True)
+    tolerance = max(Side(f"{side}'s dump", dump=dump).tolerance, FLOAT64_TOLERANCE)
+    if trace.compute_dtype in LOW_PRECISION:  # a 16-bit forward dumped as float32 arrays: its own tolerance
+        tolerance = max(tolerance, DUMP_TOLERANCES.get(trace.compute_dtype, 3e-2))
+    rows = compare_stages(trace.cfg.pad_id, dump.src, dump.tgt, dump.stages, reference, tolerance)
+    if not rows:
+        raise CheckpointError(f"{trace.path}: step {k}'s forward dump has no stage in common with the model")
+    first, diagnosis = first_over(rows), None
+    if diagnose and first is not None:
+        from rosetta.diff.diagnose import diagnose as run_catalogue
+
+        diagnosis = run_catalogue(trace.cfg, params, dump.src, dump.tgt, dump.stages, tolerance=tolerance)
+    return ForwardCheck(k, side, tolerance, rows, first, diagnosis)
+
+
+def forward_report(check: ForwardCheck, over: tuple[str, ...]) -> str:
+    """The lines `rosetta diff` prints for a ForwardCheck; `over`: what differs at that step."""
+    from rosetta.diff.compare import format_rows
+
+    k, side = check.step, check.side
+    lines = [f"inside step {k}: {side}'s forward dump against the float64 reference on {side}'s weights "
+             f"before step {k}", format_rows(check.rows, check.tolerance)]
+    if check.first is not None:
+        lines.append(f"first difference at {check.first.stage} (relative error {check.first.rel:.3e} > "
+                     f"{check.tolerance:.0e}): {side}'s forward pass parts from the reference there")
+        if check.diagnosis is not None:
+            lines.append(f"forward diagnosis: {check.diagnosis.report()}")
+    elif not any(r.stage == "logits" for r in check.rows):
+        lines.append("the captured stages agree, but the dump holds no 'logits': the output layer, the loss "
+                     "and the backward are not covered (map 'logits' to the output layer)")
+    else:
+        after = ("the losses differ on logits that agree, so the loss's definition (--diagnose replays the "
+                 "loss variants)" if "loss" in over else "the losses agree and the gradients do not, so the "
+                 "backward (a detached, rescaled or missing term)")
+        lines.append(f"the forward passes agree: the difference is after the forward (the loss, the backward "
+                     f"or the optimizer): {after}")
+    return "\n".join(lines)
+
+
+def _number(x: float) -> float | None:
+    return x if math.isfinite(x) else None
+
+
+def forward_json(check: ForwardCheck) -> dict[str, Any]:
+    """--json's "forward" (docs/training_diff.md); non-finite errors as null."""
+    diagnosis = check.diagnosis
+    return {"step": check.step, "side": check.side, "tolerance": check.tolerance,
+            "first_stage": check.first.stage if check.first else None,
+            "rows": [{"stage": r.stage, "rel": _number(r.rel), "max_abs": _number(r.max_abs), "over": r.over}
+                     for r in check.rows],
+            "diagnosis": None if diagnosis is None else
+            {"explained_by": list(diagnosis.best.names) if diagnosis.best else None,
+             "ranked": [{"names": list(c.names), "rel_after": _number(c.rel_after)}
+                        for c in diagnosis.candidates[:3]]}}
 
 
 def _outputs(a: Trace, b: Trace, rows: list, first):
@@ -107,22 +201,17 @@ def _outputs(a: Trace, b: Trace, rows: list, first):
 def _diagnose(a: Trace, b: Trace, rows: list, first, tolerance: float, steps: int, start: bool):
     from rosetta.diff.train_diagnose import diagnose_training
 
-    if start:
-        print("diagnosis: not diagnosed: the runs start from different weights")
-        return None
-    if first is None:
-        print("diagnosis: nothing to explain, the traces agree")
-        return None
-    if first.over == ("batch",):
-        print("diagnosis: not diagnosed: the runs saw different batches: no mistake of a loop can be named")
-        return None
-    diagnosis = diagnose_training(a, b, tolerance, steps)
+    verdict = ("diagnosis: not diagnosed: the runs start from different weights" if start else
+               "diagnosis: nothing to explain, the traces agree" if first is None else
+               "diagnosis: not diagnosed: the runs saw different batches: no mistake of a loop can be named"
+               if first.over == ("batch",) else None)  # the evaluations are checked all the same
+    diagnosis = diagnose_training(a, b, tolerance, steps, verdict)
     print(diagnosis.report())
-    return diagnosis
+    return diagnosis if diagnosis.findings or verdict is None else None
 
 
 def _write_json(args: argparse.Namespace, a: Trace, b: Trace, rows: list, tolerance: float, first, start,
-                diagnosis, outputs) -> None:
+                diagnosis, outputs, checks: list) -> None:
     """--json: the rows, the verdict and the diagnosis (schema in docs/training_diff.md)."""
     def number(x: float) -> float | None:
         return x if math.isfinite(x) else None
@@ -134,7 +223,8 @@ def _write_json(args: argparse.Namespace, a: Trace, b: Trace, rows: list, tolera
                         "lr": number(r.lr), "grads": number(r.grads), "params": number(r.params),
                         "whole": r.whole, "over": list(r.over)} for r in rows],
               "outputs": None if not outputs or outputs[1] is None else
-              {"step": outputs[0], **outputs[1]._asdict()}}
+              {"step": outputs[0], **outputs[1]._asdict()},
+              "forward": forward_json(checks[0]) if checks else None}  # A's when both sides hold a dump
     if diagnosis is not None:
         best = diagnosis.explained
         record["diagnosis"] = {"refused": diagnosis.refused,

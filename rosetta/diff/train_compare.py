@@ -150,8 +150,9 @@ def initial_difference(a: Trace, b: Trace, tolerance: float) -> tuple[str, float
     return next(((n, e) for n, e in errors.items() if not e <= tolerance), None)
 
 
-def localize(a: Trace, b: Trace, row: StepRow, tolerance: float) -> list[str]:
-    """Inside the first step that differs: which part of the step parts first."""
+def localize(a: Trace, b: Trace, row: StepRow, tolerance: float, dumped: tuple[str, ...] = ()) -> list[str]:
+    """Inside the first step that differs: which part of the step parts first. `dumped`: the sides
+    ("A", "B") whose forward dump of this step is compared below (train_commands.forward_check)."""
     k = row.step
     ra, rb = a.steps[k - 1], b.steps[k - 1]
     if row.over == ("batch",):
@@ -162,9 +163,12 @@ def localize(a: Trace, b: Trace, row: StepRow, tolerance: float) -> list[str]:
         lines.append(f"the learning rate: A {ra.lr:.6e}, B {rb.lr:.6e} (× {ra.lr / rb.lr:.4g}): the schedule"
                      if rb.lr else f"the learning rate: A {ra.lr:.6e}, B 0")
     if "loss" in row.over:
+        where = (f"the stage table below compares {' and '.join(dumped)}'s forward pass" if dumped else
+                 f"a forward dump of this step compares the forward pass stage by stage: "
+                 f"TraceWriter.forward({k}, stages) with capture_torch or capture_nnx on its src and tgt_in, "
+                 f"before the update")
         lines.append(f"the loss, on the same weights and batch: A {ra.loss:.10g}, B {rb.loss:.10g}: the "
-                     f"forward pass or the loss's definition (--diagnose replays the loss variants; "
-                     f"`rosetta diff` on activation dumps of this batch compares the forward passes)")
+                     f"forward pass or the loss's definition (--diagnose replays the loss variants; {where})")
     if not row.whole:
         if row.over and not lines:
             whole = min(a.full_steps, b.full_steps)

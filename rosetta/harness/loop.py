@@ -352,8 +352,8 @@ class _Run:
 
         stop = None  # why the loop ends before total_steps: "time_budget" or "target_bleu"
         tracer = None if run.trace is None else Tracer(  # --trace N (rosetta/diff/trace.py); process 0 writes
-            self.dir / "trace" if log_file else None, self.cfg, run.trace, self.train_cfg.to_dict(),
-            f"rosetta {self.backend} trainer", trainer)
+            self.dir / "trace" if log_file else None, self.cfg, run.trace, dict(self.train_cfg.to_dict(),
+            accumulate=trainer.accumulate), f"rosetta {self.backend} trainer", trainer)
         while trainer.step_count < self.total_steps and stop is None:
             epoch = self.iterator.epoch  # the epoch this batch belongs to
             batch = next(self.iterator)
