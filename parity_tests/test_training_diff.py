@@ -147,6 +147,33 @@ def test_a_bfloat16_run_is_compared_at_bfloat16s_tolerance(reference, tmp_path, 
     assert "the models after step 3, on its batch: logits: KL mean" in out
 
 
+def test_the_16_bit_rule_accepts_a_bfloat16_step_and_rejects_a_wrong_loss(case, reference, tmp_path, capsys):
+    """Step 1 of our torch trainer computing in bfloat16 (autocast on CPU) against the float64
+    reference: its loss is within the rule's budget (train_compare.low_precision_loss_rule: one
+    16-bit forward moves the loss by at most 2·8u·max|z|); a loss 10% off is not."""
+    from torch_impl.train import Trainer
+
+    cfg, params, batches = case
+    trainer = Trainer(cfg, params, dp_case.TRAIN, device="cpu", dtype="bfloat16")
+    tracer = Tracer(tmp_path / "bf16", cfg, 1, dp_case.TRAIN.to_dict(), "bf16", trainer)
+    tracer.record(trainer, batches[0], trainer.step(batches[0], keep_grads=True))
+    code, record = diff(tmp_path / "bf16", reference["plain"], tmp_path, "--steps", "1")
+    out = capsys.readouterr().out
+    rule = record["low_precision_rule"]
+    assert rule["accepted"] and 0 < rule["difference"] <= rule["budget"], out
+    assert "16-bit rule, step 1" in out and ": accepted" in out
+    wrong = tmp_path / "wrong"
+    shutil.copytree(reference["plain"], wrong)
+    header = json.loads((wrong / "trace.json").read_text())
+    (wrong / "trace.json").write_text(json.dumps({**header, "compute_dtype": "bfloat16"}))
+    lines = (wrong / "steps.jsonl").read_text().splitlines()
+    first = json.loads(lines[0])
+    lines[0] = json.dumps({**first, "loss": first["loss"] * 1.1})
+    (wrong / "steps.jsonl").write_text("\n".join(lines) + "\n")
+    code, record = diff(wrong, reference["plain"], tmp_path)
+    assert not record["low_precision_rule"]["accepted"] and "REJECTED" in capsys.readouterr().out
+
+
 # -- every catalogue entry, made by a plain loop, is named first -----------------------------------------
 
 def test_every_entry_has_a_loop():

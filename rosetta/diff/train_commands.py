@@ -29,6 +29,7 @@ def is_training_diff(a: str, b: str) -> bool:
 
 def cmd_diff_traces(args: argparse.Namespace) -> int:
     """Both traces step by step; exit 1 where they differ (docs/training_diff.md)."""
+    from rosetta.diff.compare import ROUNDINGS
     from rosetta.diff.train_compare import (
         TOLERANCES,
         check_comparable,
@@ -38,6 +39,7 @@ def cmd_diff_traces(args: argparse.Namespace) -> int:
         format_rows,
         initial_difference,
         localize,
+        low_precision_loss_rule,
     )
 
     for flag in ("src", "tgt", "ids", "batch", "seed"):  # refused, never ignored
@@ -68,6 +70,12 @@ def cmd_diff_traces(args: argparse.Namespace) -> int:
         print(format_rows(rows, tolerance))
         if first is None:
             print(f"no difference at any of {steps} steps (tolerance {tolerance:.0e})")
+    rule = low_precision_loss_rule(a, b) if low and not start else None
+    if rule is not None:
+        print(f"16-bit rule, step 1 (the same weights, one forward pass in 16 bits): the losses differ by "
+              f"{rule.difference:.3e}, {'within' if rule.accepted else 'OVER'} 2·{ROUNDINGS}u·max|z| = "
+              f"{rule.budget:.3e}: {'accepted' if rule.accepted else 'REJECTED'} (later steps have no such "
+              f"bound: the outputs line below says whether the runs still predict alike)")
     checks = [] if first is None else _forward_checks(a, b, first, args.diagnose)
     if first is not None:
         where = localize(a, b, first, tolerance, tuple(c.side for c in checks))
@@ -79,7 +87,7 @@ def cmd_diff_traces(args: argparse.Namespace) -> int:
     if args.diagnose:
         diagnosis = _diagnose(a, b, rows, first, tolerance, steps, bool(start))
     if args.json:
-        _write_json(args, a, b, rows, tolerance, first, start, diagnosis, outputs, checks)
+        _write_json(args, a, b, rows, tolerance, first, start, diagnosis, outputs, checks, rule)
     if args.plot:
         from rosetta.diff.plots import plot_training_diff
 
@@ -211,7 +219,7 @@ def _diagnose(a: Trace, b: Trace, rows: list, first, tolerance: float, steps: in
 
 
 def _write_json(args: argparse.Namespace, a: Trace, b: Trace, rows: list, tolerance: float, first, start,
-                diagnosis, outputs, checks: list) -> None:
+                diagnosis, outputs, checks: list, rule) -> None:
     """--json: the rows, the verdict and the diagnosis (schema in docs/training_diff.md)."""
     def number(x: float) -> float | None:
         return x if math.isfinite(x) else None
@@ -224,7 +232,8 @@ def _write_json(args: argparse.Namespace, a: Trace, b: Trace, rows: list, tolera
                         "whole": r.whole, "over": list(r.over)} for r in rows],
               "outputs": None if not outputs or outputs[1] is None else
               {"step": outputs[0], **outputs[1]._asdict()},
-              "forward": forward_json(checks[0]) if checks else None}  # A's when both sides hold a dump
+              "forward": forward_json(checks[0]) if checks else None,  # A's when both sides hold a dump
+              "low_precision_rule": rule._asdict() if rule else None}
     if diagnosis is not None:
         best = diagnosis.explained
         record["diagnosis"] = {"refused": diagnosis.refused,

@@ -217,3 +217,31 @@ def format_rows(rows: list[StepRow], tolerance: float) -> str:
         lines.append(f"{r.step:>5}  {'same' if r.same_batch else 'DIFF':<5}  {r.loss:10.3e}  {r.lr:10.3e}  "
                      f"{r.grads:10.3e}  {r.params:10.3e}  {verdict}{norms}{mark}")
     return "\n".join(lines)
+
+
+class LossRule(NamedTuple):
+    accepted: bool
+    difference: float  # |loss_a − loss_b| at step 1
+    budget: float      # 2 · mean over the loss's tokens of ROUNDINGS · u · max_j |z_j|
+
+
+def low_precision_loss_rule(a: Trace, b: Trace) -> LossRule | None:
+    """The 16-bit rule for training (docs/training_diff.md), on step 1, whose weights both runs
+    share: one 16-bit forward moves each logit by at most delta = ROUNDINGS·u·max_j |z_j| (the
+    forward diff's rule, rosetta.diff.compare), and a token's cross entropy, whose gradient in
+    the logits p − q has L1 norm <= 2 (label smoothing or not), by at most 2·delta; so the losses
+    may differ by 2·mean(delta) over the loss's tokens. z: the float64 reference's logits on B's
+    initial weights. None when step 1 is not stored whole in B. Later steps have no such bound:
+    Adam passes rounding on as whole updates (update_rel)."""
+    from numpy_ref.model import forward
+    from rosetta.diff.compare import BFLOAT16_U, ROUNDINGS
+
+    if b.full_steps < 1:
+        return None
+    step = b.full(1)
+    z = forward({n: v.astype(np.float64) for n, v in b.initial().items()}, b.cfg, step.src, step.tgt_in)
+    counted = step.labels != b.cfg.pad_id
+    delta = ROUNDINGS * BFLOAT16_U * np.abs(z).max(axis=-1)[counted]
+    budget = 2 * float(delta.mean()) if delta.size else 0.0
+    difference = abs(a.steps[0].loss - b.steps[0].loss)
+    return LossRule(difference <= budget, difference, budget)
