@@ -216,7 +216,9 @@ def accumulated(cfg: ModelConfig, params: Params, step: Any, settings: Settings,
     batch = Batch(step.src, step.tgt_in, step.labels, np.arange(rows), int((step.src != cfg.pad_id).sum()),
                   int(labels))
     loss, total = 0.0, None
-    for micro in split_rows(batch, settings.accumulate, cfg.pad_id):
+    # More parts than rows cut the same one-row blocks plus all-padding ones (skipped below):
+    # min() keeps a trace's absurd `accumulate` from allocating that many padding rows.
+    for micro in split_rows(batch, min(settings.accumulate, rows), cfg.pad_id):
         if not micro.num_tgt_tokens:
             continue  # padding rows only: no gradient
         part, grads = loss_and_grads(cfg, params, micro.src, micro.tgt_in, micro.labels,
