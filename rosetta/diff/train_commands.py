@@ -121,6 +121,7 @@ def forward_check(trace: Trace, k: int, side: str, diagnose: bool = False) -> Fo
     from rosetta.diff.catalogue import as_float64
     from rosetta.diff.compare import compare_stages, first_over
     from rosetta.diff.sides import DUMP_TOLERANCES, FLOAT64_TOLERANCE, LOW_PRECISION, Side
+    from rosetta.diff.train_compare import TOLERANCES
 
     dump = trace.forward(k)
     if dump is None:
@@ -129,7 +130,7 @@ def forward_check(trace: Trace, k: int, side: str, diagnose: bool = False) -> Fo
     reference = get_backend("numpy")(trace.cfg, params, "float64").stages(dump.src, dump.tgt, fine=True)
     tolerance = max(Side(f"{side}'s dump", dump=dump).tolerance, FLOAT64_TOLERANCE)
     if trace.compute_dtype in LOW_PRECISION:  # a 16-bit forward dumped as float32 arrays: its own tolerance
-        tolerance = max(tolerance, DUMP_TOLERANCES.get(trace.compute_dtype, 3e-2))
+        tolerance = max(tolerance, DUMP_TOLERANCES.get(trace.compute_dtype, TOLERANCES["bfloat16"]))
     rows = compare_stages(trace.cfg.pad_id, dump.src, dump.tgt, dump.stages, reference, tolerance)
     if not rows:
         raise CheckpointError(f"{trace.path}: step {k}'s forward dump has no stage in common with the model")
@@ -221,14 +222,11 @@ def _diagnose(a: Trace, b: Trace, rows: list, first, tolerance: float, steps: in
 def _write_json(args: argparse.Namespace, a: Trace, b: Trace, rows: list, tolerance: float, first, start,
                 diagnosis, outputs, checks: list, rule) -> None:
     """--json: the rows, the verdict and the diagnosis (schema in docs/training_diff.md)."""
-    def number(x: float) -> float | None:
-        return x if math.isfinite(x) else None
-
     record = {"kind": "training", "a": str(a.path), "b": str(b.path), "tolerance": tolerance,
               "differ": bool(first or start), "initial_difference": start[0] if start else None,
               "first_difference": first.step if first else None,
-              "rows": [{"step": r.step, "same_batch": r.same_batch, "loss": number(r.loss),
-                        "lr": number(r.lr), "grads": number(r.grads), "params": number(r.params),
+              "rows": [{"step": r.step, "same_batch": r.same_batch, "loss": _number(r.loss),
+                        "lr": _number(r.lr), "grads": _number(r.grads), "params": _number(r.params),
                         "whole": r.whole, "over": list(r.over)} for r in rows],
               "outputs": None if not outputs or outputs[1] is None else
               {"step": outputs[0], **outputs[1]._asdict()},
@@ -238,6 +236,6 @@ def _write_json(args: argparse.Namespace, a: Trace, b: Trace, rows: list, tolera
         best = diagnosis.explained
         record["diagnosis"] = {"refused": diagnosis.refused,
                                "explained_by": list(best.names) if best else None,
-                               "ranked": [{"names": list(c.names), "error": number(c.error)}
+                               "ranked": [{"names": list(c.names), "error": _number(c.error)}
                                           for c in diagnosis.ranked]}
     atomic_write_bytes(args.json, (json.dumps(record, indent=1) + "\n").encode("utf-8"))

@@ -34,6 +34,7 @@ from rosetta.diff.train_catalogue import (
     decayed,
     first_step,
     replay,
+    schedule_lr,
     with_decay,
 )
 from rosetta.diff.train_checks import Finding, evaluation_findings, tf32_by_size
@@ -228,8 +229,6 @@ def _candidate(a: Trace, b: Trace, settings: Settings, n: int, cache: dict, init
 def _fit_lr_scale(a: Trace, b: Trace, settings: Settings, variant: Variant) -> float:
     """The factor of `schedule_scaled`: A's learning rates over the variant's at λ = 1, least
     squares over every step recorded (the rates are in every step's record)."""
-    from rosetta.diff.train_catalogue import schedule_lr
-
     ours = np.array([schedule_lr(k, b.cfg.d_model, settings.train, replace(variant, lr_scale=1.0))
                      for k in range(1, len(a) + 1)])
     seen = np.array([r.lr for r in a.steps])
