@@ -13,11 +13,13 @@ Length distributions:
   machine), each target 0.8-1.25 times its source; token ids drawn uniformly.
 
 For each (distribution, batching), the same few batches (the first of the epoch's shuffled
-order; bucketed batches mix bucket lengths) go to every implementation: PyTorch eager, JAX
-(jit; one compilation per shape, in the warm-up), and the `torch.nn.Transformer` peer on the
-bucketed batches (nn.Transformer has no segment masks: packed rows would attend across
-sentences, so the peer is shown on the bucketed batches of the same pairs, its usual input).
-The passes over the batches are interleaved between implementations, as in benchmarks/run.py.
+order; bucketed batches mix bucket lengths) go to every implementation's own `Trainer.step`
+(benchmarks/common.py: built through the registry as `rosetta train` builds it, stepped by the
+harness's Stepper): PyTorch eager, JAX (jit; one compilation per shape, in the warm-up), and the
+`torch.nn.Transformer` peer on the bucketed batches (nn.Transformer has no segment masks: packed
+rows would attend across sentences, so the peer is shown on the bucketed batches of the same
+pairs, its usual input). The passes over the batches are interleaved between implementations, the
+same code on a CPU and a GPU (a pass's time: CUDA events on a GPU, the host's clock elsewhere).
 "real tokens/s" counts target tokens that are not padding; "real MFU" divides the FLOPs of the
 sentences alone (rosetta/flops.py per sentence at its own lengths: no padding, no cross-sentence
 attention) by the step time and the device's peak (unknown on CPUs: "–").
@@ -26,7 +28,6 @@ attention) by the step time and the device's peak (unknown on CPUs: "–").
 from __future__ import annotations
 
 import argparse
-import copy
 import datetime as dt
 import os
 import time
@@ -34,27 +35,21 @@ from pathlib import Path
 
 os.environ.setdefault("XLA_PYTHON_CLIENT_PREALLOCATE", "false")  # as benchmarks/run.py
 
-import jax.numpy as jnp
 import numpy as np
 import torch
-from flax import nnx
 
-from benchmarks.common import RESULTS, environment, write_results
+from benchmarks.common import RESULTS, build_trainer, environment, write_results
 from benchmarks.peer import make_peer
-from benchmarks.run import autocast_dtype, device_name, finish
-from jax_impl import train as jax_train
-from jax_impl.backend import DTYPES as JAX_DTYPES
-from jax_impl.convert import build_model
+from benchmarks.run import device_name
 from rosetta import preset
 from rosetta.cli_args import positive_int
 from rosetta.config import PRESETS
-from rosetta.flops import mfu, peak_flops, training_flops
+from rosetta.flops import mfu, peak_flops
 from rosetta.harness.batching import BatchIterator
+from rosetta.harness.metrics import batch_work
+from rosetta.harness.stepping import Stepper, cycle
 from rosetta.harness.tasks import load_task
-from rosetta.inputs import Packing
-from rosetta.training import Batch, TrainConfig
-from torch_impl import train as torch_train
-from torch_impl.backend import Model as TorchModel
+from rosetta.training import Batch
 
 # (lowest, highest source length in BPE tokens, share of sentences): the WMT-like histogram.
 WMT_HISTOGRAM = ((3, 10, 0.12), (11, 20, 0.24), (21, 30, 0.22), (31, 40, 0.16), (41, 50, 0.10),
@@ -96,63 +91,24 @@ def sample_batches(pairs: list, cfg, max_tokens: int, pack_length: int | None, c
     return [next(iterator) for _ in range(count)]
 
 
-def real_flops(cfg, batch: Batch) -> int:
-    """Training FLOPs of the batch's sentences alone, each at its own source and target length."""
-    if batch.packed:
-        total = 0
-        for row_src, row_tgt in zip(batch.src_segments, batch.tgt_segments, strict=True):
-            for segment in np.unique(row_src[row_src > 0]):
-                src_len, tgt_len = int((row_src == segment).sum()), int((row_tgt == segment).sum())
-                total += training_flops(cfg, 1, src_len, tgt_len)
-        return total
-    src_lens = (batch.src != cfg.pad_id).sum(axis=1)
-    tgt_lens = (batch.labels != cfg.pad_id).sum(axis=1)
-    return sum(training_flops(cfg, 1, int(s), int(t))
-               for s, t in zip(src_lens, tgt_lens, strict=True) if t > 0)
-
-
-def _packing(batch: Batch, convert) -> Packing | None:
-    """The batch's packing argument (docs/packing.md) in the framework's arrays; None if unpacked."""
-    packing = batch.packing()
-    return None if packing is None else Packing(*(convert(a) for a in packing))
-
-
-def runners(cfg, params, peer, batches: list[Batch], dtype: str, device: str, with_peer: bool) -> dict:
-    """name -> a function running one training step on each batch in turn."""
-    tc = TrainConfig(warmup_steps=4000)
-
-    def torch_run(module) -> callable:
-        optimizer, scheduler = torch_train.make_optimizer(module, tc)
-        step = torch_train.make_train_step(module, optimizer, scheduler, tc, autocast_dtype(dtype))
-        tensors = [([torch.from_numpy(a).to(device) for a in (b.src, b.tgt_in, b.labels)],
-                    _packing(b, lambda a: torch.from_numpy(a).to(device))) for b in batches]
-        return lambda: [step(*arrays, packing=packing)[0] for arrays, packing in tensors]
-
-    def jax_run() -> callable:
-        model = build_model(cfg, params, JAX_DTYPES[dtype])
-        step = jax_train.make_train_step(model, jax_train.make_optimizer(model, tc), nnx.Rngs(dropout=0), tc)
-        arrays = [([jnp.asarray(a) for a in (b.src, b.tgt_in, b.labels)],
-                   _packing(b, jnp.asarray)) for b in batches]
-        return lambda: [step(*a, packing=p)[0] for a, p in arrays]
-
-    found = {"torch": torch_run(TorchModel(cfg, params, "float32", device).module)}
-    if with_peer:
-        found["peer"] = torch_run(copy.deepcopy(peer).to(device))
-    found["jax"] = jax_run()
-    return found
+def runners(cfg, params, batches: list[Batch], dtype: str, device: str, with_peer: bool) -> dict:
+    """name -> one pass over `batches`: a `Trainer.step` on each, read back at the end (the pass's
+    rosetta.harness.stepping.Stretch: its `seconds` are the device's)."""
+    names = ["torch", *(["peer"] if with_peer else []), "jax"]
+    steppers = {name: Stepper(build_trainer(name, cfg, params, dtype, device), cycle(batches))
+                for name in names}
+    return {name: (lambda s=stepper: s.run(len(batches))) for name, stepper in steppers.items()}
 
 
 def measure_passes(fns: dict, repeats: int) -> dict[str, list[float]]:
     """One warm-up pass each (compilation: one per batch shape), then `repeats` interleaved
     timed passes; seconds per pass."""
     for fn in fns.values():
-        finish(fn())
+        fn()
     times = {name: [] for name in fns}
     for _ in range(repeats):
         for name, fn in fns.items():
-            start = time.perf_counter()
-            finish(fn())
-            times[name].append(time.perf_counter() - start)
+            times[name].append(fn().seconds)
     return times
 
 
@@ -160,7 +116,7 @@ def run(args: argparse.Namespace) -> dict:
     device = "cuda" if torch.cuda.is_available() else "cpu"
     if device == "cuda":
         torch.set_float32_matmul_precision("high")  # TF32, as JAX's default (benchmarks/run.py)
-    peer, cfg, params = make_peer(preset(args.preset))
+    _, cfg, params = make_peer(preset(args.preset))  # the weights every implementation starts from
     peak = peak_flops(device_name(), args.dtype)
     rows = []
     for distribution in args.distributions:
@@ -168,13 +124,13 @@ def run(args: argparse.Namespace) -> dict:
         for batching in args.batchings:
             pack_length = min(PACK_LENGTH[distribution], cfg.max_len) if batching == "packed" else None
             batches = sample_batches(pairs, cfg, args.max_tokens, pack_length, args.batches)
-            flops = sum(real_flops(cfg, b) for b in batches)
+            flops = sum(batch_work(cfg, b)["flops"] for b in batches)
             real = sum(b.num_tgt_tokens for b in batches)
             slots = sum(b.labels.size for b in batches)
             shapes = sorted({b.src.shape for b in batches})
             print(f"{distribution} {batching}: {len(batches)} batches, shapes {shapes}, "
                   f"{real / slots:.0%} real target tokens", flush=True)
-            fns = runners(cfg, params, peer, batches, args.dtype, device, with_peer=batching == "bucketed")
+            fns = runners(cfg, params, batches, args.dtype, device, with_peer=batching == "bucketed")
             times = measure_passes(fns, args.repeats)
             for impl, t in times.items():
                 median = float(np.median(t))

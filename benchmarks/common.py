@@ -1,18 +1,27 @@
-"""What every benchmark records: the machine, the commit, the versions; and one timer."""
+"""What every benchmark records: the machine, the commit, the versions; one timer; and the one
+way a benchmark times training: the trainers' own `Trainer.step`, built through the registry with
+the settings `rosetta train` passes (rosetta/harness/loop.py), stepped by the harness's own Stepper
+(rosetta/harness/stepping.py) exactly as a training run steps it."""
 
 from __future__ import annotations
 
 import datetime as dt
+import gc
 import json
 import os
 import platform
 import statistics
 import subprocess
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from pathlib import Path
+from typing import Any
 
+from rosetta.backends import get_trainer
+from rosetta.config import ModelConfig
 from rosetta.files import atomic_write_bytes
+from rosetta.harness.stepping import Stepper, cycle
+from rosetta.training import Batch, TrainConfig
 
 RESULTS = Path(__file__).parent / "results"
 
@@ -85,6 +94,56 @@ def time_it(fn: Callable[[], object], repeats: int = 3, warmup: int = 1) -> dict
         times.append(time.perf_counter() - start)
     return {"median_s": statistics.median(times), "min_s": min(times), "max_s": max(times),
             "repeats": repeats}
+
+
+# The training implementations a benchmark can time: name -> (backend, the Trainer's settings), each
+# what `rosetta train --backend B [--loss chunked] [--compile]` builds.
+TRAINERS: dict[str, tuple[str, dict[str, Any]]] = {
+    "torch": ("torch", {}),
+    "torch (chunked loss)": ("torch", {"loss": "chunked"}),
+    "torch.compile": ("torch", {"compile": True}),
+    "jax": ("jax", {}),
+    "jax (chunked loss)": ("jax", {"loss": "chunked"}),
+    "peer": ("peer", {}),
+}
+HARNESS = " (rosetta train)"  # the name suffix of a row timed through the training loop itself
+# The order of implementations in every table: the training loop's row after the one it runs.
+IMPL_ORDER = ("numpy", *(name for impl in TRAINERS for name in (impl, impl + HARNESS)))
+# What a benchmark's trainers train with: the paper's schedule and recipe (SPEC §4).
+TRAIN_CONFIG = TrainConfig(warmup_steps=4000)
+
+
+def build_trainer(impl: str, cfg: ModelConfig, params: dict, dtype: str, device: str | None = None) -> Any:
+    """The trainer `rosetta train` would build for TRAINERS[impl], through the registry
+    (rosetta.backends: get_trainer), on `device` (None: the framework's default)."""
+    backend, settings = TRAINERS[impl]
+    return get_trainer(backend)(cfg, params, TRAIN_CONFIG, device=device, dtype=dtype, **settings)
+
+
+def time_training(trainer: Any, batches: Sequence[Batch], warmup: int, repeats: int, steps: int) -> dict:
+    """The median seconds of one `trainer.step`, over `repeats` stretches of `steps` steps cycling
+    through `batches`, after `warmup` steps (at least one per batch: every shape compiles then);
+    `warmup_s` is what the warm-up took (mostly compilation), `peak_memory_bytes` the trainer's."""
+    stepper = Stepper(trainer, cycle(list(batches)))
+    start = time.perf_counter()
+    stepper.run(max(warmup, len(batches)))
+    warmup_s = time.perf_counter() - start
+    times = [stepper.run(steps).step_seconds for _ in range(repeats)]
+    return {"median_s": statistics.median(times), "min_s": min(times), "max_s": max(times),
+            "repeats": repeats, "inner": steps, "warmup_s": warmup_s,
+            "peak_memory_bytes": trainer.peak_memory_bytes()}
+
+
+def release() -> None:
+    """Hand back what the last trainer held before the next is built: its Python objects, and the
+    blocks PyTorch's CUDA allocator caches (a no-op without CUDA), so that each trainer's peak
+    memory is its own."""
+    gc.collect()
+    try:
+        import torch
+    except ImportError:
+        return
+    torch.cuda.empty_cache()
 
 
 def write_results(name: str, payload: dict, markdown: str, out_dir: Path | None = None) -> tuple[Path, Path]:

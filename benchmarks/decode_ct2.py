@@ -74,12 +74,24 @@ def marian_model(hf: dict, out: Path, seed: int = 0):
 
 def run(quick: bool = False, rounds: int = 3, threads: int = 2, batch: int = 32, src_len: int = 24,
         tgt_len: int = 24, beam: int = 4) -> dict:
-    import ctranslate2
+    """The benchmark with PyTorch on `threads` threads, the caller's count restored after it: the
+    suite runs it inside a worker process, where a count left at 2 made every later test's tiny
+    models slower and their float32 sums round differently."""
     import torch
+
+    saved = torch.get_num_threads()
+    torch.set_num_threads(threads)
+    try:
+        return _run(quick, rounds, threads, batch, src_len, tgt_len, beam)
+    finally:
+        torch.set_num_threads(saved)
+
+
+def _run(quick: bool, rounds: int, threads: int, batch: int, src_len: int, tgt_len: int, beam: int) -> dict:
+    import ctranslate2
 
     if quick:
         rounds, batch, src_len, tgt_len = 1, 4, 8, 8
-    torch.set_num_threads(threads)
     work = Path(tempfile.mkdtemp(prefix="decode-ct2-"))
     cfg, params = marian_model(QUICK if quick else BASE, work / "marian")
     convert(work / "marian", work / "ct2", to_format="ctranslate2")

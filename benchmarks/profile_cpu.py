@@ -153,9 +153,9 @@ def train_cases(quick: bool) -> dict:
     from rosetta import preset
 
     name, lengths, tokens = ("tiny", "wmt", 512) if quick else ("small", "multi30k", 4096)
-    peer, cfg, params = make_peer(preset(name))
+    _, cfg, params = make_peer(preset(name))  # the peer's weights, canonical: every trainer starts there
     batch = sample_batches(length_pairs(lengths, cfg.src_vocab_size, None), cfg, tokens, None, 1)
-    fns = runners(cfg, params, peer, batch, "float32", "cpu", with_peer=True)
+    fns = runners(cfg, params, batch, "float32", "cpu", with_peer=True)
     return {"what": f"one `{name}` training step, batch {batch[0].src.shape} ({lengths} lengths, bucketed)",
             "vocab": cfg.tgt_vocab_size,
             "cases": [("torch", "torch", fns["torch"]), ("peer", "torch", fns["peer"]),

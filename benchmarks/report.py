@@ -18,13 +18,12 @@ import os
 import re
 from pathlib import Path
 
-from benchmarks.common import RESULTS, replace_block
+from benchmarks.common import HARNESS, IMPL_ORDER, RESULTS, replace_block
 from rosetta.files import atomic_write_bytes
 
 ROOT = Path(__file__).parent.parent
 BENCHMARK_DOC = ROOT / "docs" / "benchmarks.md"  # the page that shows the newest tables
 BEGIN, END = "<!-- benchmarks:begin -->", "<!-- benchmarks:end -->"
-IMPL_ORDER = ("numpy", "torch", "torch (chunked loss)", "torch.compile", "jax", "jax (chunked loss)", "peer")
 SUITES_IN_README = ("gpu", "cpu")  # newest results file of each, in this order
 
 
@@ -50,19 +49,21 @@ def _percent(x: float | None) -> str:
 def tables(result: dict) -> str:
     """The training, forward and decoding tables of one run."""
     lines = [
-        "Training (one optimizer step, dropout on)",
+        "Training (one optimizer step, dropout on; `(rosetta train)`: the training loop on the same "
+        "batches, its median step over the benchmark row's in the last column)",
         "",
         "| preset | dtype | impl | step ms | target tokens/s (real) | padded tokens/s | MFU | "
-        "peak mem GB | ratio vs peer |",
-        "| --- | --- | --- | --- | --- | --- | --- | --- | --- |",
+        "peak mem GB | ratio vs peer | loop / step |",
+        "| --- | --- | --- | --- | --- | --- | --- | --- | --- | --- |",
     ]
     for r in _sorted(result["rows"], "train"):
         mem = None if r.get("peak_memory_bytes") is None else r["peak_memory_bytes"] / 1e9
+        spread = f" [{r['min_s'] * 1e3:.1f}–{r['max_s'] * 1e3:.1f}]" if "min_s" in r else ""
         lines.append(
-            f"| {r['preset']} | {r['dtype']} | {r['impl']} | {r['median_s'] * 1e3:.1f} "
-            f"[{r['min_s'] * 1e3:.1f}–{r['max_s'] * 1e3:.1f}] | {r['tokens_per_s']:,.0f} | "
-            f"{r['padded_tokens_per_s']:,.0f} | {_percent(r.get('mfu'))} | {_fmt(mem, '.2f')} | "
-            f"{_fmt(r.get('ratio_vs_peer'), '.2f')} |"
+            f"| {r['preset']} | {r['dtype']} | {r['impl']} | {r['median_s'] * 1e3:.1f}{spread} | "
+            f"{r['tokens_per_s']:,.0f} | {r['padded_tokens_per_s']:,.0f} | {_percent(r.get('mfu'))} | "
+            f"{_fmt(mem, '.2f')} | {_fmt(r.get('ratio_vs_peer'), '.2f')} | "
+            f"{_fmt(r.get('vs_benchmark'), '.2f')} |"
         )
     lines += ["", "Forward latency (one batch)", "",
               "| preset | dtype | impl | ms | sentences/s | ratio vs peer |",
@@ -135,7 +136,7 @@ def plot(result: dict, path: Path) -> Path:
     tasks = [t for t in ("train", "forward", "decode") if any(r["task"] == t for r in result["rows"])]
     fig, axes = plt.subplots(len(tasks), 1, figsize=(10, 3.2 * len(tasks)), squeeze=False)
     palette = ("tab:gray", "tab:red", "lightcoral", "tab:orange", "tab:blue", "lightskyblue", "black")
-    colors = dict(zip(IMPL_ORDER, palette, strict=True))
+    colors = dict(zip([i for i in IMPL_ORDER if not i.endswith(HARNESS)], palette, strict=True))
     for ax, task in zip(axes[:, 0], tasks, strict=True):
         rows = [r for r in _sorted(result["rows"], task) if r.get("ratio_vs_peer") is not None]
         groups = list(dict.fromkeys((r["preset"], r["dtype"], r.get("search", "")) for r in rows))
@@ -145,7 +146,8 @@ def plot(result: dict, path: Path) -> Path:
             offset = (j - (len(impls) - 1) / 2) * width
             for r in (r for r in rows if r["impl"] == impl):
                 x = groups.index((r["preset"], r["dtype"], r.get("search", ""))) + offset
-                ax.bar(x, r["ratio_vs_peer"], width, color=colors[impl],
+                ax.bar(x, r["ratio_vs_peer"], width, color=colors[impl.removesuffix(HARNESS)],
+                       hatch="//" if impl.endswith(HARNESS) else None,
                        label=impl if r is next(q for q in rows if q["impl"] == impl) else None)
                 if r.get("mfu"):
                     ax.annotate(_percent(r["mfu"]), (x, r["ratio_vs_peer"]), ha="center",

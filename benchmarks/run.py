@@ -5,12 +5,19 @@ same run (benchmarks/peer.py: same config, same weights, same step).
     python -m benchmarks.run --suite cpu      # tiny, and small at 250 x 24; float32 (8 min, 2 cores)
     python -m benchmarks.run --suite gpu      # base, big, tiny; bfloat16 and float32 (TF32): 9 min
     python -m benchmarks.run --suite smoke    # tiny, one repeat: CI's check that it runs
+    python -m benchmarks.run --suite gpu --presets base --dtypes bfloat16 --impls torch.compile jax peer
 
-Implementations: `numpy` (forward and decoding only), `torch` (eager), `torch.compile` (forward
-and loss as one graph), `jax` (jit), `peer`. Warm-up calls (compilation) are excluded and their
-duration recorded; the device is synchronised before every clock read; each number is the
-median of repeats, with the spread. float32 on GPUs runs with TF32 allowed in both frameworks
-(JAX's default; `set_float32_matmul_precision("high")` in PyTorch), so the comparison is fair;
+Training is the trainers' own `Trainer.step` (benchmarks/common.py: built through the registry as
+`rosetta train` builds it, stepped by the harness's Stepper) on the batches the harness builds for
+the copy task at the preset's size: `torch` (eager), `torch.compile` (`rosetta train --compile`),
+`jax` (jit), the chunked loss of each, and `peer` (`--backend peer`). Each implementation runs
+alone, on the CPU as on a GPU (every line the same but the clock: CUDA events on a GPU), and its
+peak memory is its trainer's. `<impl> (rosetta train)` rows run the training loop itself on the
+same batches and settings (`rosetta train --task copy`): their median step beside the benchmark
+row's says what the loop adds around the step. Forward and decoding: `numpy`, `torch`, `jax`,
+`peer` (`generate` itself for decoding). Warm-up (compilation) is excluded and its duration
+recorded; each number is the median of repeats, with the spread. float32 on GPUs runs with TF32
+allowed in both frameworks (the trainers' default outside parity mode), so the comparison is fair;
 parity runs turn it off. On a GPU each (preset, dtype) runs in its own process. Results go to
 benchmarks/results/<suite>_<device>_<date>.{json,md,png}, with the commit, versions and settings.
 """
@@ -18,15 +25,15 @@ benchmarks/results/<suite>_<device>_<date>.{json,md,png}, with the commit, versi
 from __future__ import annotations
 
 import argparse
-import copy
 import datetime as dt
 import json
 import multiprocessing
 import os
 import re
+import tempfile
 import time
 from concurrent.futures import ProcessPoolExecutor
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from pathlib import Path
 
 # Before JAX starts: allocate GPU memory on demand, so JAX and PyTorch share the device and
@@ -37,21 +44,32 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import torch
-from flax import nnx
 
-from benchmarks.common import RESULTS, environment, write_results
+from benchmarks.common import (
+    HARNESS,
+    IMPL_ORDER,
+    RESULTS,
+    TRAINERS,
+    build_trainer,
+    environment,
+    release,
+    time_training,
+    write_results,
+)
 from benchmarks.peer import make_peer
 from benchmarks.report import markdown, plot
-from jax_impl import train as jax_train
-from jax_impl.backend import DTYPES as JAX_DTYPES
 from jax_impl.backend import Model as JaxModel
-from jax_impl.convert import build_model
 from rosetta import from_params, preset
+from rosetta.cli_args import real
 from rosetta.files import atomic_write_bytes
 from rosetta.flops import forward_flops, mfu, peak_flops, training_flops
+from rosetta.harness.batching import BatchIterator
+from rosetta.harness.loop import train
+from rosetta.harness.metrics import batch_work
+from rosetta.harness.run_config import RunConfig
+from rosetta.harness.tasks import load_task
 from rosetta.parity import random_batch
-from rosetta.training import TrainConfig
-from torch_impl import train as torch_train
+from rosetta.training import Batch
 from torch_impl.backend import Model as TorchModel
 
 
@@ -64,7 +82,6 @@ class Size:
     margin: int
 
 
-CHUNKED = "(chunked loss)"  # the implementation-name suffix of steps with the chunked loss
 
 
 @dataclass(frozen=True)
@@ -75,23 +92,24 @@ class Suite:
     repeats: int
     warmup: int
     compile: tuple[tuple[str, str], ...]  # (preset, dtype) where torch.compile is measured
-    xla_flags: str = ""  # XLA_FLAGS for the run, unless the caller set XLA_FLAGS
+    harness: tuple[str, ...] = ()  # implementations also run as `rosetta train` on the same batches
+    impls: tuple[str, ...] | None = None  # only these implementations (--impls); None: all
+    name: str = ""
+    peak_tflops: float | None = None  # --peak-tflops: the device's peak, where rosetta/flops.py has none
 
 
 SUITES = {
-    "smoke": Suite({"tiny": Size(8, 16, 4, 8, 4)}, ("float32",), 2, 1, 1, ()),
+    "smoke": Suite({"tiny": Size(8, 16, 4, 8, 4)}, ("float32",), 2, 1, 1, (), ("torch", "jax"), name="smoke"),
     # torch.compile takes minutes per graph on 2 cores: measured on tiny only.
     # small at a real batch: 250 x 24 tokens a side, about Multi30k's 4,096-token batches.
     "cpu": Suite({"tiny": Size(32, 32, 16, 16, 16), "small": Size(250, 24, 8, 16, 16)},
-                 ("float32",), 2, 5, 2, (("tiny", "float32"),)),
+                 ("float32",), 2, 5, 2, (("tiny", "float32"),), ("torch", "jax"), name="cpu"),
     # base and big first (they matter), 384 x 64 tokens a side: the paper's ~25,000 source and
-    # target tokens per batch (§5.1); torch.compile on bfloat16 only, to stay < 10 min.
+    # target tokens per batch (§5.1); torch.compile on bfloat16 only, to stay < 10 min. The XLA
+    # flags JAX compiles with are the trainers' own (jax_impl/compilation.py).
     "gpu": Suite({"base": Size(384, 64, 64, 32, 32), "big": Size(384, 64, 64, 32, 32),
                   "tiny": Size(64, 32, 32, 32, 32)}, ("bfloat16", "float32"), 10, 3, 3,
-                 (("base", "bfloat16"), ("big", "bfloat16")),
-                 # Matmuls through cuBLAS, as PyTorch's: XLA's default also autotunes Triton GEMM
-                 # kernels, ~70 s per compiled step on an H100, which does not fit in 10 minutes.
-                 xla_flags="--xla_gpu_enable_triton_gemm=false"),
+                 (("base", "bfloat16"), ("big", "bfloat16")), ("torch.compile", "jax"), name="gpu"),
 }
 
 
@@ -133,33 +151,13 @@ def measure(fn, repeats: int, warmup: int, inner: int = 1) -> dict:
     }
 
 
-def measure_interleaved(fns: dict, repeats: int, warmup: int, inner: int = 1) -> dict[str, dict]:
-    """`measure` for several functions at once, paired: after every function's warm-up, each
-    repeat times one block of `inner` calls of every function in turn."""
-    warmup_s, times = {}, {name: [] for name in fns}
-    for name, fn in fns.items():
-        start = time.perf_counter()
-        finish([fn() for _ in range(warmup)][-1:])
-        warmup_s[name] = time.perf_counter() - start
-    for _ in range(repeats):
-        for name, fn in fns.items():
-            start = time.perf_counter()
-            finish([fn() for _ in range(inner)][-1:])
-            times[name].append((time.perf_counter() - start) / inner)
-    return {
-        name: {"median_s": float(np.median(t)), "min_s": min(t), "max_s": max(t), "repeats": repeats,
-               "inner": inner, "warmup_s": warmup_s[name]}
-        for name, t in times.items()
-    }
-
-
 def log(what: str, t: dict) -> None:
     print(f"    {what}: warm-up {t['warmup_s']:.1f} s, median {t['median_s'] * 1e3:.2f} ms", flush=True)
 
 
 def training_batch(cfg, size: Size, seed: int = 0):
     """A fixed synthetic batch with realistic padding: labels are tgt shifted left, eos after
-    the last real token (SPEC §4)."""
+    the last real token (SPEC §4). The forward benchmark's and benchmarks/profile_step.py's loss's."""
     src, tgt = random_batch(cfg, size.batch, size.length, size.length, seed=seed)
     labels = np.full_like(tgt, cfg.pad_id)
     for b in range(len(tgt)):
@@ -169,86 +167,82 @@ def training_batch(cfg, size: Size, seed: int = 0):
     return src, tgt, labels
 
 
-def autocast_dtype(dtype: str) -> torch.dtype | None:
-    """PyTorch computes bfloat16 under torch.autocast with float32 weights, as the trainer does."""
-    return torch.bfloat16 if dtype == "bfloat16" else None
-
-
 def autocast(dtype: str, device: str) -> torch.autocast:
+    """The forward benchmark's bfloat16: torch.autocast with float32 weights, as the trainer computes."""
     return torch.autocast(device, dtype=torch.bfloat16, enabled=dtype == "bfloat16")
 
 
-def peak_memory(impl: str, device: str) -> int | None:
-    """Peak device memory of the last measurement; None on CPU. JAX's peak is process-wide."""
-    if device != "cuda":
-        return None
-    if impl == "jax":
-        return (jax.devices()[0].memory_stats() or {}).get("peak_bytes_in_use")
-    return torch.cuda.max_memory_allocated()
+def harness_run(cfg, preset_name: str, size: Size) -> RunConfig:
+    """`rosetta train` on the copy task at this size: one bucket of `size.length`, `size.batch`
+    rows a batch (--max-tokens batch x length), the model `cfg` (the preset and what differs)."""
+    base = preset(preset_name).to_dict()
+    overrides = {k: v for k, v in cfg.to_dict().items() if base.get(k) != v and "vocab" not in k}
+    return RunConfig(task="copy", preset=preset_name, overrides=overrides, synthetic_max_len=size.length - 1,
+                     max_tokens=size.batch * size.length, buckets=(size.length,), progress=False,
+                     eval_size=4, bleu_samples=4, eval_every=0, checkpoint_every=0, warmup=4000)
 
 
-def bench_training(
-    cfg, params, peer, size: Size, dtype: str, suite: Suite, compile_ok: bool, device: str
-) -> list[dict]:
-    """Every implementation's training step on the same batch from the same weights. On the CPU
-    the repeats are interleaved (one block of `suite.steps` steps of each in turn), so a slow
-    spell of the machine falls on all of them alike; on a GPU each runs alone (see below).
-    `(chunked loss)`: the output projection and loss in chunks (docs/loss.md), the same loss."""
-    tc = TrainConfig(warmup_steps=4000)
-    src, tgt, labels = training_batch(cfg, size)
-    flops = training_flops(cfg, size.batch, size.length, size.length)
-    real_tokens = int((labels != cfg.pad_id).sum())
+def training_batches(cfg, preset_name: str, size: Size, count: int = 4) -> list[Batch]:
+    """The first `count` batches `rosetta train` trains on at this size (`harness_run`): the same
+    pairs, the same iterator (rosetta/harness/batching.py), every one [size.batch, size.length]."""
+    run = harness_run(cfg, preset_name, size)
+    task = load_task("copy", vocab_size=min(cfg.src_vocab_size, cfg.tgt_vocab_size), seed=run.seed,
+                     synthetic_max_len=run.synthetic_max_len)
+    batches = BatchIterator.from_config(task.train_pairs, cfg, max_tokens=run.max_tokens, buckets=run.buckets,
+                                        seed=run.seed)
+    return [next(batches) for _ in range(count)]
 
-    def torch_runner(module, compile: bool = False, loss: str = "plain"):
-        optimizer, scheduler = torch_train.make_optimizer(module, tc)
-        step = torch_train.make_train_step(module, optimizer, scheduler, tc, autocast_dtype(dtype), compile,
-                                           loss)
-        batch = [torch.from_numpy(a).to(device) for a in (src, tgt, labels)]
-        return lambda: step(*batch)[0]
 
-    def jax_runner(loss: str = "plain"):
-        model = build_model(cfg, params, JAX_DTYPES[dtype])
-        optimizer, rngs = jax_train.make_optimizer(model, tc), nnx.Rngs(dropout=0)
-        step = jax_train.make_train_step(model, optimizer, rngs, tc, loss=loss)
-        batch = [jnp.asarray(a) for a in (src, tgt, labels)]
-        return lambda: step(*batch)[0]
+def train_impls(suite: Suite, preset_name: str, dtype: str) -> list[str]:
+    """The training implementations of this (preset, dtype): torch.compile where the suite says."""
+    names = [name for name in TRAINERS
+             if name != "torch.compile" or (preset_name, dtype) in suite.compile]
+    return [name for name in names if suite.impls is None or name in suite.impls]
 
-    def ours(compile: bool = False, loss: str = "plain"):
-        return lambda: torch_runner(TorchModel(cfg, params, "float32", device).module, compile, loss)
 
-    impls = {"torch": ours(), f"torch {CHUNKED}": ours(loss="chunked")}
-    if compile_ok:
-        impls["torch.compile"] = ours(compile=True)  # forward and loss
-    impls["peer"] = lambda: torch_runner(copy.deepcopy(peer).to(device))  # its weights stay as given
-    # JAX last: its allocator keeps what it took (see measure_group).
-    impls["jax"], impls[f"jax {CHUNKED}"] = jax_runner, lambda: jax_runner("chunked")
-    if device == "cuda":
-        timings = {}
-        for name, make in impls.items():
-            # Hand back what the previous implementation's caching allocator still holds, so that
-            # each peak, and JAX (which allocates outside it), start from a free device.
-            torch.cuda.empty_cache()
-            step = make()
-            torch.cuda.reset_peak_memory_stats()
-            timings[name] = measure(step, suite.repeats, suite.warmup, inner=suite.steps)
-            timings[name]["peak_memory_bytes"] = peak_memory(name, device)
-    else:
-        timings = measure_interleaved({name: make() for name, make in impls.items()}, suite.repeats,
-                                      suite.warmup, inner=suite.steps)
+def bench_training(cfg, params, batches: list[Batch], dtype: str, suite: Suite, impls: list[str],
+                   device: str) -> list[dict]:
+    """Every implementation's `Trainer.step` on the same batches from the same weights, each alone
+    (benchmarks/common.py time_training): built, warmed up, timed, released. `(chunked loss)`: the
+    output projection and loss in chunks (docs/loss.md), the same loss. JAX last: its allocator
+    keeps what it took."""
+    real_tokens = sum(b.num_tgt_tokens for b in batches) / len(batches)
+    slots = sum(b.labels.size for b in batches) / len(batches)
     rows = []
-    for name, t in timings.items():
+    for name in sorted(impls, key=lambda n: TRAINERS[n][0] == "jax"):
+        trainer = build_trainer(name, cfg, params, dtype, device)
+        t = time_training(trainer, batches, suite.warmup, suite.repeats, suite.steps)
+        del trainer
+        release()
         log(f"train {name}", t)
-        rows.append(
-            dict(
-                task="train",
-                impl=name,
-                **t,
-                tokens_per_s=real_tokens / t["median_s"],
-                padded_tokens_per_s=labels.size / t["median_s"],
-                flops_per_step=flops,
-                peak_memory_bytes=t.pop("peak_memory_bytes", None),
-            )
-        )
+        rows.append(dict(task="train", impl=name, **t, tokens_per_s=real_tokens / t["median_s"],
+                         padded_tokens_per_s=slots / t["median_s"],
+                         flops_per_step=training_flops(cfg, *batches[0].shape, batches[0].shape[1])))
+    return rows
+
+
+def bench_harness(cfg, preset_name: str, size: Size, dtype: str, suite: Suite, impls: list[str],
+                  device: str) -> list[dict]:
+    """`rosetta train` itself (rosetta/harness/loop.py) on the batches of bench_training, for as many
+    steps as a benchmark row times after its warm-up, read every `suite.steps` steps: its median
+    step time (summary.json's, the first step of the shape left out)."""
+    rows = []
+    for name in [n for n in suite.harness if n in impls]:
+        backend, settings = TRAINERS[name]
+        run = replace(harness_run(cfg, preset_name, size), backends=(backend,), dtype=dtype, device=device,
+                      steps=1 + suite.repeats * suite.steps, log_every=suite.steps,
+                      peak_tflops=suite.peak_tflops, **settings)
+        with tempfile.TemporaryDirectory() as out:
+            result = train(replace(run, out=out))[backend]
+        release()
+        t = {"median_s": result["median_step_time_s"], "repeats": result["timed_steps"],
+             "inner": suite.steps, "peak_memory_bytes": result["peak_memory_bytes"],
+             "compile_s": result["compile_time_total_s"]}
+        log(f"train {name}{HARNESS}", t | {"warmup_s": result["compile_time_total_s"]})
+        rows.append(dict(task="train", impl=name + HARNESS, **t,
+                         tokens_per_s=result["median_tgt_tokens_per_s"],
+                         padded_tokens_per_s=result["median_tgt_tokens_per_s_padded"],
+                         flops_per_step=training_flops(cfg, size.batch, size.length, size.length)))
     return rows
 
 
@@ -339,48 +333,57 @@ def bench_decoding(cfg, params, peer, size: Size, suite: Suite, device: str) -> 
 
 def add_ratios(rows: list[dict]) -> None:
     """ratio_vs_peer = peer time / our time for the same task, preset, dtype and search (> 1:
-    we are faster). The peer has greedy decoding only."""
+    we are faster). The peer has greedy decoding only. A `(rosetta train)` row also gets
+    vs_benchmark: its median step over its implementation's benchmark row's (1: the loop adds
+    nothing around the step)."""
+    def same(a: dict, b: dict) -> bool:
+        return all(a.get(k) == b.get(k) for k in ("task", "preset", "dtype", "search"))
+
     for row in rows:
-        peers = [
-            p
-            for p in rows
-            if p["impl"] == "peer"
-            and row["impl"] != "peer"
-            and all(p.get(k) == row.get(k) for k in ("task", "preset", "dtype", "search"))
-        ]
+        peers = [p for p in rows if p["impl"] == "peer" and row["impl"] != "peer" and same(p, row)]
         if peers:
             per_unit = "tokens" if row["task"] == "decode" else None  # decode: emitted tokens differ
             ours = row["median_s"] / row[per_unit] if per_unit else row["median_s"]
             theirs = peers[0]["median_s"] / peers[0][per_unit] if per_unit else peers[0]["median_s"]
             row["ratio_vs_peer"] = theirs / ours
+        if row["impl"].endswith(HARNESS):
+            bench = [b for b in rows if b["impl"] == row["impl"][:-len(HARNESS)] and same(b, row)]
+            if bench:
+                row["vs_benchmark"] = row["median_s"] / bench[0]["median_s"]
 
 
-def measure_group(suite_name: str, preset_name: str, dtype: str) -> list[dict]:
-    """Every measurement of one preset and dtype: training, forward latency and (float32)
-    decoding, each with the peer; every implementation starts from the same weights."""
-    suite, size = SUITES[suite_name], SUITES[suite_name].presets[preset_name]
+def measure_group(suite: Suite, preset_name: str, dtype: str) -> list[dict]:
+    """Every measurement of one preset and dtype: training (the benchmark's and the loop's),
+    forward latency and (float32) decoding, each with the peer; every implementation starts from
+    the same weights and trains on the same batches."""
+    size = suite.presets[preset_name]
     device = "cuda" if torch.cuda.is_available() else "cpu"
     if device == "cuda":
-        torch.set_float32_matmul_precision("high")  # TF32, as JAX's default on GPUs
+        torch.set_float32_matmul_precision("high")  # TF32 in forward and decoding, as JAX's default
     peer, cfg, params = make_peer(preset(preset_name, max_len=max(128, size.decode_len + size.margin + 1)))
-    compile_ok = (preset_name, dtype) in suite.compile
-    found = bench_training(cfg, params, peer, size, dtype, suite, compile_ok, device)
+    batches = training_batches(cfg, preset_name, size)
+    impls = train_impls(suite, preset_name, dtype)
+    found = bench_training(cfg, params, batches, dtype, suite, impls, device)
+    found += bench_harness(cfg, preset_name, size, dtype, suite, impls, device)
     found += bench_forward(cfg, params, peer, size, dtype, suite, device)
     if dtype == "float32":
         found += bench_decoding(cfg, params, peer, size, suite, device)
-    peak = peak_flops(torch.cuda.get_device_name(0) if device == "cuda" else "cpu", dtype)
+    peak = (suite.peak_tflops * 1e12 if suite.peak_tflops is not None
+            else peak_flops(torch.cuda.get_device_name(0) if device == "cuda" else "cpu", dtype))
+    real_flops = sum(batch_work(cfg, b)["flops"] for b in batches) / len(batches)
     for row in found:
         row.update(preset=preset_name, dtype=dtype)
-        if row["task"] == "train":
-            row["mfu"] = mfu(row["flops_per_step"], row["median_s"], peak)
+        if row["task"] == "train":  # real-token MFU: the FLOPs of the batches' sentences alone
+            row["real_flops_per_step"] = real_flops
+            row["mfu"] = mfu(real_flops, row["median_s"], peak)
     return found
 
 
-def run(suite_name: str, partial: Path | None = None) -> tuple[dict, str]:
-    """All measurements of a suite; after each (preset, dtype), the rows so far go to `partial`.
-    On a GPU each (preset, dtype) runs in a fresh process: JAX's allocator keeps the memory it
-    took until the process ends, and PyTorch's measurements after it would run out."""
-    suite = SUITES[suite_name]
+def run(suite: Suite | str, partial: Path | None = None) -> tuple[dict, str]:
+    """All measurements of a suite (or its name); after each (preset, dtype), the rows so far go to
+    `partial`. On a GPU each (preset, dtype) runs in a fresh process: JAX's allocator keeps the
+    memory it took until the process ends, and PyTorch's measurements after it would run out."""
+    suite = SUITES[suite] if isinstance(suite, str) else suite
     device = "cuda" if torch.cuda.is_available() else "cpu"
     rows = []
     started = time.perf_counter()
@@ -391,9 +394,9 @@ def run(suite_name: str, partial: Path | None = None) -> tuple[dict, str]:
             if device == "cuda":
                 spawn = multiprocessing.get_context("spawn")
                 with ProcessPoolExecutor(max_workers=1, mp_context=spawn) as pool:
-                    found = pool.submit(measure_group, suite_name, preset_name, dtype).result()
+                    found = pool.submit(measure_group, suite, preset_name, dtype).result()
             else:
-                found = measure_group(suite_name, preset_name, dtype)
+                found = measure_group(suite, preset_name, dtype)
             rows += found
             if partial is not None:
                 atomic_write_bytes(partial, json.dumps(rows, indent=1).encode())
@@ -404,11 +407,24 @@ def run(suite_name: str, partial: Path | None = None) -> tuple[dict, str]:
             )
     add_ratios(rows)
     return dict(
-        suite=suite_name,
+        suite=suite.name,
         device=device_name(),
         rows=rows,
         sizes={k: v.__dict__ for k, v in suite.presets.items()},
     ), device_name()
+
+
+def select(suite: Suite, presets: list[str] | None, dtypes: list[str] | None,
+           impls: list[str] | None) -> Suite:
+    """The suite narrowed to the presets, dtypes and implementations asked for (None: the suite's)."""
+    for given, known, flag in ((presets, list(suite.presets), "--presets"), (dtypes, list(suite.dtypes),
+                                                                              "--dtypes")):
+        unknown = sorted(set(given or ()) - set(known))
+        if unknown:
+            raise SystemExit(f"{flag} {' '.join(unknown)}: suite {suite.name} has {', '.join(known)}")
+    return replace(suite, presets={k: v for k, v in suite.presets.items() if presets is None or k in presets},
+                   dtypes=tuple(d for d in suite.dtypes if dtypes is None or d in dtypes),
+                   impls=None if impls is None else tuple(impls))
 
 
 def device_name() -> str:
@@ -426,25 +442,34 @@ def main(argv: list[str] | None = None) -> None:
         description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
     )
     parser.add_argument("--suite", choices=sorted(SUITES), default="cpu")
+    parser.add_argument("--presets", nargs="+", help="only these presets of the suite")
+    parser.add_argument("--dtypes", nargs="+", help="only these dtypes of the suite")
+    parser.add_argument("--impls", nargs="+", choices=IMPL_ORDER,
+                        help="only these implementations (training rows, and the `(rosetta train)` rows of "
+                             "those the suite runs so); forward and decoding keep theirs")
+    parser.add_argument("--peak-tflops", type=real, default=None,
+                        help="the device's peak TFLOP/s in the run's dtype, for MFU (default: "
+                             "rosetta/flops.py's table of known GPUs)")
     parser.add_argument("--no-write", action="store_true", help="print the table only")
     parser.add_argument("--out-dir", type=Path, default=None, help="default: benchmarks/results")
     parser.add_argument("--overwrite", action="store_true",
                         help="replace today's results file of this suite and device")
     args = parser.parse_args(argv)
+    if args.peak_tflops is not None and args.peak_tflops <= 0:
+        parser.error(f"--peak-tflops must be a positive number, got {args.peak_tflops:g}")
     started = time.perf_counter()
-    suite = SUITES[args.suite]
+    suite = replace(select(SUITES[args.suite], args.presets, args.dtypes, args.impls),
+                    peak_tflops=args.peak_tflops)
     out_dir = args.out_dir or RESULTS
     name = results_name(args.suite)
     if not args.no_write and (out_dir / f"{name}.json").exists() and not args.overwrite:
         parser.error(f"{out_dir / name}.json already exists: pass --overwrite to replace it, or "
                      "--out-dir to write elsewhere")
-    if suite.xla_flags and "XLA_FLAGS" not in os.environ:  # before JAX starts, here and in workers
-        os.environ["XLA_FLAGS"] = suite.xla_flags
     env = environment()
     partial = None if args.no_write else out_dir / f"{args.suite}.partial.json"
     if partial is not None:
         partial.parent.mkdir(parents=True, exist_ok=True)
-    measured, device = run(args.suite, partial)
+    measured, device = run(suite, partial)
     settings = {"steps per repeat": suite.steps, "warm-up calls": suite.warmup}
     if os.environ.get("XLA_FLAGS"):
         settings["XLA_FLAGS"] = os.environ["XLA_FLAGS"]

@@ -164,13 +164,13 @@ def measure(args: argparse.Namespace) -> dict | None:
     extra = [b for b in timed if b.shape not in seen and not seen.add(b.shape)]
     barrier = _barrier(framework, trainer.world_size)
     start = time.perf_counter()
-    losses = [trainer.step(b)["loss"] for b in warmup + extra]
+    losses = [trainer.read(trainer.step(b))["loss"] for b in warmup + extra]
     warmup_s = time.perf_counter() - start
     times, tokens, rows = [], [], []
     for batch in timed:
         barrier()  # every process starts the step together (outside the clock)
         start = time.perf_counter()
-        out = trainer.step(batch)  # reads the loss: synchronised
+        out = trainer.read(trainer.step(batch))  # waits for the device: the step is done
         times.append(time.perf_counter() - start)
         tokens.append(out["num_tgt_tokens"])
         rows.append(out["worker_rows"])

@@ -14,17 +14,27 @@ import jax.numpy as jnp
 import numpy as np
 from flax import nnx
 
-from jax_impl import decode
+from jax_impl import (
+    compilation,  # noqa: F401 - sets XLA's flags before JAX starts
+    decode,
+)
 from jax_impl.convert import build_model, to_params
 from jax_impl.model import source_mask
 from rosetta.backends import BackendModel
 from rosetta.generation import NO_CONSTRAINTS, Constraints
 from rosetta.params import Params
 
-# Compute dtype -> jnp dtype: float32 parameters for float32 and bfloat16; float64 (the trainer's,
-# for the float64 algorithm-equivalence tests: docs/testing.md) needs 64-bit JAX and keeps float64
-# parameters.
+# The backend's one dtype table, compute dtype -> jnp dtype: Model.dtypes and Trainer.dtypes
+# (jax_impl/train.py) are read from it. float32 parameters for float32 and bfloat16; float64 (the
+# float64 algorithm-equivalence tests, docs/testing.md, and exact training traces) keeps float64
+# parameters and runs under 64-bit JAX (`x64`).
 DTYPES = {"float32": jnp.float32, "bfloat16": jnp.bfloat16, "float64": jnp.float64}
+
+
+def x64(dtype: str) -> contextlib.AbstractContextManager:
+    """64-bit JAX around everything a float64 model or trainer traces or runs (JAX computes in
+    float32 otherwise, whatever the arrays hold); nothing changes for other dtypes."""
+    return jax.enable_x64(True) if dtype == "float64" else contextlib.nullcontext()
 
 
 @contextlib.contextmanager
@@ -74,21 +84,24 @@ def _step_logits(graphdef, state, src, tgt):
 
 class Model(BackendModel):
     name = "jax"
-    dtypes = ("float32", "bfloat16")
+    dtypes = tuple(DTYPES)
 
     def _build(self, params: Mapping[str, np.ndarray]) -> None:
-        self.module = build_model(self.config, params, DTYPES[self.dtype])
-        self.graphdef, self.state = nnx.split(self.module)
+        with x64(self.dtype):
+            self.module = build_model(self.config, params, DTYPES[self.dtype])
+            self.graphdef, self.state = nnx.split(self.module)
 
     def to_params(self) -> Params:
         return to_params(self.module)
 
-    def _context(self) -> contextlib.AbstractContextManager:
-        return parity_mode(self.dtype == "float32")
+    @contextlib.contextmanager
+    def _context(self) -> Iterator[None]:
+        with parity_mode(self.dtype != "bfloat16"), x64(self.dtype):
+            yield
 
     @staticmethod
     def _numpy(x: jax.Array) -> np.ndarray:
-        return np.asarray(x.astype(jnp.float32))
+        return np.asarray(x) if x.dtype == jnp.float64 else np.asarray(x.astype(jnp.float32))
 
     def _encode(self, src: np.ndarray) -> np.ndarray:
         with self._context():

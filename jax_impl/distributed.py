@@ -22,6 +22,7 @@ from jax.experimental import multihost_utils
 from jax.sharding import Mesh, NamedSharding
 from jax.sharding import PartitionSpec as P
 
+from jax_impl import compilation  # noqa: F401 - sets XLA's flags before JAX starts its backends
 from rosetta.distributed import LaunchEnv
 from rosetta.errors import RosettaError
 

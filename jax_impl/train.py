@@ -23,7 +23,8 @@ from flax import nnx
 from jax.sharding import Mesh, NamedSharding
 from jax.sharding import PartitionSpec as P
 
-from jax_impl.backend import DTYPES, Model, parity_mode
+from jax_impl import compilation
+from jax_impl.backend import DTYPES, Model, parity_mode, x64
 from jax_impl.convert import build_model, flax_name, to_params
 from jax_impl.distributed import (
     any_process,
@@ -43,10 +44,9 @@ from rosetta.checkpoint import check_params
 from rosetta.config import ModelConfig
 from rosetta.device import cpu_name, max_rss_bytes
 from rosetta.distributed import launch_env, split_rows
-from rosetta.errors import RosettaError
 from rosetta.inputs import Packing
 from rosetta.params import Params, canonical_dtype, param_shapes
-from rosetta.training import Batch, TrainConfig, check_state, check_trainer_args
+from rosetta.training import Batch, HostTimer, Prepared, TrainConfig, check_state, check_trainer_args
 
 
 def loss_fn(logits: jax.Array, labels: jax.Array, pad_id: int, label_smoothing: float,
@@ -211,6 +211,14 @@ def gradients(model: Transformer, src: jax.Array, tgt: jax.Array, labels: jax.Ar
     return float(loss), {name: flat[name] for name in param_shapes(model.cfg)}  # checkpoint order
 
 
+@jax.jit
+def _watch(non_finite: jax.Array, step: jax.Array, loss: jax.Array, grad_norm: jax.Array) -> jax.Array:
+    """(step, loss, gradient norm) of the first step whose loss or norm is not finite; step 0: none yet."""
+    bad = ~(jnp.isfinite(loss) & jnp.isfinite(grad_norm)) & (non_finite[0] == 0)
+    now = jnp.stack([step, loss, grad_norm]).astype(non_finite.dtype)
+    return jnp.where(bad, now, non_finite)
+
+
 @nnx.jit(static_argnames="label_smoothing")
 def _eval_loss(model: Transformer, src: jax.Array, tgt: jax.Array, labels: jax.Array,
                label_smoothing: float) -> tuple[jax.Array, jax.Array]:
@@ -236,6 +244,12 @@ class Trainer:
     one jitted step sums the gradients. Parameters and Adam's moments are replicated, or with
     `shard=True` split over "data" along their first divisible axis (ZeRO-3). The dropout draws
     are those of the global batch, whatever the layout of several devices (`dropout_draws`).
+
+    The step is always compiled (`compile` changes nothing), once per batch shape, with the XLA
+    flags and the persistent compilation cache of jax_impl/compilation.py (`compile_cache`: its
+    directory, None: off). A step never waits for the device (rosetta.training.Trainer): JAX
+    dispatches asynchronously, the step count is kept on the host, and the loss and gradient norm
+    stay on the device until `read`. float64 runs inside `jax.enable_x64` (jax_impl/backend.py: x64).
     """
 
     framework: ClassVar[str] = "jax"
@@ -246,13 +260,11 @@ class Trainer:
     def __init__(self, cfg: ModelConfig, params: Mapping[str, np.ndarray], train_cfg: TrainConfig,
                  device: str | None = None, dtype: str = "float32", parity: bool | None = None,
                  accumulate: int = 1, shard: bool = False, num_devices: int | None = None,
-                 loss: str = "plain"):
+                 loss: str = "plain", compile: bool = True, compile_cache: str | None = None):
         check_trainer_args("jax", self.dtypes, dtype, loss, accumulate)
-        if dtype == "float64" and not jax.config.read("jax_enable_x64"):
-            raise RosettaError("the jax trainer computes in float64 only with 64-bit JAX: set "
-                               "JAX_ENABLE_X64=1 before JAX starts, or train "
-                               "inside `with jax.enable_x64(True):`")
+        compilation.configure(compile_cache)  # before JAX starts its backends: XLA reads its flags then
         self.cfg, self.train_cfg, self.dtype = cfg, train_cfg, dtype
+        self.compile = True
         self.accumulate, self.shard = accumulate, bool(shard)
         env = launch_env()
         if env.distributed:
@@ -263,7 +275,7 @@ class Trainer:
         self.num_processes, self.rank = jax.process_count(), jax.process_index()
         self.is_main = self.rank == 0
         self.parity = self.device.platform == "cpu" if parity is None else parity
-        with jax.default_device(self.device):
+        with jax.default_device(self.device), x64(dtype):
             self.model = build_model(cfg, params, DTYPES[dtype])  # abstract, then the weights set
             self.optimizer = make_optimizer(self.model, train_cfg)
             if self.shard:
@@ -272,6 +284,10 @@ class Trainer:
             place((self.model, self.optimizer, self.rngs), self.mesh)
             self._train_step = make_train_step(self.model, self.optimizer, self.rngs, train_cfg, self.mesh,
                                                loss)
+            # The first step whose loss or gradient norm was not finite, (step, loss, norm); 0: none.
+            self._non_finite = put(np.zeros(3, np.float64 if dtype == "float64" else np.float32),
+                                   NamedSharding(self.mesh, P()))
+        self._steps = 0  # updates done, on the host: reading optimizer.step would wait for the device
         self.device_name = cpu_name() if self.device.platform == "cpu" else self.device.device_kind
 
     def _global_batch(self, batch: Batch) -> tuple[tuple[jax.Array, ...], Packing | None, int]:
@@ -294,29 +310,36 @@ class Trainer:
     # -- precision and placement -------------------------------------------------------------
     @contextlib.contextmanager
     def _context(self) -> Iterator[None]:
-        """The trainer's device as the default one, and the matmul precision."""
-        with jax.default_device(self.device), parity_mode(self.parity):
+        """The trainer's device as the default one, the matmul precision, 64-bit JAX for float64."""
+        with jax.default_device(self.device), parity_mode(self.parity), x64(self.dtype):
             yield
 
     # -- training and evaluation -------------------------------------------------------------
     @property
     def step_count(self) -> int:
         """Updates done so far (the next update is step_count + 1 in the paper's eq. 3)."""
-        return int(self.optimizer.step[...])
+        return self._steps
 
-    def step(self, batch: Batch, keep_grads: bool = False) -> dict[str, Any]:
-        """One update on the global `batch` (§5.3); returns {step, loss, lr, grad_norm,
-        num_src_tokens, num_tgt_tokens, world_size, worker_rows}: the global batch's loss and
-        counts, grad_norm the global gradient norm before clipping, worker_rows the rows of one
-        device's micro-batch; with `keep_grads` `grads`, the gradients before clipping, canonical
-        (for `rosetta train --trace`). Reading the loss synchronises the devices, so a wall clock
-        around this call is honest."""
-        (src, tgt, labels), packing, rows = self._global_batch(batch)
+    def prepare(self, batch: Batch) -> Prepared:
+        """The global batch laid out over the mesh (`_global_batch`), copied without waiting."""
+        with self._context():
+            return Prepared(batch, self._global_batch(batch))
+
+    def step(self, batch: Batch | Prepared, keep_grads: bool = False) -> dict[str, Any]:
+        """One update on the global `batch` (§5.3), a Batch or `prepare`'s copy of one; returns {step,
+        loss, lr, grad_norm, num_src_tokens, num_tgt_tokens, world_size, worker_rows}: the global
+        batch's loss and counts, grad_norm the global gradient norm before clipping, worker_rows the
+        rows of one device's micro-batch; loss, lr and grad_norm are device arrays, not waited for
+        (`read`). With `keep_grads` `grads`, the gradients before clipping, canonical (for `rosetta
+        train --trace`; this waits)."""
+        prepared = batch if isinstance(batch, Prepared) else self.prepare(batch)
+        batch, ((src, tgt, labels), packing, rows) = prepared.batch, prepared.arrays
         with self._context():
             loss, lr, grad_norm, *grads = self._train_step(src, tgt, labels, int(batch.num_tgt_tokens),
                                                            packing, keep_grads=keep_grads)
-            loss_value, norm_value = float(loss), float(grad_norm)
-        metrics = {"step": self.step_count, "loss": loss_value, "lr": float(lr), "grad_norm": norm_value,
+            self._steps += 1
+            self._non_finite = _watch(self._non_finite, self._steps, loss, grad_norm)
+        metrics = {"step": self.step_count, "loss": loss, "lr": lr, "grad_norm": grad_norm,
                    "num_src_tokens": int(batch.num_src_tokens), "num_tgt_tokens": int(batch.num_tgt_tokens),
                    "world_size": self.world_size, "worker_rows": rows}
         if keep_grads:
@@ -325,6 +348,23 @@ class Trainer:
             check_params(self.cfg, flat, source="gradients")
             metrics["grads"] = {name: flat[name] for name in param_shapes(self.cfg)}  # checkpoint order
         return metrics
+
+    def read(self, metrics: dict[str, Any]) -> dict[str, Any]:
+        """`metrics` of `step` with loss, lr and grad_norm as floats, and `non_finite`: None or the
+        first step with a non-finite loss or gradient norm (rosetta.training.Trainer). One transfer."""
+        loss, lr, grad_norm, (step, bad_loss, bad_norm) = jax.device_get(
+            (metrics["loss"], metrics["lr"], metrics["grad_norm"], self._non_finite))
+        return metrics | {"loss": float(loss), "lr": float(lr), "grad_norm": float(grad_norm),
+                          "non_finite": {"step": int(step), "loss": float(bad_loss),
+                                         "grad_norm": float(bad_norm)} if step else None}
+
+    def timer(self) -> HostTimer:
+        """The host's clock: JAX has no device events; `read` waits for the device, then it is read."""
+        return HostTimer()
+
+    def compilation(self) -> tuple[float, int]:
+        """JAX's seconds and programs compiled so far in this process (jax_impl/compilation.py)."""
+        return compilation.compile_totals()
 
     def any_process(self, flag: bool) -> bool:
         """Whether `flag` holds on any process of the launch (a collective; alone: `flag`), so that
@@ -411,3 +451,4 @@ class Trainer:
                 variable.set_value(new)
             nnx.update(self.rngs, nnx.from_flat_state(flat))
             place((self.model, self.optimizer, self.rngs), self.mesh)
+        self._steps = int(np.asarray(state["step"]))

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import functools
 import os
+import tempfile
 from collections.abc import Callable
 
 import numpy as np
@@ -28,6 +29,11 @@ BACKEND_MARKS: dict[str, tuple[Callable[[str], bool], str]] = {
 
 
 def pytest_configure(config: pytest.Config) -> None:
+    # `rosetta train` keeps JAX's compiled programs in the user's cache (rosetta/device.py: cache_dir):
+    # the suite keeps its own, one for the session (xdist's workers inherit it from the controller),
+    # and writes nothing under the home directory. A test of the cache itself names its own folder.
+    if "PYTEST_XDIST_WORKER" not in os.environ:
+        os.environ["ROSETTA_CACHE"] = tempfile.mkdtemp(prefix="rosetta-test-cache-")
     registered = {line.split(":")[0].split("(")[0].strip() for line in config.getini("markers")}
     for mark, (_, description) in BACKEND_MARKS.items():
         if mark not in registered:  # pyproject.toml already registers `trainable`, for -m

@@ -85,14 +85,14 @@ def train_float64(backend: str, cfg: ModelConfig, params: dict[str, np.ndarray],
         from torch_impl.train import Trainer
 
         trainer = Trainer(cfg, params, train_cfg, device="cpu", dtype=DTYPE, **kwargs)
-        return [trainer.step(b)["loss"] for b in batches], trainer.params()
+        return [trainer.read(trainer.step(b))["loss"] for b in batches], trainer.params()
     import jax
 
     from jax_impl.train import Trainer as JaxTrainer
 
     with jax.enable_x64(True):
         trainer = JaxTrainer(cfg, params, train_cfg, device="cpu", dtype=DTYPE, **kwargs)
-        return [trainer.step(b)["loss"] for b in batches], trainer.params()
+        return [trainer.read(trainer.step(b))["loss"] for b in batches], trainer.params()
 
 
 def _torch_worker(out: str) -> None:
@@ -106,7 +106,7 @@ def _torch_worker(out: str) -> None:
     saved: dict[str, np.ndarray] = {}
     for name, kwargs in TORCH_VARIANTS.items():
         trainer = Trainer(cfg, params, TRAIN, device="cpu", dtype=DTYPE, **kwargs)
-        metrics = [trainer.step(b) for b in batches]
+        metrics = [trainer.read(trainer.step(b)) for b in batches]
         saved[f"{name}.loss"] = np.array([m["loss"] for m in metrics])
         saved[f"{name}.world_size"] = np.array(metrics[0]["world_size"])
         saved |= {f"{name}/{k}": v for k, v in trainer.params().items()}

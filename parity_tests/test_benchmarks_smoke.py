@@ -10,17 +10,49 @@ from benchmarks import decode_speed
 from benchmarks.common import environment
 from benchmarks.report import BENCHMARK_DOC, SUITES_IN_README, load, markdown, newest, plot, readme_block
 from benchmarks.report import main as report_main
+from benchmarks.run import SUITES, results_name, run
 from benchmarks.run import main as run_main
-from benchmarks.run import results_name, run
 
 
-def test_benchmark_runner_smoke(tmp_path):
+def test_benchmark_runner_smoke(tmp_path, monkeypatch):
+    """The smoke suite end to end; its training rows time the trainers' own `Trainer.step` (each call
+    counted by a wrapper around the classes the registry hands out), the loop's rows run `rosetta
+    train`, and every training row carries its trainer's peak memory (on a CPU: the process's RSS)."""
+    from collections import Counter
+
+    from benchmarks.common import TRAINERS
+    from rosetta.backends import get_trainer
+
+    calls: Counter = Counter()
+    for backend in ("torch", "jax"):  # the peer's Trainer is torch's subclass (framework "peer")
+        cls = get_trainer(backend)
+
+        def step(self, batch, keep_grads=False, _original=cls.step):
+            calls[self.framework] += 1
+            return _original(self, batch, keep_grads)
+
+        monkeypatch.setattr(cls, "step", step)
     result, device = run("smoke")
     rows = result["rows"]
     impls = {(r["task"], r["impl"]) for r in rows}
     assert {("train", "torch"), ("train", "jax"), ("train", "peer"), ("forward", "numpy"),
-            ("decode", "jax"), ("decode", "peer")} <= impls
+            ("decode", "jax"), ("decode", "peer"), ("train", "torch (rosetta train)"),
+            ("train", "jax (rosetta train)")} <= impls
     assert all(r["median_s"] > 0 for r in rows)
+    train_rows = [r for r in rows if r["task"] == "train"]
+    assert all(r["peak_memory_bytes"] > 0 for r in train_rows)
+    # Each benchmark row: max(warm-up, batches) steps, then repeats x steps; each loop row: 1 + repeats x
+    # steps (rosetta train --steps); all of them Trainer.step, per framework.
+    suite = SUITES["smoke"]
+    bench = max(suite.warmup, 4) + suite.repeats * suite.steps  # 4: run.training_batches' count
+    loop = 1 + suite.repeats * suite.steps
+    per_framework: Counter = Counter()
+    for r in train_rows:
+        name = r["impl"].removesuffix(" (rosetta train)")
+        per_framework[TRAINERS[name][0]] += loop if r["impl"].endswith("(rosetta train)") else bench
+    assert calls == per_framework
+    loop_rows = [r for r in train_rows if r["impl"].endswith("(rosetta train)")]
+    assert loop_rows and all(r["vs_benchmark"] > 0 for r in loop_rows)
     # Every measurement of ours has a ratio against the nn.Transformer peer where one exists.
     assert all("ratio_vs_peer" in r for r in rows if r["task"] == "train" and r["impl"] != "peer")
     result = {"environment": environment(), "settings": {"steps per repeat": 2}, **result}
@@ -133,6 +165,7 @@ def test_batches_benchmark_smoke(tmp_path):
     from benchmarks import batches
     from rosetta import preset
     from rosetta.flops import training_flops
+    from rosetta.harness.metrics import batch_work
 
     cfg = preset("tiny")
     pairs = batches.wmt_like_pairs(200, cfg.src_vocab_size)
@@ -141,7 +174,7 @@ def test_batches_benchmark_smoke(tmp_path):
             held = batch.indices[batch.indices >= 0].ravel()
             # src = x + [eos], tgt_in = [bos] + y (rosetta/harness/batching.py)
             expected = sum(training_flops(cfg, 1, len(pairs[i][0]) + 1, len(pairs[i][1]) + 1) for i in held)
-            assert batches.real_flops(cfg, batch) == expected
+            assert batch_work(cfg, batch)["flops"] == expected  # what the harness logs too
     batches.main(["--preset", "tiny", "--distributions", "wmt", "--batches", "1", "--repeats", "1",
                   "--max-tokens", "1024", "--out-dir", str(tmp_path)])
     (json_path,) = tmp_path.glob("batches_tiny_float32_*.json")

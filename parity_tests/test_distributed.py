@@ -90,7 +90,7 @@ def _single(accumulate: int = 1):
 
     cfg, params, batches = case()
     trainer = Trainer(cfg, params, TRAIN, device="cpu", dtype=DTYPE, accumulate=accumulate)
-    losses = [trainer.step(b)["loss"] for b in batches]
+    losses = [trainer.read(trainer.step(b))["loss"] for b in batches]
     return losses, trainer.params()
 
 

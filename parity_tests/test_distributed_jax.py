@@ -80,12 +80,12 @@ for name, kwargs in spec["runs"].items():
     start = time.perf_counter()
     resume_at = kwargs.pop("resume_at", len(batches))
     trainer = jt.Trainer(cfg, params, tc, device="cpu", dtype="float64", **kwargs)
-    logs = [trainer.step(b) for b in batches[:resume_at]]
+    logs = [trainer.read(trainer.step(b)) for b in batches[:resume_at]]
     if resume_at < len(batches):  # the rest on one device in 2 micro-batches, from the state saved here
         state, weights = trainer.state_dict(), trainer.params()
         trainer = jt.Trainer(cfg, weights, tc, device="cpu", dtype="float64", num_devices=1, accumulate=2)
         trainer.load_state_dict(state)
-        logs += [trainer.step(b) for b in batches[resume_at:]]
+        logs += [trainer.read(trainer.step(b)) for b in batches[resume_at:]]
     for key in ("loss", "world_size", "worker_rows", "step"):
         out[f"{name}.{key}"] = np.asarray([log[key] for log in logs])
     for key, value in trainer.params().items():

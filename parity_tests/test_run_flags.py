@@ -14,7 +14,7 @@ from rosetta.harness.recipes import RECIPES
 from rosetta.harness.run_config import RunConfig
 
 # Every flag of `rosetta train` before the flags were generated (rosetta/cli.py at b43eaea), and
-# those added since (--trace: issue 28).
+# those added since (--trace: issue 28; --compile, --compile-cache: issue 36).
 HAND_WRITTEN = {
     "--recipe", "--backend", "--preset", "--set", "--seed", "--out", "--resume", "--overwrite", "--task",
     "--pair", "--data-dir", "--download", "--vocab-size", "--train-size", "--eval-size", "--eval-split",
@@ -23,6 +23,7 @@ HAND_WRITTEN = {
     "--beam", "--alpha", "--margin", "--bleu-samples", "--checkpoint-every", "--keep", "--log-every",
     "--peak-tflops", "--progress", "--no-progress", "--time-budget", "--target-bleu", "--average-last",
     "--nproc", "--accumulate", "--shard", "--devices", "--dist-timeout", "--baseline", "--trace",
+    "--compile", "--compile-cache",
 }
 
 

@@ -78,14 +78,18 @@ def test_a_diverging_run_stops_at_its_first_non_finite_step(backend, tmp_path, c
 
 
 def test_an_infinite_gradient_norm_alone_stops_the_run(tmp_path, capsys, monkeypatch):
-    Trainer = get_trainer("torch")
-    original = Trainer.step
+    """The third update's gradient norm is infinite on the device, its loss finite (no clipping: the
+    update itself does not read the norm); the trainer's device-side watch names step 3."""
+    import torch
 
-    def step(self, batch):
-        metrics = original(self, batch)
-        return metrics | {"grad_norm": math.inf} if metrics["step"] == 3 else metrics
+    original, calls = torch.nn.utils.get_total_norm, []
 
-    monkeypatch.setattr(Trainer, "step", step)
+    def total_norm(*args, **kwargs):
+        calls.append(1)
+        norm = original(*args, **kwargs)
+        return norm * math.inf if len(calls) == 3 else norm
+
+    monkeypatch.setattr(torch.nn.utils, "get_total_norm", total_norm)
     out = tmp_path / "inf-norm"
     assert main(["train", "--backend", "torch", "--steps", "6", "--checkpoint-every", "1", "--out", str(out),
                  *QUICK]) == 2
@@ -104,7 +108,7 @@ def test_the_logged_gradient_norm_is_the_other_frameworks(backend, other):
     cfg, (batch,) = tiny_batches(1)
     params = init_params(cfg, seed=0)
     trainer = get_trainer(backend)(cfg, params, TrainConfig(warmup_steps=10), device="cpu")
-    norm = trainer.step(batch)["grad_norm"]
+    norm = trainer.read(trainer.step(batch))["grad_norm"]
     reference = get_trainer(other)(cfg, params, TrainConfig(warmup_steps=10), device="cpu")
     module = importlib.import_module(f"{other}_impl.train")
     if other == "torch":
@@ -158,18 +162,21 @@ def test_resume_refuses_a_checkpoint_with_nan_moments(tmp_path, capsys):
 # -- Item 9: the summary's totals cover every step --------------------------------------------------
 
 class StepMeter:
-    """Wraps a Trainer's `step` to count, time and add up every call, logged or not."""
+    """Wraps a Trainer's `step` to count, time and add up every call, logged or not. The time is the
+    call's: all of a step on a CPU for PyTorch (it computes as the host waits), only its dispatch
+    (and compilation) for JAX, which returns before the device has finished."""
 
     def __init__(self, monkeypatch, backend: str):
         self.calls, self.seconds, self.src_tokens, self.tgt_tokens = 0, 0.0, 0, 0
         Trainer = get_trainer(backend)
         original = Trainer.step
 
-        def step(trainer, batch):
+        def step(trainer, prepared, **kwargs):
             start = time.perf_counter()
-            metrics = original(trainer, batch)
+            metrics = original(trainer, prepared, **kwargs)
             self.seconds += time.perf_counter() - start
             self.calls += 1
+            batch = getattr(prepared, "batch", prepared)  # the harness passes Trainer.prepare's copy
             self.src_tokens += int((batch.src != 0).sum())
             self.tgt_tokens += int((batch.labels != 0).sum())
             return metrics
@@ -188,11 +195,13 @@ def test_summary_totals_cover_every_step_not_only_logged_ones(backend, tmp_path,
     assert meter.calls == 11 and [r["step"] for r in train_records(out / backend)] == [5, 10, 11]
     assert result["steps"] == 11
     assert result["src_tokens_total"] == meter.src_tokens and result["tgt_tokens_total"] == meter.tgt_tokens
-    # The harness's clock sits just outside the meter's: the same sum, give or take microseconds.
-    assert result["step_time_total_s"] == pytest.approx(meter.seconds, rel=0.02, abs=2e-3)
-    assert result["step_time_total_s"] <= result["wall_time_s"]
+    # The harness times stretches of steps from the first one's call to the read of the last one's
+    # values (rosetta/harness/stepping.py): every call lies inside one, so the totals hold the meter's
+    # calls (compilation taken apart), and the training loop's wall time holds the totals.
+    total = result["step_time_total_s"]
+    assert meter.seconds - result["compile_time_total_s"] <= total <= result["wall_time_s"]
     logged = sum(r["step_time_s"] for r in train_records(out / backend))
-    assert logged < 0.75 * meter.seconds  # 3 of 11 steps, step 1 (the slowest) not among them
+    assert logged < 0.75 * total  # 3 of 11 steps, step 1 (the slowest) not among them
     # Medians are over logged steps that were not the first of their shape (one bucket: step 1).
     assert result["timed_steps"] == 3
     summary = json.loads((out / "summary.json").read_text())["backends"][backend]

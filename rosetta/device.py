@@ -1,11 +1,13 @@
-"""Facts about the machine a trainer runs on, framework-free: the CPU's name and the process's
-peak memory (GPU trainers ask their framework instead)."""
+"""Facts about the machine a trainer runs on, framework-free: the CPU's name, the process's
+peak memory (GPU trainers ask their framework instead) and where compiled programs persist."""
 
 from __future__ import annotations
 
+import os
 import platform
 import resource
 import sys
+from pathlib import Path
 
 
 def max_rss_bytes() -> int:
@@ -24,3 +26,10 @@ def cpu_name() -> str:
     except OSError:
         pass
     return "cpu: " + (platform.processor() or platform.machine() or "unknown")
+
+
+def cache_dir() -> Path:
+    """This user's cache of compiled programs (`rosetta train --compile-cache`'s default): $ROSETTA_CACHE,
+    else $XDG_CACHE_HOME/rosetta, else ~/.cache/rosetta."""
+    root = os.environ.get("ROSETTA_CACHE") or Path(os.environ.get("XDG_CACHE_HOME") or "~/.cache") / "rosetta"
+    return Path(root).expanduser()

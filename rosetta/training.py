@@ -1,7 +1,8 @@
 """The training recipe (SPEC §4), framework-free: the hyperparameters both trainable backends
 read, the names of the ways to compute the loss, the learning-rate schedule of the paper (§5.3,
-eq. 3), the batch a training step takes, the check every trainer applies to the optimizer
-state it is asked to resume from, and `Trainer`, the protocol every trainer follows.
+eq. 3), the batch a training step takes (and `Prepared`, the same batch already on the device),
+the check every trainer applies to the optimizer state it is asked to resume from, `Trainer`, the
+protocol every trainer follows, and `HostTimer`, the clock of a trainer without device events.
 
 torch_impl/train.py and jax_impl/train.py implement the loss, the optimizer and one training
 step from these, identically; parity_tests/test_training_math.py checks that they agree.
@@ -13,6 +14,7 @@ import dataclasses
 import json
 import math
 import numbers
+import time
 from collections.abc import Iterable, Mapping
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any, ClassVar, Protocol
@@ -152,6 +154,29 @@ class Batch:
         return (int(self.src.shape[0]), int(self.src.shape[1]))
 
 
+@dataclass(frozen=True)
+class Prepared:
+    """`batch` with its arrays on the trainer's device(s), copied without waiting
+    (`Trainer.prepare`): what `Trainer.step` takes, built while the previous step runs."""
+
+    batch: Batch
+    arrays: Any  # the trainer's own: its micro-batches as framework arrays
+
+
+class HostTimer:
+    """A stretch of steps timed by the host's clock: from its creation to `seconds()`, which the
+    caller reads once the device has finished them (after `Trainer.read`). `stop()` marks the end of
+    the stretch for a device clock (events); the host's reads the time when asked."""
+
+    def __init__(self) -> None:
+        self._start = time.perf_counter()
+
+    def stop(self) -> None: ...
+
+    def seconds(self) -> float:
+        return time.perf_counter() - self._start
+
+
 def check_trainer_args(backend: str, dtypes: tuple[str, ...], dtype: str, loss: str, accumulate: int) -> None:
     """The arguments every Trainer refuses alike (a caller that builds one directly; `rosetta
     train` refused the flags already, rosetta/harness/run_config.py: check_run)."""
@@ -188,7 +213,12 @@ def check_state(state: Mapping[str, np.ndarray], shapes: Mapping[str, tuple[int,
 class Trainer(Protocol):
     """What rosetta/harness/loop.py drives: torch_impl/train.py's and jax_impl/train.py's
     `Trainer` (and torch_impl/peer_train.py's), built as Trainer(cfg, params, train_cfg, device=,
-    dtype=, accumulate=, shard=, num_devices=, loss=) from canonical weights."""
+    dtype=, accumulate=, shard=, num_devices=, loss=, compile=, compile_cache=) from canonical weights.
+
+    A step does not wait for the device: its loss, learning rate and gradient norm stay there until
+    `read` fetches them (at the harness's log steps), so the device never idles while the host reads
+    a number; the trainer keeps, on the device, the first step whose loss or gradient norm was not
+    finite, and `read` reports it."""
 
     framework: ClassVar[str]  # "torch", "jax", "peer"
     dtypes: ClassVar[tuple[str, ...]]  # the compute dtypes it trains in
@@ -203,10 +233,28 @@ class Trainer(Protocol):
     def step_count(self) -> int:
         """Updates done so far."""
 
-    def step(self, batch: Batch, keep_grads: bool = False) -> dict[str, Any]:
+    def prepare(self, batch: Batch) -> Prepared:
+        """`batch` split into this process's micro-batches and copied to the device(s), not waiting
+        for the copy (pinned host memory on a GPU)."""
+
+    def step(self, batch: Batch | Prepared, keep_grads: bool = False) -> dict[str, Any]:
         """One update on the global `batch`: {step, loss, lr, grad_norm, token counts, world_size,
-        worker_rows}; with `keep_grads` also `grads`, the canonical gradients before clipping
-        (`rosetta train --trace`, rosetta/diff/trace.py)."""
+        worker_rows}, loss, lr and grad_norm as device values (`read` gives floats); with
+        `keep_grads` also `grads`, the canonical gradients before clipping (`rosetta train --trace`,
+        rosetta/diff/trace.py: that step waits for the device)."""
+
+    def read(self, metrics: dict[str, Any]) -> dict[str, Any]:
+        """`metrics` of a step with its device values as floats, and `non_finite`: None, or
+        {step, loss, grad_norm} of the first step so far whose loss or gradient norm was not finite.
+        One transfer from the device, which waits for every step dispatched before it."""
+
+    def timer(self) -> HostTimer:
+        """A clock for a stretch of steps starting now: device events where the trainer has them
+        (CUDA), else HostTimer."""
+
+    def compilation(self) -> tuple[float, int]:
+        """(seconds, programs) this process has spent compiling so far, and how many programs it
+        compiled (persistent-cache reads not counted): a step's share is the difference around it."""
 
     def any_process(self, flag: bool) -> bool:
         """Whether `flag` holds on any process of the launch."""

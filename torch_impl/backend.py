@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import contextlib
 from collections.abc import Iterator, Mapping
+from dataclasses import dataclass
 
 import numpy as np
 import torch
@@ -17,12 +18,28 @@ from torch_impl.convert import from_state_dict, to_state_dict
 from torch_impl.model import Transformer, source_mask
 from torch_impl.ops import packed_linears
 
-# Compute dtype -> (parameter dtype, autocast dtype or None).
-DTYPES = {
-    "float32": (torch.float32, None),
-    "float64": (torch.float64, None),
-    "bfloat16": (torch.float32, torch.bfloat16),  # float32 weights, bfloat16 matmuls
-    "float16": (torch.float32, torch.float16),
+
+@dataclass(frozen=True)
+class Precision:
+    """What one compute dtype means in PyTorch: the weights' dtype (and Adam's moments'), the dtype
+    torch.autocast computes in (None: no autocast), whether the trainer offers it, and whether it
+    needs a CUDA device."""
+
+    params: torch.dtype
+    autocast: torch.dtype | None = None
+    trains: bool = True
+    cuda_only: bool = False
+
+
+# The backend's one dtype table: Model.dtypes and Trainer.dtypes (torch_impl/train.py) are read
+# from it. bfloat16 and float16 keep float32 weights and compute the matmuls under autocast.
+DTYPES: dict[str, Precision] = {
+    "float32": Precision(torch.float32),
+    "bfloat16": Precision(torch.float32, torch.bfloat16),
+    # float64: the "same algorithm?" tests (DDP, accumulation, resume) and exact training traces.
+    "float64": Precision(torch.float64),
+    # float16 overflows in training without loss scaling (a GradScaler), which the trainer has not.
+    "float16": Precision(torch.float32, torch.float16, trains=False, cuda_only=True),
 }
 
 
@@ -51,16 +68,21 @@ def default_device() -> str:
 
 class Model(BackendModel):
     name = "torch"
-    dtypes = ("float32", "bfloat16", "float64", "float16")
+    dtypes = tuple(DTYPES)
 
-    def __init__(self, cfg, params, dtype=None, device: str | None = None):
+    def __init__(self, cfg, params, dtype=None, device: str | None = None, compile: bool | None = None):
+        """`compile`: the search step compiled once (torch_impl/decode.py; CUDA graphs on GPUs); None:
+        on CUDA devices only, True: on a CPU too (tests), False: eager."""
         self.device = torch.device(device or default_device())
+        self.compile = self.device.type == "cuda" if compile is None else bool(compile)
         super().__init__(cfg, params, dtype)
 
     def _build(self, params: Mapping[str, np.ndarray]) -> None:
-        param_dtype, self.autocast_dtype = DTYPES[self.dtype]
-        if self.dtype == "float16" and self.device.type != "cuda":
-            raise RosettaError("backend 'torch' offers float16 on CUDA only; use bfloat16 on CPU")
+        precision = DTYPES[self.dtype]
+        param_dtype, self.autocast_dtype = precision.params, precision.autocast
+        if precision.cuda_only and self.device.type != "cuda":
+            raise RosettaError(f"backend 'torch' offers {self.dtype} on CUDA only; use bfloat16 on a "
+                               f"{self.device.type}")
         with torch.device("meta"):  # no memory, no random draws: weights come from `params`
             module = Transformer(self.config)
         module.load_state_dict(to_state_dict(self.config, params, param_dtype), assign=True)
@@ -89,7 +111,7 @@ class Model(BackendModel):
 
     def _decode(self, tgt: np.ndarray, memory: np.ndarray, src: np.ndarray) -> np.ndarray:
         with self._context():
-            param_dtype = DTYPES[self.dtype][0]
+            param_dtype = DTYPES[self.dtype].params
             memory_t = torch.from_numpy(memory).to(self.device, param_dtype)
             return self._numpy(self.module.decode(self._tensor(tgt), memory_t, self._tensor(src)))
 
@@ -106,17 +128,24 @@ class Model(BackendModel):
     def _generate(self, src: np.ndarray, beam_size: int, alpha: float, max_len_margin: int,
                   length_rule: str = "wu", constraints: Constraints = NO_CONSTRAINTS,
                   cache: bool = True) -> decode.Generation:
-        with self._context(), packed_linears(self.module, len(src) * beam_size):
+        compiled = self.compile and cache
+        # oneDNN's packed weights on the eager CPU path only: a compiled step captures the plain module.
+        packed = contextlib.nullcontext() if compiled else packed_linears(self.module, len(src) * beam_size)
+        with self._context(), packed:
             if beam_size == 1:
                 return decode.greedy_search(self.module, self.config, self._tensor(src), max_len_margin,
-                                            cache, constraints)
+                                            cache, constraints, compiled=compiled)
             return decode.beam_search(self.module, self.config, self._tensor(src), beam_size, alpha,
-                                      max_len_margin, cache, rule=length_rule, constraints=constraints)
+                                      max_len_margin, cache, rule=length_rule, constraints=constraints,
+                                      compiled=compiled)
 
     def _step_logits(self, src: np.ndarray, tgt: np.ndarray) -> np.ndarray:
         with self._context():
             src_t, tgt_t = self._tensor(src), self._tensor(tgt)
             cache = self.module.init_cache(self.module.encode(src_t), tgt.shape[1])
             cross_mask = source_mask(src_t, self.config.pad_id)
-            steps = [self.module.decode_step(tgt_t[:, t], t, cache, cross_mask) for t in range(tgt.shape[1])]
+            # A compiled search's step takes t as a tensor: its static-cache path, here uncompiled.
+            position = (lambda t: torch.tensor(t, device=self.device)) if self.compile else (lambda t: t)
+            steps = [self.module.decode_step(tgt_t[:, t], position(t), cache, cross_mask)
+                     for t in range(tgt.shape[1])]
             return self._numpy(torch.stack(steps, dim=1))

@@ -1,14 +1,35 @@
 """Greedy and beam search in PyTorch with a preallocated key/value cache: the encoder runs
 once, each step feeds one token. Step for step the algorithm of numpy_ref/decode.py (read its
-docstring first); `cache=False` recomputes the whole prefix instead (for benchmarks)."""
+docstring first); `cache=False` recomputes the whole prefix instead (for benchmarks).
+
+Each search is, as in jax_impl/decode.py, an initial state and `body(state) -> state`: one step
+(the decoder step, the float32 log-softmax, the constraints, the selection, the beams' cache
+reordering, the freezing of finished sentences), run by a Python loop (`run`). Eager, body gets an
+int t and reads the host where that is faster (topk_stable's fast path, attention over positions
+<= t only, a stop as soon as every sentence is done). Compiled (`compiled=True`), body is captured
+whole once (torch_impl/compilation.py: fullgraph; CUDA graphs on GPUs through "reduce-overhead")
+with no host read and no branch on data: t is a 0-d tensor on the device, the top-k the exact keys'
+one, the key/value cache static (written and reordered in place, attended whole with positions > t
+masked), and `done` is read every SYNC_EVERY steps only.
+"""
 
 from __future__ import annotations
+
+from collections.abc import Callable
 
 import torch
 
 from rosetta.config import ModelConfig
 from rosetta.generation import NEG, NO_CONSTRAINTS, Constraints, Generation, output_limits, strip
+from torch_impl import compilation
 from torch_impl.model import Transformer, source_mask
+
+State = tuple[torch.Tensor | int, ...]  # (t, done, ...): the step, sentences finished [B], the rest
+
+# How often a compiled search reads `done` on the host to stop early. A step after every sentence
+# is done changes nothing (finished sentences are frozen), so up to SYNC_EVERY - 1 extra steps cost
+# time, never tokens; each read is a host sync that a CUDA graph replay would otherwise not wait for.
+SYNC_EVERY = 8
 
 
 def length_penalty(length: torch.Tensor | int, alpha: float, rule: str = "wu") -> torch.Tensor:
@@ -34,34 +55,62 @@ def constrain(logp: torch.Tensor, cfg: ModelConfig, constraints: Constraints, la
 
 class Steps:
     """next_log_probs(tokens, t): [N, V] log-probabilities of output position t for rows whose
-    emitted tokens are `tokens` [N, L] and limits `limits` [N], constrained; `reorder(rows)`
-    follows the beams' reordering."""
+    emitted tokens are `tokens` [N, L] and limits `limits` [N], constrained; `reorder(rows, t)`
+    follows the beams' reordering. t is an int (eager) or a 0-d tensor (a compiled step). `static`:
+    the tensors a compiled step reads keep their addresses (mark_static_address, as Hugging Face's
+    StaticCache), so that CUDA graphs mutate the cache in place and copy none of them per replay."""
 
     def __init__(self, module: Transformer, src: torch.Tensor, memory: torch.Tensor, length: int,
-                 limits: torch.Tensor, constraints: Constraints = NO_CONSTRAINTS, cache: bool = True):
+                 limits: torch.Tensor, constraints: Constraints = NO_CONSTRAINTS, cache: bool = True,
+                 static: bool = False):
         self.module, self.src, self.memory, self.cfg = module, src, memory, module.cfg
         self.limits, self.constraints = limits, constraints
         self.banned = torch.as_tensor(constraints.banned_ids(self.cfg), device=src.device)
+        module.position_table(length)  # grown here if too short, never inside a compiled step
         self.cache = module.init_cache(memory, length) if cache else None
         self.cross_mask = source_mask(src, self.cfg.pad_id)
+        if static:
+            for x in self.tensors():
+                torch._dynamo.mark_static_address(x)
 
-    def next_log_probs(self, tokens: torch.Tensor, t: int) -> torch.Tensor:
+    def tensors(self) -> list[torch.Tensor]:
+        """What a compiled step reads besides the state and the weights."""
+        caches = [x for layer_cache in self.cache or [] for x in layer_cache.tensors()]
+        return [self.limits, self.banned, self.cross_mask, *caches]
+
+    def next_log_probs(self, tokens: torch.Tensor, t: int | torch.Tensor) -> torch.Tensor:
         bos = torch.full_like(tokens[:, :1], self.cfg.bos_id)
         if self.cache is not None:
-            fed = bos[:, 0] if t == 0 else tokens[:, t - 1]
+            if isinstance(t, int):
+                fed = bos[:, 0] if t == 0 else tokens[:, t - 1]
+            else:  # no branch on t's value (jax_impl's jnp.where)
+                fed = torch.where(t == 0, bos[:, 0], column(tokens, (t - 1).clamp(min=0)))
             logits = self.module.decode_step(fed, t, self.cache, self.cross_mask)
-        else:  # the plain way: the whole prefix again
+        else:  # the plain way: the whole prefix again (eager only: an int t)
             prefix = torch.cat([bos, tokens[:, :t]], dim=1)
             hidden = self.module.decode(prefix, self.memory, self.src)[:, -1:]
             logits = self.module.generator(hidden, self.module.tgt_table)[:, 0]
         logp = torch.log_softmax(logits.float(), dim=-1)
         return constrain(logp, self.cfg, self.constraints, t + 1 >= self.limits, self.banned)
 
-    def reorder(self, rows: torch.Tensor, t: int) -> None:
-        """After step t: only positions <= t hold keys and values, so only they move."""
+    def reorder(self, rows: torch.Tensor, t: int | torch.Tensor) -> None:
+        """At the start of step t, the previous step's selection, in place (ops.LayerCache.reorder)."""
         for layer_cache in self.cache or []:
-            layer_cache.self_k[:, :, :t + 1] = layer_cache.self_k[rows, :, :t + 1]
-            layer_cache.self_v[:, :, :t + 1] = layer_cache.self_v[rows, :, :t + 1]
+            layer_cache.reorder(rows, t)
+
+
+def column(x: torch.Tensor, t: int | torch.Tensor) -> torch.Tensor:
+    """x[..., t]; a tensor t is gathered (static shapes, no host read)."""
+    return x[..., t] if isinstance(t, int) else x.index_select(-1, t.view(1))[..., 0]
+
+
+def put_column(x: torch.Tensor, t: int | torch.Tensor, value: torch.Tensor) -> torch.Tensor:
+    """x with x[..., t] = value: in place for an int t; a new tensor for a tensor t (a compiled
+    step mutates no state it is given: CUDA graphs would copy it back or skip the graph)."""
+    if isinstance(t, int):
+        x[..., t] = value
+        return x
+    return x.index_copy(x.dim() - 1, t.view(1), value[..., None])
 
 
 def topk_stable(x: torch.Tensor, k: int) -> tuple[torch.Tensor, torch.Tensor]:
@@ -84,6 +133,15 @@ def topk_stable(x: torch.Tensor, k: int) -> tuple[torch.Tensor, torch.Tensor]:
     return values.gather(-1, order), index.gather(-1, order)
 
 
+def topk_exact(x: torch.Tensor, k: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """topk_stable without its fast path's host reads (for a compiled step): the keys' top-k over
+    the whole row (float32), a stable sort otherwise. The same values and indices."""
+    if x.dtype != torch.float32:
+        values, index = torch.sort(x, dim=-1, descending=True, stable=True)
+        return values[..., :k], index[..., :k]
+    return _topk_by_keys(x, k, torch.arange(x.shape[-1], device=x.device))
+
+
 def _topk_by_keys(x: torch.Tensor, k: int, position: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     """The k largest of float32 `x` along the last axis, ties to the lower `position` (the
     element's index in its row; `position` broadcasts against x), through torch.topk on unique
@@ -95,61 +153,106 @@ def _topk_by_keys(x: torch.Tensor, k: int, position: torch.Tensor) -> tuple[torc
     return x.gather(-1, index), index
 
 
+def run(body: Callable[[State], State], state: State, length: int, compiled: bool,
+        dynamic: list[tuple[torch.Tensor, tuple[int, ...]]]) -> State:
+    """`state = body(state)` for t = 0 .. length - 1, stopping once every sentence is done (state[1]).
+    Eager: body gets an int t and `done` is read every step. Compiled: body is compiled once for
+    all steps (and, guards permitting, for later searches), t is a 0-d tensor on the device, `done`
+    is read every SYNC_EVERY steps. `dynamic`: (tensor, dims) whose sizes vary from search to
+    search (rows N, source length S, cache length L), marked dynamic before the first call."""
+    if not compiled:
+        for _ in range(length):
+            state = body(state)
+            if bool(state[1].all()):
+                break
+        return state
+    device = state[1].device
+    # Dynamic shapes: `dynamic=None` (automatic) plus maybe_mark_dynamic on N, S and L, so that the
+    # first graph is already general in them and the other sizes (heads, widths, the beam) stay
+    # static: one graph per search kind whatever the batch and lengths, plus a graph each for the
+    # sizes dynamo specializes (0 and 1: a one-sentence batch, a one-token cache) and for sizes
+    # equal by chance in the first call (duck sizing); dynamic=False would compile one graph per
+    # (N, S, L), and dynamic=True would make the constant sizes symbolic too.
+    for x, dims in dynamic:
+        for dim in dims:
+            torch._dynamo.maybe_mark_dynamic(x, dim)
+    step = compilation.compiled(body, dynamic=None, mode="reduce-overhead" if device.type == "cuda" else None)
+    state = (torch.zeros((), dtype=torch.int64, device=device), *state[1:])
+    for i in range(length):
+        # CUDA graphs (torch.compiler_cudagraph_trees): a replay overwrites the previous replay's
+        # outputs, so each step starts a new generation and the small state is cloned out of the
+        # graph's memory before the next replay (the documented remedy; no-ops on a CPU but the clone).
+        torch.compiler.cudagraph_mark_step_begin()
+        state = tuple(x.clone() for x in step(state))
+        if i % SYNC_EVERY == SYNC_EVERY - 1 and bool(state[1].all()):
+            break
+    return state
+
+
 def greedy_search(module: Transformer, cfg: ModelConfig, src: torch.Tensor, max_len_margin: int = 50,
-                  cache: bool = True, constraints: Constraints = NO_CONSTRAINTS) -> Generation:
-    B = src.shape[0]
+                  cache: bool = True, constraints: Constraints = NO_CONSTRAINTS,
+                  compiled: bool = False) -> Generation:
+    """`compiled` with `cache` only (the uncached way is a benchmark, eager)."""
+    B, dev, compiled = src.shape[0], src.device, compiled and cache
     limits_np, L = output_limits(cfg, src.cpu().numpy(), max_len_margin, constraints.max_new_tokens)
-    limits = torch.as_tensor(limits_np, device=src.device)
-    steps = Steps(module, src, module.encode(src), L, limits, constraints, cache)
-    tokens = torch.full((B, L), cfg.pad_id, device=src.device)
-    scores = torch.zeros(B, device=src.device)
-    done = torch.zeros(B, dtype=torch.bool, device=src.device)
-    for t in range(L):
+    limits = torch.as_tensor(limits_np, device=dev)
+    steps = Steps(module, src, module.encode(src), L, limits, constraints, cache, static=compiled)
+
+    def body(state: State) -> State:
+        t, done, tokens, scores = state
         logp = steps.next_log_probs(tokens, t)
         best = logp.argmax(dim=-1)  # first maximum: the lower index wins ties
         scores = torch.where(done, scores, scores + logp.gather(1, best[:, None])[:, 0])
-        tokens[:, t] = torch.where(done, cfg.pad_id, best)
-        done |= (best == cfg.eos_id) | (t + 1 >= limits)
-        if bool(done.all()):
-            break
+        tokens = put_column(tokens, t, torch.where(done, cfg.pad_id, best))
+        done = done | (best == cfg.eos_id) | (t + 1 >= limits)
+        return t + 1, done, tokens, scores
+
+    init = (0, torch.zeros(B, dtype=torch.bool, device=dev), torch.full((B, L), cfg.pad_id, device=dev),
+            torch.zeros(B, device=dev))
+    dynamic = [(init[1], (0,)), (init[2], (0, 1)), (init[3], (0,)), *_dynamic_dims(steps)]
+    _, _, tokens, scores = run(body, init, L, compiled, dynamic)
     return Generation(strip(cfg, tokens.cpu().numpy()), scores.double().cpu().numpy())
 
 
 def beam_search(module: Transformer, cfg: ModelConfig, src: torch.Tensor, beam_size: int = 4,
                 alpha: float = 0.6, max_len_margin: int = 50, cache: bool = True,
-                rule: str = "wu", constraints: Constraints = NO_CONSTRAINTS) -> Generation:
-    B, K, dev = src.shape[0], beam_size, src.device
+                rule: str = "wu", constraints: Constraints = NO_CONSTRAINTS,
+                compiled: bool = False) -> Generation:
+    """`compiled` with `cache` only (the uncached way is a benchmark, eager)."""
+    B, K, dev, compiled = src.shape[0], beam_size, src.device, compiled and cache
     limits_np, L = output_limits(cfg, src.cpu().numpy(), max_len_margin, constraints.max_new_tokens)
     limits = torch.as_tensor(limits_np, device=dev)
     memory = module.encode(src).repeat_interleave(K, dim=0)  # beam k of sentence b: row b*K+k
     steps = Steps(module, src.repeat_interleave(K, dim=0), memory, L, limits.repeat_interleave(K),
-                  constraints, cache)
-    seqs = torch.full((B, K, L), cfg.pad_id, device=dev)
-    alive = torch.tensor([0.0] + [NEG] * (K - 1), device=dev).repeat(B, 1)  # beam 0 expands first
-    fin_seqs, fin_scores = seqs.clone(), torch.full((B, K), NEG, device=dev)
-    done = torch.zeros(B, dtype=torch.bool, device=dev)
-    broken = torch.zeros(B, dtype=torch.bool, device=dev)
-    for t in range(L):
+                  constraints, cache, static=compiled)
+    topk = topk_exact if compiled else topk_stable
+    if compiled:  # per sentence, read by every step as Steps' tensors are
+        torch._dynamo.mark_static_address(limits)
+
+    def body(state: State) -> State:
+        t, done, broken, rows, seqs, alive, fin_seqs, fin_scores = state
+        B, L = seqs.shape[0], seqs.shape[2]  # from the state: sizes a compiled step keeps dynamic
+        # The cache follows the previous step's selection now, before this step writes it (jax_impl
+        # reorders at the end of a step: the same order of operations; see ops.LayerCache.reorder).
+        steps.reorder(rows, t)
         logp = steps.next_log_probs(seqs.view(B * K, L), t)
         V = logp.shape[-1]
         cand = (alive[:, :, None] + logp.view(B, K, V)).view(B, K * V)
-        broken |= ~done & cand.isnan().any(dim=-1)  # non-finite logits: a NaN score (see numpy_ref)
-        top_logp, top = topk_stable(cand, 2 * K)
+        broken = broken | (~done & cand.isnan().any(dim=-1))  # non-finite logits: a NaN score (see numpy_ref)
+        top_logp, top = topk(cand, 2 * K)
         origin, token = top // V, top % V
-        top_seqs = seqs.gather(1, origin[:, :, None].expand(B, 2 * K, L)).clone()
-        top_seqs[:, :, t] = token
+        top_seqs = put_column(seqs.gather(1, origin[:, :, None].expand(B, 2 * K, L)), t, token)
         final = (token == cfg.eos_id) | (t + 1 >= limits)[:, None]
         # Finished: keep the best K of the old finished and the new final candidates (Hugging
         # Face's rule takes them only from the top K of the 2K).
         finishes = final & (torch.arange(2 * K, device=dev) < K) if rule == "hf" else final
         new_scores = torch.where(finishes, top_logp / length_penalty(t + 1, alpha, rule), NEG)
-        all_scores = torch.cat([fin_scores, new_scores], dim=1)
-        new_fin_scores, keep = topk_stable(all_scores, K)
+        new_fin_scores, keep = topk(torch.cat([fin_scores, new_scores], dim=1), K)
         new_fin_seqs = torch.cat([fin_seqs, top_seqs], dim=1).gather(1, keep[:, :, None].expand(B, K, L))
         # Alive: the best K candidates that did not finish.
-        new_alive, keep = topk_stable(torch.where(final, NEG, top_logp), K)
+        new_alive, keep = topk(torch.where(final, NEG, top_logp), K)
         new_seqs = top_seqs.gather(1, keep[:, :, None].expand(B, K, L))
-        steps.reorder((torch.arange(B, device=dev)[:, None] * K + origin.gather(1, keep)).view(-1), t)
+        rows = (torch.arange(B, device=dev)[:, None] * K + origin.gather(1, keep)).view(-1)
         # Sentences already done keep their state.
         frozen = done[:, None]
         fin_scores = torch.where(frozen, fin_scores, new_fin_scores)
@@ -159,8 +262,24 @@ def beam_search(module: Transformer, cfg: ModelConfig, src: torch.Tensor, beam_s
         # Stop when no alive hypothesis can beat the worst kept finished one (see numpy_ref).
         bound = length_penalty(t + 1 if rule == "hf" else limits, alpha, rule)
         hopeless = fin_scores[:, -1] >= alive[:, 0] / bound
-        done |= (t + 1 >= limits) | hopeless
-        if bool(done.all()):
-            break
+        done = done | (t + 1 >= limits) | hopeless
+        return t + 1, done, broken, rows, seqs, alive, fin_seqs, fin_scores
+
+    seqs = torch.full((B, K, L), cfg.pad_id, device=dev)
+    alive = torch.tensor([0.0] + [NEG] * (K - 1), device=dev).repeat(B, 1)  # beam 0 expands first
+    no = torch.zeros(B, dtype=torch.bool, device=dev)
+    rows = torch.arange(B * K, device=dev)  # cache rows: each its own before the first step
+    init = (0, no, no.clone(), rows, seqs, alive, seqs.clone(), torch.full((B, K), NEG, device=dev))
+    dynamic = [(x, (0,)) for x in (limits, *init[1:])] + [(init[4], (2,)), (init[6], (2,))]
+    dynamic += _dynamic_dims(steps)
+    _, _, broken, _, _, _, fin_seqs, fin_scores = run(body, init, L, compiled, dynamic)
     scores = torch.where(broken, torch.nan, fin_scores[:, 0])
     return Generation(strip(cfg, fin_seqs[:, 0].cpu().numpy()), scores.double().cpu().numpy())
+
+
+def _dynamic_dims(steps: Steps) -> list[tuple[torch.Tensor, tuple[int, ...]]]:
+    """The sizes of a search's tensors that vary between searches: rows N, S, L (Steps.tensors)."""
+    dims = [(steps.limits, (0,)), (steps.cross_mask, (0, 3))]
+    for c in steps.cache or []:
+        dims += [(c.self_k, (0, 2)), (c.self_v, (0, 2)), (c.cross_k, (0, 2)), (c.cross_v, (0, 2))]
+    return dims

@@ -119,11 +119,16 @@ def whole(tensor: torch.Tensor) -> torch.Tensor:
 
 
 def shard_like(param: torch.Tensor, value: np.ndarray) -> torch.Tensor:
-    """A saved (whole) optimizer tensor laid out as `param`: sharded like it under FSDP2."""
+    """A saved (whole) optimizer tensor laid out as `param`: sharded like it under FSDP2, else with its
+    strides (a Linear weight loaded from a canonical kernel is its transpose, a view): the fused Adam
+    kernel walks parameter, gradient and moments in memory order, so a moment of another layout
+    would be updated with the wrong gradient entries."""
     tensor = torch.from_numpy(np.array(value))
     if isinstance(param, DTensor) and tensor.ndim:
         return distribute_tensor(tensor.to(param.device), param.device_mesh, param.placements)
-    return tensor
+    if tensor.shape != param.shape:
+        return tensor  # the step count (0-d), or a mismatch that check_state has already refused
+    return torch.empty_strided(param.shape, param.stride(), dtype=tensor.dtype).copy_(tensor)
 
 
 def every_process(value: Any, num_processes: int) -> list[Any]:

@@ -175,15 +175,15 @@ class DecoderLayer(nn.Module):
         return residual(self.ffn_norm, x, lambda h: self.ffn(h, record, f"{name}.ffn"), self.cfg,
                         self.dropout)
 
-    def step(self, x: Tensor, cache: LayerCache, t: int, self_mask: Tensor, cross_mask: Tensor) -> Tensor:
+    def step(self, x: Tensor, cache: LayerCache, t: int | Tensor, self_mask: Tensor,
+             cross_mask: Tensor) -> Tensor:
         """forward() for one new token at position t [N, 1, d]: its key and value are written
         into the preallocated cache, cross-attention reuses the cached encoder keys/values."""
         def self_attn(h: Tensor) -> Tensor:
             k, v = self.self_attn.project_kv(h)
-            cache.self_k[:, :, t: t + 1], cache.self_v[:, :, t: t + 1] = k, v
-            # Only positions <= t are attended (eager PyTorch need not keep shapes static, as
-            # jax_impl must): the same weights as the whole masked cache, without its work.
-            return self.self_attn.attend(h, cache.self_k[:, :, :t + 1], cache.self_v[:, :, :t + 1], self_mask)
+            # In place; an int t (eager) attends over positions <= t only (torch_impl/ops.py)
+            k, v, mask = cache.write(t, k, v, self_mask)
+            return self.self_attn.attend(h, k, v, mask)
 
         x = residual(self.self_attn_norm, x, self_attn, self.cfg, self.dropout)
         x = residual(self.cross_attn_norm, x,
@@ -252,15 +252,17 @@ class Transformer(nn.Module):
     def tgt_table(self) -> nn.Embedding:
         return getattr(self, embedding_names(self.cfg).tgt.split(".")[0])
 
-    def embed(self, table: nn.Embedding, ids: Tensor, offset: int = 0,
+    def embed(self, table: nn.Embedding, ids: Tensor, offset: int | Tensor = 0,
               rows: int | None = None, positions: Tensor | None = None) -> Tensor:
         """Dropout(E[x] * sqrt(d_model) + PE[pos]), §3.4-3.5 and §5.4. `rows`: how many positions
-        the caller will use in all (decode_step: the cache length), offset + length if None.
-        `positions` [B, T]: given per token (packed rows restart them at 0 per segment)."""
+        the caller will use in all (decode_step: the cache length; a tensor offset needs it), offset
+        + length if None. `positions` [B, T]: given per token (packed rows restart them at 0 per segment)."""
         x = table(ids)
         if self.cfg.scale_embeddings:
             x = x * math.sqrt(self.cfg.d_model)
         pe = self.position_table(offset + ids.shape[1] if rows is None else rows)
+        if positions is None and isinstance(offset, Tensor):  # a compiled step's t: gathered, no host read
+            positions = offset + torch.arange(ids.shape[1], device=ids.device)
         pe = pe[offset: offset + ids.shape[1]] if positions is None else pe[positions]
         return self.dropout(x + pe.to(x.dtype))
 
@@ -312,12 +314,14 @@ class Transformer(nn.Module):
                                      cross_k.new_zeros(N, h, length, dh), cross_k, cross_v))
         return caches
 
-    def decode_step(self, tokens: Tensor, t: int, cache: list[LayerCache], cross_mask: Tensor) -> Tensor:
-        """Logits [N, V] for the tokens [N] fed at position t, given the cache of positions
-        < t. Every cached position is a real token (decoding never emits pad_id)."""
+    def decode_step(self, tokens: Tensor, t: int | Tensor, cache: list[LayerCache],
+                    cross_mask: Tensor) -> Tensor:
+        """Logits [N, V] for the tokens [N] fed at position t (an int, or a 0-d tensor in a compiled
+        step), given the cache of positions < t. Every cached position is a real token (decoding
+        never emits pad_id)."""
         length = cache[0].self_k.shape[2]
         x = self.embed(self.tgt_table, tokens[:, None], offset=t, rows=length)
-        self_mask = torch.ones((1, 1, 1, t + 1), dtype=torch.bool, device=x.device)  # positions <= t
+        self_mask = (torch.arange(length, device=x.device) <= t)[None, None, None, :]
         for layer, layer_cache in zip(self.decoder.layers, cache, strict=True):
             x = layer.step(x, layer_cache, t, self_mask, cross_mask)
         x = x if self.decoder.final_norm is None else self.decoder.final_norm(x)

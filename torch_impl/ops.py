@@ -33,7 +33,8 @@ def attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Ten
     # Not SDPA on CPUs with attention dropout (training): its CPU math path draws one float per
     # weight (bernoulli_); the explicit path below drops with cpu_dropout's 16-bit draws, 3% less
     # per `small` step in a paired run on this project's CPU (docs/benchmarks.md).
-    explicit = dropout > 0.0 and q.device.type == "cpu"
+    # Compiled (rosetta train --compile): SDPA's dropout, lowered by inductor to its own generator.
+    explicit = dropout > 0.0 and q.device.type == "cpu" and not torch.compiler.is_compiling()
     probabilities = None
     if explicit or weights:  # SDPA does not return its probabilities: computed the reference's way
         # Scores and softmax in float32 at least (float64 stays float64), as jax_impl's path. Masked
@@ -73,7 +74,8 @@ class Dropout(nn.Dropout):
     jax_impl.ops.Dropout draws the same way (its own stream)."""
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        if not self.training or self.p == 0.0 or x.device.type != "cpu":
+        # Compiled, F.dropout too: dynamo captures no in-place random_, and inductor draws its own bits.
+        if not self.training or self.p == 0.0 or x.device.type != "cpu" or torch.compiler.is_compiling():
             return super().forward(x)
         return cpu_dropout(x, self.p)
 
@@ -82,12 +84,44 @@ class Dropout(nn.Dropout):
 class LayerCache:
     """One decoder layer's keys and values (N, h, length, dh) for incremental decoding, a speed
     path: self-attention over the L output positions (filled as decoding goes, in place),
-    cross-attention over the S source positions (computed once)."""
+    cross-attention over the S source positions (computed once). The decoding step's position t
+    is an int when eager, a 0-d tensor on the device when compiled (torch_impl/decode.py)."""
 
     self_k: torch.Tensor
     self_v: torch.Tensor
     cross_k: torch.Tensor
     cross_v: torch.Tensor
+
+    def write(self, t: int | torch.Tensor, k: torch.Tensor, v: torch.Tensor,
+              mask: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """Writes the keys and values (N, h, 1, dh) of position t in place; returns the keys, values
+        and self-attention mask [..., L] to attend over. An int t: positions <= t only (no masked
+        work; their weights are the whole masked cache's up to summation order: a masked score, the
+        dtype's most negative finite value (SPEC §2), has exp exactly 0 beside position t's, but
+        SDPA's sums group differently by length, so the last bits differ). A tensor t: written by
+        index_copy_, the whole cache attended, positions > t masked: static shapes and addresses for
+        a compiled step and CUDA graphs (jax_impl's dynamic_update_slice; Hugging Face's StaticCache)."""
+        if isinstance(t, int):
+            self.self_k[:, :, t: t + 1], self.self_v[:, :, t: t + 1] = k, v
+            return self.self_k[:, :, :t + 1], self.self_v[:, :, :t + 1], mask[..., :t + 1]
+        self.self_k.index_copy_(2, t.view(1), k.to(self.self_k.dtype))
+        self.self_v.index_copy_(2, t.view(1), v.to(self.self_v.dtype))
+        return self.self_k, self.self_v, mask
+
+    def reorder(self, rows: torch.Tensor, t: int | torch.Tensor) -> None:
+        """Beam search's reordering, at the start of step t (before `write`): row i takes row rows[i],
+        in place. An int t moves positions < t only (the others hold nothing yet); a tensor t the
+        whole cache (static shapes). Not after the write: inductor fuses an in-place gather of a tensor
+        that an index_copy_ wrote earlier in the same graph into one kernel that reads rows it has
+        already overwritten (silently wrong keys; pytorch/pytorch#198270, CPU and CUDA)."""
+        for cache in (self.self_k, self.self_v):
+            if isinstance(t, int):
+                cache[:, :, :t] = cache[rows, :, :t]
+            else:
+                cache.copy_(cache.index_select(0, rows))
+
+    def tensors(self) -> tuple[torch.Tensor, ...]:
+        return self.self_k, self.self_v, self.cross_k, self.cross_v
 
 
 @torch.compiler.disable  # replaces a buffer: eager, once per new length, even when compiled
@@ -100,10 +134,12 @@ def grow_positions(model: nn.Module, rows: int) -> None:
 
 
 def _can_pack(module: nn.Module) -> bool:
-    """CPU float32 weights, no gradients, and oneDNN's packed linear in this torch build."""
+    """CPU float32 weights, no gradients, no CPU autocast (bfloat16 activations: oneDNN cannot
+    create the packed float32 primitive for them), and oneDNN's packed linear in this torch build."""
     params = list(module.parameters())
     return (bool(params) and all(p.device.type == "cpu" and p.dtype == torch.float32 for p in params)
-            and not torch.is_grad_enabled() and torch.backends.mkldnn.is_available()
+            and not torch.is_grad_enabled() and not torch.is_autocast_enabled("cpu")
+            and torch.backends.mkldnn.is_available()
             and hasattr(torch.ops.mkldnn, "_reorder_linear_weight"))
 
 

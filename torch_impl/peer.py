@@ -71,7 +71,19 @@ class PeerTransformer(nn.Module):
         )
 
     def forward(self, src: torch.Tensor, tgt: torch.Tensor) -> torch.Tensor:
-        out = self.transformer(self.embed_ids(src), self.embed_ids(tgt), **self.masks(src, tgt))
+        # nn.TransformerEncoderLayer's inference fast path (eval mode) asks whether CUDA's autocast is
+        # on, not the CPU's: under CPU bfloat16 autocast it mixes dtypes and fails ("expected scalar
+        # type Float but found BFloat16"). Off for that case only; elsewhere the peer runs as users
+        # run it (and training, which never takes that path, may be compiled: no toggling there).
+        if self.training or not torch.is_autocast_enabled("cpu"):
+            return self.generator(self.transformer(self.embed_ids(src), self.embed_ids(tgt),
+                                                   **self.masks(src, tgt)))
+        fast = torch.backends.mha.get_fastpath_enabled()
+        torch.backends.mha.set_fastpath_enabled(False)
+        try:
+            out = self.transformer(self.embed_ids(src), self.embed_ids(tgt), **self.masks(src, tgt))
+        finally:
+            torch.backends.mha.set_fastpath_enabled(fast)
         return self.generator(out)
 
     @torch.inference_mode()

@@ -38,9 +38,12 @@ class Trainer(train.Trainer):
     def __init__(self, cfg: ModelConfig, params: Mapping[str, np.ndarray], train_cfg: TrainConfig,
                  device: str | None = None, dtype: str = "float32", parity: bool | None = None,
                  accumulate: int = 1, shard: bool = False, num_devices: int | None = None,
-                 loss: str = "plain"):
+                 loss: str = "plain", compile: bool = False, compile_cache: str | None = None):
         if shard:
             raise RosettaError("--shard: the nn.Transformer peer trains in one process (no FSDP2 sharding)")
+        if compile:  # torch.compile(fullgraph) stops at a data-dependent check of nn.MultiheadAttention
+            raise RosettaError("--compile: the nn.Transformer peer's attention checks its masks' values, "
+                               "which torch.compile cannot capture in one graph; train it uncompiled")
         if loss != "plain":
             raise RosettaError(f"--loss {loss}: the nn.Transformer peer returns logits; train it with "
                                "--loss plain")
@@ -51,7 +54,8 @@ class Trainer(train.Trainer):
         # the peer then takes the module's place and gets its own optimizer and schedule.
         super().__init__(cfg, params, train_cfg, device=device, dtype=dtype, parity=parity,
                          accumulate=accumulate, shard=False, num_devices=num_devices, loss="plain")
-        self.module = self.replica = peer.to(self.device, DTYPES[dtype][0]).train()  # float64 stays float64
+        # float64 stays float64
+        self.module = self.replica = peer.to(self.device, DTYPES[dtype].params).train()
         self.optimizer, self.scheduler = train.make_optimizer(self.module, train_cfg)
         if self.device.type == "cuda":
             torch.cuda.reset_peak_memory_stats(self.device)

@@ -24,7 +24,16 @@ from rosetta.distributed import launch_env, rank_seed, split_rows
 from rosetta.errors import RosettaError
 from rosetta.inputs import Packing
 from rosetta.params import Params, canonical_dtype
-from rosetta.training import LOSSES, Batch, TrainConfig, check_state, check_trainer_args, learning_rate
+from rosetta.training import (
+    Batch,
+    HostTimer,
+    Prepared,
+    TrainConfig,
+    check_state,
+    check_trainer_args,
+    learning_rate,
+)
+from torch_impl import compilation
 from torch_impl.backend import DTYPES, Model, float32_matmul_precision, parity_mode
 from torch_impl.convert import from_state_dict
 from torch_impl.distributed import (
@@ -71,10 +80,13 @@ def make_optimizer(module: Transformer, train_cfg: TrainConfig
                    ) -> tuple[torch.optim.Adam, torch.optim.lr_scheduler.LambdaLR]:
     """Adam (eps after the square root, bias correction, no weight decay: §5.3) with base lr 1,
     so that LambdaLR's lr at optimizer step s (from 1) is exactly learning_rate(s)."""
-    # On CUDA the fused kernel (one launch for every tensor) instead of the default foreach path.
-    fused = next(module.parameters()).is_cuda
+    # The fused kernel (one launch for every tensor, CUDA and CPU) where the device has one, else the
+    # foreach path. Fused keeps Adam's step count on the device: the default foreach path reads it
+    # back with .item() every update (a device-to-host wait on a GPU).
+    fused = next(module.parameters()).device.type in ("cpu", "cuda")
     optimizer = torch.optim.Adam(module.parameters(), lr=1.0, betas=(train_cfg.adam_b1, train_cfg.adam_b2),
-                                 eps=train_cfg.adam_eps, weight_decay=0.0, fused=fused or None)
+                                 eps=train_cfg.adam_eps, weight_decay=0.0, fused=fused or None,
+                                 foreach=None if fused else True)
     return optimizer, torch.optim.lr_scheduler.LambdaLR(optimizer, schedule(module.cfg.d_model, train_cfg))
 
 
@@ -85,7 +97,7 @@ def _autocast(device: torch.device, dtype: torch.dtype | None) -> contextlib.Abs
 def forward_loss(module: Transformer, src: torch.Tensor, tgt: torch.Tensor, labels: torch.Tensor,
                  label_smoothing: float, autocast: torch.dtype | None = None,
                  num_tokens: torch.Tensor | None = None, packing: Packing | None = None) -> torch.Tensor:
-    """The loss of one batch, forward only: what `make_train_step(compile=True)` compiles.
+    """The loss of one batch, forward only: what `compiled_forward` compiles (`rosetta train --compile`).
     `packing`: a packed batch's segment and position arrays (docs/packing.md); the peer
     (torch_impl/peer.py) takes none, so an unpacked batch passes no `packing` argument."""
     with _autocast(src.device, autocast):  # the backward pass runs outside autocast, as torch advises
@@ -159,27 +171,14 @@ def train_step(module: Transformer, optimizer: torch.optim.Optimizer,
     return loss, lr
 
 
-def make_train_step(module: Transformer, optimizer: torch.optim.Optimizer,
-                    scheduler: torch.optim.lr_scheduler.LRScheduler, train_cfg: TrainConfig,
-                    autocast: torch.dtype | None = None, compile: bool = False,
-                    loss: str = "plain") -> Callable[..., tuple[torch.Tensor, float, torch.Tensor]]:
-    """`train_step` with the module, optimizer and schedule bound: step(src, tgt, labels,
-    num_tokens=None, packing=None) -> (loss, lr, global gradient norm before clipping). (JAX
-    needs this to skip a per-call graph walk; eager PyTorch has none to skip.) `compile` runs
-    the forward pass and the loss as one torch.compile graph, its backward compiled too: the loss
-    over a 37k vocabulary alone is ~3x faster compiled than eager on an H100. `loss`: one of
-    rosetta.training.LOSSES."""
-    if loss not in LOSSES:
-        raise RosettaError(f"loss must be one of {', '.join(LOSSES)}, got {loss!r}")
-    forward = torch.compile(FORWARDS[loss]) if compile else FORWARDS[loss]
-
-    def step(src: torch.Tensor, tgt: torch.Tensor, labels: torch.Tensor,
-             num_tokens: torch.Tensor | None = None,
-             packing: Packing | None = None) -> tuple[torch.Tensor, float, torch.Tensor]:
-        batch = (src, tgt, labels) if packing is None else (src, tgt, labels, packing)
-        return _train_step(module, optimizer, scheduler, [batch], num_tokens, train_cfg, autocast, forward)
-
-    return step
+def compiled_forward(loss: str) -> Callable[..., torch.Tensor]:
+    """FORWARDS[loss] compiled whole, its backward too (AOTAutograd): `rosetta train --compile`. The
+    loss over a 37k vocabulary alone is ~3x faster compiled than eager on an H100 (docs/benchmarks.md).
+    Static shapes, one graph per batch shape (the harness's batches come in a few bucket shapes): on
+    this project's CPU a `small` step compiled per shape ran 3.5% faster than with dynamic shapes
+    (1.70 against 1.76 s) after compiling 20 s per shape against 47 s once; inductor's cache
+    (TORCHINDUCTOR_CACHE_DIR) keeps the graphs for the next run. docs/training.md: --compile."""
+    return compilation.compiled(FORWARDS[loss], dynamic=False)
 
 
 def gradients(module: Transformer, src: torch.Tensor, tgt: torch.Tensor, labels: torch.Tensor,
@@ -194,6 +193,23 @@ def gradients(module: Transformer, src: torch.Tensor, tgt: torch.Tensor, labels:
              for name, p in module.named_parameters()}
     module.zero_grad(set_to_none=True)
     return float(loss.detach()), from_state_dict(module.cfg, grads)
+
+
+class CudaTimer:
+    """A stretch of steps timed by CUDA events on the device's stream (rosetta.training.HostTimer's
+    interface): the time the GPU took from the first step's first kernel to the last one's end."""
+
+    def __init__(self, device: torch.device):
+        self._start, self._end = (torch.cuda.Event(enable_timing=True) for _ in range(2))
+        self._start.record(torch.cuda.current_stream(device))
+        self._device = device
+
+    def stop(self) -> None:
+        self._end.record(torch.cuda.current_stream(self._device))
+
+    def seconds(self) -> float:
+        self._end.synchronize()
+        return self._start.elapsed_time(self._end) / 1e3
 
 
 # -- The harness adapter ---------------------------------------------------------------------
@@ -214,21 +230,28 @@ class Trainer:
     `fully_shard` (`shard=True`), one device per process. `accumulate` K sums the gradients of K
     micro-batches per update. `step` takes the global batch, the same on every process, and
     trains on this process's blocks of it (rosetta/distributed.py).
+
+    `compile`: the forward pass, the loss and the backward as torch.compile graphs, one per batch
+    shape (`compiled_forward`). A step never waits for the device (rosetta.training.Trainer): the
+    batch is copied from pinned memory without blocking, the loss and gradient norm stay on the
+    device until `read`, and the step times of a GPU come from CUDA events (`timer`).
     """
 
     framework: ClassVar[str] = "torch"
     # float64: weights, moments and compute, for the tests that ask "same algorithm?" (DDP, FSDP2,
     # accumulation, resume), where float32 rounding would hide a real difference (docs/testing.md).
-    dtypes: ClassVar[tuple[str, ...]] = ("float32", "bfloat16", "float64")
+    dtypes: ClassVar[tuple[str, ...]] = tuple(name for name, p in DTYPES.items() if p.trains)
 
     def __init__(self, cfg: ModelConfig, params: Mapping[str, np.ndarray], train_cfg: TrainConfig,
                  device: str | None = None, dtype: str = "float32", parity: bool | None = None,
                  accumulate: int = 1, shard: bool = False, num_devices: int | None = None,
-                 loss: str = "plain"):
+                 loss: str = "plain", compile: bool = False, compile_cache: str | None = None):
         check_trainer_args("torch", self.dtypes, dtype, loss, accumulate)
         if loss == "chunked" and shard:  # FSDP2 reshards the tied table once the forward pass ends
             raise RosettaError("--loss chunked does not combine with --shard yet: use one of them")
-        self.forward = FORWARDS[loss]
+        # compile_cache: inductor keeps its own cache of compiled graphs (TORCHINDUCTOR_CACHE_DIR).
+        self.forward = compiled_forward(loss) if compile else FORWARDS[loss]
+        self.compile = bool(compile)
         if num_devices not in (None, 1):
             raise RosettaError("torch trains on one device per process: launch one process per device "
                                "(rosetta train --nproc N, or torchrun --nproc-per-node N -m rosetta.cli "
@@ -243,9 +266,11 @@ class Trainer:
         self.is_main = env.is_main
         self.device = local_device(device, env)
         if env.distributed:
+            if compile:  # DDP's and FSDP2's hooks under torch.compile are not tested here yet
+                raise RosettaError("--compile trains in one process for now: leave out --nproc or --compile")
             init_distributed(env, self.device)
         model = Model(cfg, params, dtype, device=str(self.device))  # meta device, then the weights
-        self.module, self.autocast = model.module, DTYPES[dtype][1]
+        self.module, self.autocast = model.module, DTYPES[dtype].autocast
         self.parity = self.device.type == "cpu" if parity is None else parity
         self.replica = replicate(self.module, self.device, env, self.shard)
         self.optimizer, self.scheduler = make_optimizer(self.module, train_cfg)  # after fully_shard
@@ -254,6 +279,9 @@ class Trainer:
         with torch.random.fork_rng(devices=self._rng_devices()):
             torch.manual_seed(rank_seed(train_cfg.seed, self.rank))  # the CPU and every CUDA generator
             self._rng = self._get_rng()
+        # On the device: the first step whose loss or gradient norm was not finite, as (step, loss,
+        # gradient norm); step 0 while there is none (read() fetches it with the step's values).
+        self._non_finite = torch.zeros(3, dtype=torch.float64, device=self.device)
         if self.device.type == "cuda":
             torch.cuda.reset_peak_memory_stats(self.device)
 
@@ -285,7 +313,10 @@ class Trainer:
         return contextlib.nullcontext()
 
     def _tensor(self, ids: np.ndarray) -> torch.Tensor:
-        return torch.from_numpy(np.ascontiguousarray(ids)).to(self.device, non_blocking=True)
+        """Host ids on the device without waiting: from pinned memory on a GPU (a copy from pageable
+        memory blocks the host), shared with NumPy on a CPU (no copy at all)."""
+        host = torch.from_numpy(np.ascontiguousarray(ids))
+        return host.pin_memory().to(self.device, non_blocking=True) if self.device.type == "cuda" else host
 
     # -- training and evaluation -------------------------------------------------------------
     @property
@@ -293,27 +324,59 @@ class Trainer:
         """Updates done so far (the next update is step_count + 1 in the paper's eq. 3)."""
         return int(self.scheduler.last_epoch)
 
-    def step(self, batch: Batch, keep_grads: bool = False) -> dict[str, Any]:
-        """One update on `batch` (§5.3); returns {step, loss, lr, grad_norm, num_src_tokens,
-        num_tgt_tokens}, grad_norm the global gradient norm before clipping, and with `keep_grads`
-        `grads`: the gradients before clipping, canonical (for `rosetta train --trace`). Reading
-        the loss synchronises the device, so a wall clock around this call is honest."""
+    def prepare(self, batch: Batch) -> Prepared:
+        """This process's micro-batches of the global `batch` on the device, copied without waiting."""
         k = self.accumulate
         mine = split_rows(batch, self.world_size * k, self.cfg.pad_id)[self.rank * k:(self.rank + 1) * k]
         micro = [(self._tensor(b.src), self._tensor(b.tgt_in), self._tensor(b.labels),
                   Packing(*(self._tensor(a) for a in b.packing())) if b.packed else None)
                  for b in mine]
         num_tokens = torch.tensor(batch.num_tgt_tokens, device=self.device)
+        return Prepared(batch, (micro, num_tokens, int(mine[0].shape[0])))
+
+    def step(self, batch: Batch | Prepared, keep_grads: bool = False) -> dict[str, Any]:
+        """One update on `batch` (§5.3), a Batch or `prepare`'s copy of one; returns {step, loss, lr,
+        grad_norm, num_src_tokens, num_tgt_tokens, world_size, worker_rows}, loss and grad_norm (the
+        global gradient norm before clipping) as 0-d tensors on the device: nothing here waits for
+        it (`read` does). With `keep_grads` also `grads`: the gradients before clipping, canonical
+        (for `rosetta train --trace`; this waits)."""
+        prepared = batch if isinstance(batch, Prepared) else self.prepare(batch)
+        batch, (micro, num_tokens, rows) = prepared.batch, prepared.arrays
+        if self.compile and isinstance(self.module, Transformer):  # the table grows outside the graph
+            self.module.position_table(batch.shape[1])
         with self._context():
             loss, lr, grad_norm = _train_step(self.replica, self.optimizer, self.scheduler, micro, num_tokens,
                                               self.train_cfg, self.autocast, self.forward, self.world_size)
-            loss_value, norm_value = loss.item(), grad_norm.item()
-        metrics = {"step": self.step_count, "loss": loss_value, "lr": float(lr), "grad_norm": norm_value,
+            bad = ~(torch.isfinite(loss) & torch.isfinite(grad_norm)) & (self._non_finite[0] == 0)
+            step = torch.full((), self.step_count, dtype=torch.float64, device=self.device)
+            self._non_finite = torch.where(bad, torch.stack([step, loss.double(), grad_norm.double()]),
+                                           self._non_finite)
+        metrics = {"step": self.step_count, "loss": loss, "lr": float(lr), "grad_norm": grad_norm,
                    "num_src_tokens": int(batch.num_src_tokens), "num_tgt_tokens": int(batch.num_tgt_tokens),
-                   "world_size": self.world_size, "worker_rows": int(mine[0].shape[0])}
+                   "world_size": self.world_size, "worker_rows": rows}
         if keep_grads:
-            metrics["grads"] = self._gradients(norm_value)
+            metrics["grads"] = self._gradients(float(grad_norm))
         return metrics
+
+    def read(self, metrics: dict[str, Any]) -> dict[str, Any]:
+        """`metrics` of `step` with loss and grad_norm as floats, and `non_finite`: None or the first
+        step with a non-finite loss or gradient norm (rosetta.training.Trainer). One transfer."""
+        device = [metrics["loss"], metrics["grad_norm"]]
+        values = torch.cat([torch.stack([torch.as_tensor(v).double() for v in device]).to(self.device),
+                            self._non_finite]).tolist()
+        loss, grad_norm, step, bad_loss, bad_norm = values
+        return metrics | {"loss": loss, "grad_norm": grad_norm, "lr": float(metrics["lr"]),
+                          "non_finite": {"step": int(step), "loss": bad_loss, "grad_norm": bad_norm}
+                          if step else None}
+
+    def timer(self) -> HostTimer:
+        """CUDA events around a stretch of steps on a GPU (the device's own time); the host's clock
+        elsewhere (a CPU computes as the host waits)."""
+        return CudaTimer(self.device) if self.device.type == "cuda" else HostTimer()
+
+    def compilation(self) -> tuple[float, int]:
+        """torch.compile's seconds and graphs so far in this process (0 in eager mode)."""
+        return compilation.compile_totals()
 
     def _gradients(self, grad_norm: float) -> Params:
         """The last update's gradients before clipping, canonical (a collective when sharded). The
@@ -328,6 +391,7 @@ class Trainer:
         """Whether `flag` holds on any process of the launch (a collective; alone: `flag`), so that
         every process stops at the same step (a time budget read from each one's own clock)."""
         return any_process(flag, self.num_processes, self.device)
+
 
     def eval_loss(self, batches: Iterable[Batch]) -> float:
         """The training loss (label-smoothed) without dropout, averaged over every non-pad label

@@ -234,8 +234,10 @@ class Tracer:
             self.writer.start(params)
 
     def record(self, trainer: Any, batch: Any, metrics: dict[str, Any]) -> None:
-        """The update `trainer.step(batch, keep_grads=True)` just made; its `grads` leave `metrics`."""
+        """The update `trainer.step(batch, keep_grads=True)` just made (its values read from the
+        device here: `Trainer.read`); its `grads` leave `metrics`."""
         grads, params = metrics.pop("grads"), trainer.params()
+        metrics = trainer.read(metrics)
         if self.writer is not None:
             self.writer.step(metrics["step"], batch.src, batch.tgt_in, batch.labels, metrics["loss"],
                              metrics["lr"], grads, params)

@@ -91,8 +91,6 @@ def cmd_train(args: argparse.Namespace) -> int:
     run = run_from_args(args)
     check_run(run)
     os.environ[TIMEOUT_VARIABLE] = repr(run.dist_timeout)  # the trainers' collectives read it
-    if run.dtype == "float64":  # 64-bit JAX, read when JAX starts (its trainer refuses float64 otherwise)
-        os.environ.setdefault("JAX_ENABLE_X64", "1")
     env = launch_env()
     if run.nproc > 1 and not env.distributed:  # relaunch this very command as N processes
         from rosetta.harness.launch import launch

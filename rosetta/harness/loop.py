@@ -27,11 +27,11 @@ from __future__ import annotations
 import contextlib
 import json
 import logging
-import math
 import os
 import shutil
 import signal
 import time
+from functools import partial
 from pathlib import Path
 from typing import Any
 
@@ -46,18 +46,20 @@ from rosetta.errors import CheckpointError, RosettaError
 from rosetta.files import atomic_write_bytes
 from rosetta.harness.batching import Batch, BatchIterator, eval_batches
 from rosetta.harness.evaluate import score_batches
-from rosetta.harness.metrics import peak_flops, train_record
-from rosetta.harness.out_dir import check_out_dirs, os_errors, read_json
+from rosetta.harness.metrics import batch_work, peak_flops, train_record
+from rosetta.harness.out_dir import check_out_dirs, os_errors
+from rosetta.harness.preflight import check_backends
 from rosetta.harness.report import (
     RESULT_FORMAT,
     NoProgress,
     check_overwritable,
     progress_bar,
+    read_json,
     read_log,
     summarize,
+    write_combined_report,
     write_log,
     write_plot,
-    write_summary,
 )
 from rosetta.harness.run_config import DEFAULT_STEPS, RunConfig, check_run
 from rosetta.harness.run_dir import (
@@ -69,6 +71,7 @@ from rosetta.harness.run_dir import (
     out_dir_lock,
     save_checkpoint_dir,
 )
+from rosetta.harness.stepping import Stepper, Stretch
 from rosetta.harness.tasks import TaskData, load_task
 from rosetta.harness.trainer_state import load_trainer_state, save_trainer_state
 from rosetta.params import init_params
@@ -80,27 +83,6 @@ RUN_FORMAT = "rosetta-run/1"
 
 class DivergedError(RosettaError):
     """A training step gave a non-finite loss or gradient norm; the run stopped before saving it."""
-
-
-def check_device(run: RunConfig, env: LaunchEnv) -> None:
-    """Refuse a --device this machine lacks before `out` is touched (each trainer checks it again
-    when it is built). Imports the frameworks, as training would."""
-    if run.device is None:
-        return
-    for backend in run.backends:
-        get_trainer(backend)  # installed, or one line saying so
-        # Each framework's own parser of the device name, the one its Trainer calls.
-        try:
-            if BACKENDS[backend].framework == "torch":
-                from torch_impl.distributed import local_device as torch_device
-
-                torch_device(run.device, env)
-            elif not env.distributed:  # JAX's backends start after jax.distributed joins (init_distributed)
-                from jax_impl.distributed import local_device as jax_device
-
-                jax_device(run.device)
-        except RosettaError as e:
-            raise RosettaError(f"--device {run.device}: {e}") from None
 
 
 # -- Data, model, evaluation -----------------------------------------------------------------
@@ -175,7 +157,8 @@ class _Run:
         # Sums over every step since step 1, logged or not (the log holds every log_every-th step
         # only); saved with each checkpoint so that a resume continues them. None: unknown (a
         # checkpoint written before these were kept).
-        self.totals: dict[str, float] | None = {"step_time_s": 0.0, "src_tokens": 0, "tgt_tokens": 0}
+        self.totals: dict[str, float] | None = {"step_time_s": 0.0, "compile_s": 0.0, "compiles": 0,
+                                                "src_tokens": 0, "tgt_tokens": 0}
         self.stopped = "steps"  # or "time_budget", "target_bleu": what ended the loop (_loop)
 
     # -- start or resume -------------------------------------------------------------------
@@ -183,7 +166,8 @@ class _Run:
         run = self.run
         cls = get_trainer(self.backend)
         return cls(self.cfg, params, self.train_cfg, device=run.device, dtype=run.dtype,
-                   accumulate=run.accumulate, shard=run.shard, num_devices=run.devices, loss=run.loss)
+                   accumulate=run.accumulate, shard=run.shard, num_devices=run.devices, loss=run.loss,
+                   compile=run.compile, compile_cache=run.compile_cache_dir())
 
     def start(self) -> Trainer:
         if self.run.resume:
@@ -278,15 +262,16 @@ class _Run:
         return trainer
 
     # -- checkpoints -----------------------------------------------------------------------
-    def save(self, trainer: Trainer, elapsed: float) -> Path | None:
-        """Checkpoint the current step. Every process calls it (gathering sharded weights and
-        optimizer state is a collective); process 0 writes."""
+    def save(self, trainer: Trainer, elapsed: float, data_state: dict[str, Any]) -> Path | None:
+        """Checkpoint the current step, `data_state` the batch iterator's position after its batch.
+        Every process calls it (gathering sharded weights and optimizer state is a collective);
+        process 0 writes."""
         step = trainer.step_count
         params, trainer_state = trainer.params(), trainer.state_dict()
         if not self.main:
             return None
         state = {"format": "rosetta-train-checkpoint/1", "step": step, "backend": self.backend,
-                 "dtype": self.run.dtype, "data": self.iterator.state_dict(), "elapsed_s": elapsed,
+                 "dtype": self.run.dtype, "data": data_state, "elapsed_s": elapsed,
                  "totals": self.totals, "world_size": trainer.world_size,
                  "train_config": self.train_cfg.to_dict(), "run": self.run.to_dict()}
 
@@ -336,7 +321,6 @@ class _Run:
         `log_file` None: a process other than 0, which trains and evaluates but writes nothing."""
         run = self.run
         peak = peak_flops(trainer.device_name, run.dtype, run.peak_tflops)
-        seen_shapes: set[tuple[int, int]] = set()
         clock = time.perf_counter()
 
         def elapsed() -> float:  # seconds of the training loop, across resumes
@@ -354,33 +338,32 @@ class _Run:
         tracer = None if run.trace is None else Tracer(  # --trace N (rosetta/diff/trace.py); process 0 writes
             self.dir / "trace" if log_file else None, self.cfg, run.trace, dict(self.train_cfg.to_dict(),
             accumulate=trainer.accumulate), f"rosetta {self.backend} trainer", trainer)
+        # The device is read only at the steps below (rosetta/harness/stepping.py): between them no
+        # step waits for the host, and the next batch is built while the current step runs.
+        stepper = Stepper(trainer, self.iterator, partial(batch_work, self.cfg))
         while trainer.step_count < self.total_steps and stop is None:
-            epoch = self.iterator.epoch  # the epoch this batch belongs to
-            batch = next(self.iterator)
-            start = time.perf_counter()
-            metrics = trainer.step(batch) if tracer is None else trainer.step(batch, keep_grads=True)
-            seconds = time.perf_counter() - start
-            if tracer is not None:
-                tracer.record(trainer, batch, metrics)  # before the check below: a trace shows a divergence
-            self._check_finite(metrics)
-            _fault_injection(self.env, metrics["step"])
-            if self.totals is not None:
-                self.totals["step_time_s"] += seconds
-                self.totals["src_tokens"] += metrics["num_src_tokens"]
-                self.totals["tgt_tokens"] += metrics["num_tgt_tokens"]
+            if stepper.next_is_new_shape and stepper.pending:
+                self._read(stepper)  # a new batch shape compiles: its step is timed alone
+            stepped = stepper.step(keep_grads=tracer is not None)
+            if tracer is not None:  # before the check below: a trace shows a divergence
+                tracer.record(trainer, stepped.batch, stepped.metrics)
+            _fault_injection(self.env, stepped.metrics["step"])
             if over_budget():
                 stop = "time_budget"  # this step is the last: its evaluation and checkpoint follow
-            step, last = metrics["step"], metrics["step"] == self.total_steps or stop is not None
-            first = batch.shape not in seen_shapes
-            seen_shapes.add(batch.shape)
-            record = train_record(self.cfg, self.backend, trainer, batch, metrics, seconds, peak, first,
-                                  self.baseline)
-            record |= {"epoch": epoch, "elapsed_s": elapsed()}
-            if step % run.log_every == 0 or last:
-                emit(record)
+            step = stepped.metrics["step"]
+            last = step == self.total_steps or stop is not None
+            logged = step % run.log_every == 0 or last
+            evaluated = (run.eval_every and step % run.eval_every == 0) or last
+            saved = (run.checkpoint_every and step % run.checkpoint_every == 0) or last
             progress.update(1)
-            progress.set_postfix(loss=f"{record['loss']:.3f}", tok_s=f"{record['tgt_tokens_per_s']:,.0f}")
-            if (run.eval_every and step % run.eval_every == 0) or last:
+            if logged or evaluated or saved or stepped.first_of_shape or tracer is not None:
+                stretch = self._read(stepper)
+                record = train_record(self.cfg, self.backend, trainer, stepped.batch, stretch.last, stretch,
+                                      peak, stepped.first_of_shape, self.baseline)
+                if logged:
+                    emit(record | {"epoch": stepped.epoch, "elapsed_s": elapsed()})
+                progress.set_postfix(loss=f"{record['loss']:.3f}", tok_s=f"{record['tgt_tokens_per_s']:,.0f}")
+            if evaluated:
                 result = evaluate(trainer, self.task, self.loss_batches, self.gen_batches, self.num_gen, run)
                 emit({"kind": "eval", "backend": self.backend, "step": step, **result,
                       "tgt_tokens_total": (self.totals or {}).get("tgt_tokens"), "elapsed_s": elapsed()})
@@ -390,8 +373,8 @@ class _Run:
                     # This evaluation crossed the budget: the step is the last (checkpointed below),
                     # not one more step and a second evaluation of nearly the same weights.
                     stop, last = "time_budget", True
-            if (run.checkpoint_every and step % run.checkpoint_every == 0) or last:
-                self.save(trainer, elapsed())
+            if saved or last:
+                self.save(trainer, elapsed(), stepper.data_state)
         if run.average_last and self.main:
             emit(self._evaluate_average(trainer))
         if stop is not None:
@@ -417,19 +400,34 @@ class _Run:
                 "checkpoints": [p.parent.name for p in paths], **scores,
                 "eval_time_s": time.perf_counter() - start}
 
-    def _check_finite(self, metrics: dict[str, Any]) -> None:
-        """Stop at the first non-finite loss or gradient norm. That step's update has already
-        poisoned the weights in memory, so nothing of it may reach a checkpoint or the log, and
-        every later step would only repeat it."""
-        loss, norm = metrics["loss"], metrics["grad_norm"]
-        if math.isfinite(loss) and math.isfinite(norm):
+    def _check_finite(self, values: dict[str, Any]) -> None:
+        """Stop at the first non-finite loss or gradient norm (`values["non_finite"]`, kept by the
+        trainer on the device: rosetta/training.py). That step's update has already poisoned the
+        weights in memory, so nothing of it may reach a checkpoint or the log, and every later step
+        would only repeat it."""
+        bad = values["non_finite"]
+        if bad is None:
             return
         good = latest_checkpoint(self.ckpt_root)
         kept = (f"the last good checkpoint, {good.name}, stays latest" if good is not None
                 else "no checkpoint was written before it")
-        raise DivergedError(f"{self.backend}: training diverged at step {metrics['step']} (loss {loss}, "
-                            f"gradient norm {norm}): stopped without saving that step; {kept} (a lower "
-                            f"--lr-factor, a longer --warmup or --clip-norm may help)")
+        raise DivergedError(f"{self.backend}: training diverged at step {bad['step']} (loss {bad['loss']}, "
+                            f"gradient norm {bad['grad_norm']}): stopped without saving that step; {kept} (a "
+                            f"lower --lr-factor, a longer --warmup or --clip-norm may help)")
+
+    def _read(self, stepper: Stepper) -> Stretch:
+        """The device read (rosetta/harness/stepping.py): the steps since the last read, checked
+        for a non-finite step, then added to the run's totals (every step since step 1, logged or
+        not)."""
+        stretch = stepper.flush()
+        self._check_finite(stretch.last)
+        if self.totals is None:
+            return stretch
+        for key, value in (("step_time_s", stretch.seconds), ("compile_s", stretch.compile_s),
+                           ("compiles", stretch.compiles), ("src_tokens", stretch.work["src_tokens"]),
+                           ("tgt_tokens", stretch.work["tgt_tokens"])):
+            self.totals[key] = self.totals.get(key, 0) + value
+        return stretch
 
 
 def _parallel_facts(trainer: Trainer) -> dict[str, Any]:
@@ -466,7 +464,7 @@ def train(run: RunConfig) -> dict[str, dict[str, Any]]:
     if run.resume and not out.is_dir():
         raise RosettaError(f"--resume: {out} holds no run to resume (no such directory)")
     baseline = read_json(Path(run.baseline) / "summary.json").get("backends", {}) if run.baseline else None
-    check_device(run, env)
+    check_backends(run, env)
     # The lock first, so that the checks below see what no other process is changing. Processes
     # other than 0 of a launch neither check nor change `out`: they only read a checkpoint to resume.
     with os_errors(out), (out_dir_lock(out) if env.is_main else contextlib.nullcontext()):
@@ -483,18 +481,5 @@ def train(run: RunConfig) -> dict[str, dict[str, Any]]:
             results[backend] = _Run(run, backend, task, cfg, params0, env, baseline).train()
         if env.is_main:
             with os_errors(out, "write the summary in"):
-                write_combined_report(out, run)
+                write_combined_report(out, run.backends, run.to_dict())
     return results
-
-
-def write_combined_report(out: Path, run: RunConfig) -> None:
-    """plot.png, summary.json and summary.md over every finished backend run in `out`."""
-    results, logs = {}, {}
-    found = sorted(p.name for p in out.iterdir() if (p / "result.json").is_file())
-    for name in [b for b in run.backends if b in found] + [b for b in found if b not in run.backends]:
-        run_dir = out / name
-        results[run_dir.name] = read_json(run_dir / "result.json")
-        logs[run_dir.name] = read_log(run_dir / "log.jsonl")
-    if results:
-        write_plot(out / "plot.png", logs, title=f"{run.task}: {' vs '.join(results)}")
-        write_summary(out, results, run.to_dict())

@@ -6,13 +6,12 @@ the path. rosetta/harness/loop.py calls `check_out_dirs` under the directory's l
 from __future__ import annotations
 
 import contextlib
-import json
 from collections.abc import Iterator
 from pathlib import Path
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING
 
 from rosetta.errors import RosettaError
-from rosetta.harness.report import check_overwritable, written_by_rosetta
+from rosetta.harness.report import check_overwritable, read_json, written_by_rosetta
 from rosetta.harness.run_dir import foreign_checkpoint_entries
 
 if TYPE_CHECKING:
@@ -26,13 +25,6 @@ def run_dir_state(run_dir: Path) -> str:
     if run_dir.exists() and (not run_dir.is_dir() or any(run_dir.iterdir())):
         return "foreign"
     return "none"
-
-
-def read_json(path: Path) -> dict[str, Any]:
-    try:
-        return json.loads(path.read_text(encoding="utf-8"))
-    except (OSError, json.JSONDecodeError) as e:
-        raise RosettaError(f"cannot read {path}: {e}") from None
 
 
 @contextlib.contextmanager

@@ -101,6 +101,14 @@ def read_log(path: Path) -> list[Record]:
     return records
 
 
+def read_json(path: Path) -> dict[str, Any]:
+    """A JSON file the harness wrote (state.json, result.json, summary.json), or one line naming it."""
+    try:
+        return json.loads(path.read_text(encoding="utf-8"))
+    except (OSError, json.JSONDecodeError) as e:
+        raise RosettaError(f"cannot read {path}: {e}") from None
+
+
 def write_log(path: Path, records: Iterable[Record]) -> None:
     """Replace a log atomically (used to drop the records after the checkpoint resumed from)."""
     atomic_write_bytes(path, "".join(json.dumps(r) + "\n" for r in records).encode("utf-8"))
@@ -122,8 +130,11 @@ def summarize(records: Sequence[Record], totals: Mapping[str, float] | None = No
       `timed_steps` says how many steps that is;
     - `step_time_total_s`, `src_tokens_total`, `tgt_tokens_total`: sums over EVERY step since
       step 1, logged or not, across resumes (`totals`, the harness's counters): step time is the
-      forward and backward pass and the update, without evaluation, checkpoints or logging; tokens
-      are real (non-pad) ones. None where unknown (a resume from a checkpoint without counters);
+      forward and backward pass and the update, without evaluation, checkpoints, logging or
+      compilation; tokens are real (non-pad) ones. None where unknown (a resume from a checkpoint
+      without counters);
+    - `compile_time_total_s`, `compiles`: the seconds the steps spent compiling (JAX; torch.compile)
+      and the programs compiled (a persistent cache's reads not counted), over every step;
     - `wall_time_s`: the training loop's wall-clock time up to its last record, evaluations and
       checkpoints included, across resumes (the time between sessions not counted);
     - `peak_memory_bytes`: the largest peak logged (peaks only grow: the last step's);
@@ -157,6 +168,8 @@ def summarize(records: Sequence[Record], totals: Mapping[str, float] | None = No
         "timed_steps": len(timed),
         "peak_memory_bytes": max((r["peak_memory_bytes"] for r in train), default=None),
         "step_time_total_s": totals.get("step_time_s"),
+        "compile_time_total_s": totals.get("compile_s"),
+        "compiles": totals.get("compiles"),
         "src_tokens_total": totals.get("src_tokens"),
         "tgt_tokens_total": totals.get("tgt_tokens"),
         "wall_time_s": max((r.get("elapsed_s", 0.0) for r in records), default=0.0),
@@ -243,6 +256,8 @@ def write_summary(out: Path, results: Mapping[str, Record], run: Record) -> None
         ("median MFU", lambda r: _fmt(r["median_mfu"], ".2%")),
         ("steps in the medians (logged, not first of shape)", lambda r: _fmt(r.get("timed_steps"), "d")),
         ("step time, all steps (s)", lambda r: _fmt(r.get("step_time_total_s"), ",.2f")),
+        ("compilation, all steps (s; programs)",
+         lambda r: f"{_fmt(r.get('compile_time_total_s'), ',.1f')}; {_fmt(r.get('compiles'), 'd')}"),
         ("target tokens trained, all steps", lambda r: _fmt(r.get("tgt_tokens_total"), ",d")),
         ("source tokens trained, all steps", lambda r: _fmt(r.get("src_tokens_total"), ",d")),
         ("peak memory (MiB)",
@@ -259,12 +274,25 @@ def write_summary(out: Path, results: Mapping[str, Record], run: Record) -> None
     lines += [f"| {label} | " + " | ".join(fn(results[n]) for n in names) + " |" for label, fn in rows]
     lines += ["", "Medians are over the logged steps (every --log-every-th and the last) that were not the "
               "first of their batch shape (compilation excluded). Totals are over every step, logged or not; "
-              "step time is the forward and backward pass and the update, wall time adds evaluations and "
-              "checkpoints. Tokens are real (non-pad) ones. MFU counts matmul FLOPs of real tokens "
-              "(rosetta/harness/metrics.py); – where the device's peak rate is unknown (pass --peak-tflops) "
-              "or a count is unknown. Scaling efficiency is tokens/s ÷ (workers × the one-device run's "
-              "tokens/s), – unless `--baseline` names that run.", "", SUMMARY_FOOTER]
+              "step time is the forward and backward pass and the update, compilation apart; wall time adds "
+              "evaluations and checkpoints. Tokens are real (non-pad) ones. MFU counts matmul FLOPs of real "
+              "tokens (rosetta/harness/metrics.py); – where the device's peak rate is unknown (pass "
+              "--peak-tflops) or a count is unknown. Scaling efficiency is tokens/s ÷ (workers × the "
+              "one-device run's tokens/s), – unless `--baseline` names that run.", "", SUMMARY_FOOTER]
     atomic_write_bytes(out / "summary.md", ("\n".join(lines) + "\n").encode("utf-8"))
+
+
+def write_combined_report(out: Path, backends: Sequence[str], run: Record) -> None:
+    """plot.png, summary.json and summary.md over every finished backend run in `out`, those of
+    `backends` first; `run` the settings (RunConfig.to_dict())."""
+    results, logs = {}, {}
+    found = sorted(p.name for p in out.iterdir() if (p / "result.json").is_file())
+    for name in [b for b in backends if b in found] + [b for b in found if b not in backends]:
+        results[name] = read_json(out / name / "result.json")
+        logs[name] = read_log(out / name / "log.jsonl")
+    if results:
+        write_plot(out / "plot.png", logs, title=f"{run.get('task')}: {' vs '.join(results)}")
+        write_summary(out, results, run)
 
 
 class NoProgress:

@@ -15,6 +15,7 @@ from typing import Any
 
 from rosetta.backends import check_trainable
 from rosetta.config import PRESETS, preset
+from rosetta.device import cache_dir
 from rosetta.errors import RosettaError
 from rosetta.generation import check_alpha
 from rosetta.harness.tasks import check_task, parse_pair
@@ -27,6 +28,7 @@ PEER_REFUSES: tuple[tuple[str, Any, str], ...] = (
     ("batching", "bucketed", "nn.Transformer takes no segment ids for packed rows"),
     ("loss", "plain", "nn.Transformer returns logits, not the decoder's output"),
     ("trace", None, "its parameters are nn.Transformer's, not canonical, until the end of the run"),
+    ("compile", False, "nn.MultiheadAttention's mask checks depend on the data: no whole graph to compile"),
 )
 DEFAULT_STEPS = 1000
 # The settings a resumed run must share with the run it continues (what fixes its batches,
@@ -93,7 +95,8 @@ class RunConfig:
     resume: bool = setting(False, "continue the run in OUT from its latest checkpoint")
     overwrite: bool = setting(False, "delete an earlier run in OUT and start afresh")
     dtype: str = setting("float32", "compute dtype: float32 or bfloat16; float64 to compare training loops "
-                         "exactly (--trace, docs/training_diff.md)", "optimizer")
+                         "exactly (--trace, docs/training_diff.md); each backend's table: docs/backends.md",
+                         "optimizer")
     device: str | None = setting(
         None, "framework device, e.g. cpu or cuda (default: the framework's)", "optimizer")
     warmup: int = setting(4000, "warmup steps of eq. 3", "optimizer")
@@ -141,6 +144,12 @@ class RunConfig:
     loss: str = setting(
         "plain", "plain (logits, then the loss) or chunked (the output projection and the loss chunk by "
         "chunk: no [tokens, vocabulary] logits, docs/loss.md)", "optimizer")
+    compile: bool = setting(
+        False, "PyTorch: compile the forward pass, loss and backward with torch.compile, one graph per batch "
+        "shape (JAX always compiles)", "optimizer")
+    compile_cache: str | None = setting(
+        None, "where JAX keeps compiled programs for the next run (default $ROSETTA_CACHE, else "
+        "~/.cache/rosetta; off: none)", "optimizer", metavar="DIR|off", path=True)
     trace: int | None = setting(
         None, "write a training trace to OUT/<backend>/trace: every step's batch hash, loss, lr and "
         "per-tensor norms, and the first N steps whole (gradients, updated weights) for `rosetta diff` "
@@ -151,6 +160,13 @@ class RunConfig:
 
     def identity(self) -> dict[str, Any]:
         return {name: self.to_dict()[name] for name in IDENTITY_FIELDS}
+
+    def compile_cache_dir(self) -> Path | None:
+        """The persistent compilation cache's directory: --compile-cache, else rosetta/device.py's
+        cache_dir(); None for `off`."""
+        if self.compile_cache == "off":
+            return None
+        return Path(self.compile_cache) if self.compile_cache is not None else cache_dir()
 
     def train_config(self) -> TrainConfig:
         return TrainConfig(label_smoothing=self.label_smoothing, warmup_steps=self.warmup,
@@ -190,8 +206,9 @@ def check_run(run: RunConfig) -> None:
         raise RosettaError(f"--loss must be one of {', '.join(LOSSES)}, got {run.loss!r}")
     if run.batching not in BATCHINGS:
         raise RosettaError(f"--batching must be one of {', '.join(BATCHINGS)}, got {run.batching!r}")
-    if run.dtype not in ("float32", "bfloat16", "float64"):
-        raise RosettaError(f"--dtype must be float32, bfloat16 or float64, got {run.dtype!r}")
+    if run.compile and (run.nproc > 1 or run.shard):
+        raise RosettaError("--compile trains in one process for now (DDP's and FSDP2's hooks under "
+                           "torch.compile are not tested here): leave out --nproc/--shard or --compile")
     if run.resume and run.overwrite:
         raise RosettaError("--resume continues a run and --overwrite discards it: give one of them")
     if run.peak_tflops is not None and not run.peak_tflops > 0:

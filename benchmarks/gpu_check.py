@@ -1,0 +1,325 @@
+"""The GPU path checked in one command: one line per check, PASS or FAIL, a non-zero exit if any
+fails, and a results file (benchmarks/results/gpu_check_<device>_<date>.{json,md}).
+
+    python -m benchmarks.gpu_check                          # a GPU: `base`, at most 5 minutes
+    python -m benchmarks.gpu_check --preset tiny            # a CPU: the same checks, in the suite
+
+What it checks, each against an independent reference (the float64 NumPy model, a formula):
+- parity: every backend and dtype's logits against float64 (float32 <= 1e-6 with TF32 off and
+  `highest` precision, the trainers' parity mode; bfloat16 <= 3e-2);
+- training: one step of every training path, bucketed and packed, plain and chunked loss, PyTorch
+  eager, PyTorch compiled (bucketed plain and packed chunked: each setting compiled once, a graph
+  costs ~35 s on a 2-core CPU) and JAX, through the trainers `rosetta train` builds: each step's
+  loss within a float32 bound of the float64 reference loss of the same batch and weights, so the
+  frameworks' losses agree with each other; and three steps of PyTorch compiled against eager;
+- attention: the fused path (SDPA; jax.nn.dot_product_attention, cuDNN on a GPU) against the
+  float64 formula, with a row whose keys are all masked (SPEC §2: uniform weights);
+- decoding: PyTorch's compiled search (CUDA graphs on a GPU) gives the eager search's tokens, and
+  cached greedy and beam-4 tokens are equal across PyTorch and JAX in float32;
+- the harness: 20 `rosetta train` steps per framework, with their tokens/s and MFU, beside the same
+  trainer's steps timed by the benchmark (the loop's median step over the benchmark's).
+"""
+
+from __future__ import annotations
+
+import argparse
+import datetime as dt
+import json
+import math
+import re
+import tempfile
+import time
+from collections.abc import Callable
+from dataclasses import asdict, dataclass, replace
+from pathlib import Path
+
+import numpy as np
+
+from benchmarks.common import RESULTS, environment, write_results
+from numpy_ref import model as reference
+from rosetta import init_params, preset
+from rosetta.backends import from_params, get_backend, get_trainer
+from rosetta.cli_args import positive_int, real
+from rosetta.config import PRESETS, ModelConfig
+from rosetta.files import check_writable
+from rosetta.harness.batching import BatchIterator
+from rosetta.harness.loop import train
+from rosetta.harness.run_config import RunConfig
+from rosetta.harness.tasks import load_task
+from rosetta.parity import parity_report, random_batch
+from rosetta.training import Batch, TrainConfig
+
+# The issue's bounds for parity on a GPU (rosetta.parity.TOLERANCES allows float32 1e-5 anywhere).
+PARITY = {"float32": 1e-6, "bfloat16": 3e-2, "float16": 1e-2, "float64": 1e-12}
+NO_DROPOUT = {"dropout": 0.0, "attention_dropout": 0.0, "activation_dropout": 0.0}
+TRAIN = TrainConfig(warmup_steps=4000)  # the paper's schedule: step 1's lr is tiny, as in a real run
+
+
+@dataclass
+class Check:
+    name: str
+    passed: bool
+    detail: str
+    seconds: float = 0.0
+
+    def line(self) -> str:
+        return f"{'PASS' if self.passed else 'FAIL'} {self.name}: {self.detail} ({self.seconds:.1f} s)"
+
+
+def timed(checks: list[Check], name: str, fn: Callable[[], tuple[bool, str]]) -> None:
+    """Run one check, print its line; an exception fails it (naming the exception), nothing stops."""
+    start = time.perf_counter()
+    try:
+        passed, detail = fn()
+    except Exception as e:  # noqa: BLE001 - a broken path is a failed check, reported in one line
+        passed, detail = False, f"{type(e).__name__}: {str(e).splitlines()[0] if str(e) else ''}"
+    checks.append(Check(name, passed, detail, time.perf_counter() - start))
+    print(checks[-1].line(), flush=True)
+
+
+# -- parity ----------------------------------------------------------------------------------
+
+def parity_checks(checks: list[Check], cfg: ModelConfig, params: dict) -> None:
+    rows = parity_report(cfg, params, ["torch", "jax"])
+    for row in rows:
+        bound = PARITY[row.dtype]
+        timed(checks, f"parity {row.backend} {row.dtype}", lambda r=row, b=bound: (
+            r.finite and r.relative_error <= b, f"relative error {r.relative_error:.2e} (bound {b:.0e})"))
+
+
+# -- training ---------------------------------------------------------------------------------
+
+def batches(cfg: ModelConfig, length: int, rows: int) -> dict[str, Batch]:
+    """A bucketed and a packed batch the harness builds from the copy task's pairs."""
+    pairs = load_task("copy", vocab_size=min(cfg.src_vocab_size, cfg.tgt_vocab_size),
+                      synthetic_max_len=length // 2).train_pairs
+    made = {}
+    for name, packing in (("bucketed", False), ("packed", True)):
+        iterator = BatchIterator.from_config(pairs, cfg, max_tokens=rows * length, buckets=(length,),
+                                             packing=packing)
+        made[name] = next(iterator)
+    return made
+
+
+def reference_loss(cfg: ModelConfig, params: dict, batch: Batch, eps: float) -> tuple[float, float]:
+    """SPEC §4's loss of `batch` in float64 NumPy (numpy_ref), and ||z||_2, the logits' norm over
+    the labelled positions: a logit error of relative size F moves the mean loss by at most 2 F
+    ||z||_2 (the cross entropy's gradient in the logits has L1 norm <= 2 per position)."""
+    p64 = {k: np.asarray(v, np.float64) for k, v in params.items()}
+    z = reference.forward(p64, cfg, batch.src, batch.tgt_in, packing=batch.packing())
+    z = z - z.max(axis=-1, keepdims=True)
+    logp = z - np.log(np.exp(z).sum(axis=-1, keepdims=True))
+    labelled = batch.labels != cfg.pad_id
+    y = batch.labels[labelled]
+    rows = logp[labelled]
+    per = (1 - eps) * -rows[np.arange(len(y)), y] + eps * -rows.mean(axis=-1)
+    return float(per.sum() / max(len(y), 1)), float(np.linalg.norm(z[labelled]))
+
+
+def adam_ratio(t: int, b1: float, b2: float) -> float:
+    """sup |m̂_t| / sqrt(v̂_t) over gradients: Adam's largest step at update t in units of lr (eps
+    aside). Cauchy-Schwarz on m_t = Σ a_k g_k, v_t = Σ c_k g_k² gives sqrt(Σ a_k² / c_k)."""
+    a = [(1 - b1) * b1 ** (t - k) / (1 - b1**t) for k in range(1, t + 1)]
+    c = [(1 - b2) * b2 ** (t - k) / (1 - b2**t) for k in range(1, t + 1)]
+    return math.sqrt(sum(x * x / y for x, y in zip(a, c, strict=True)))
+
+
+def training_checks(checks: list[Check], cfg: ModelConfig, params: dict, device: str, length: int,
+                    rows: int) -> None:
+    made = batches(cfg, length, rows)
+    tol = PARITY["float32"]
+    paths = [(fw, batching, loss) for fw in ("torch", "jax") for batching in made
+             for loss in ("plain", "chunked")]
+    paths += [("torch.compile", "bucketed", "plain"), ("torch.compile", "packed", "chunked")]
+    references = {name: reference_loss(cfg, params, batch, TRAIN.label_smoothing)
+                  for name, batch in made.items()}
+    losses: dict[tuple[str, str], list[float]] = {}
+    for framework, batching, loss in paths:
+        want, norm = references[batching]
+        bound = 2 * tol * norm
+
+        def one(framework=framework, batching=batching, loss=loss, want=want, bound=bound):
+            trainer = get_trainer(framework.split(".")[0])(
+                cfg, params, TRAIN, device=None if framework == "jax" else device, loss=loss,
+                compile=framework == "torch.compile", parity=True)
+            got = trainer.read(trainer.step(made[batching]))["loss"]
+            losses.setdefault((batching, loss), []).append(got)
+            diff = abs(got - want)
+            return diff <= bound, (f"loss {got:.7f}, float64 {want:.7f}, |diff| {diff:.1e} "
+                                   f"(bound 2·{tol:.0e}·||z|| = {bound:.1e})")
+
+        timed(checks, f"train {framework} {batching} {loss}", one)
+    # Each loss within 2 F ||z|| of the same float64 loss: any two within twice that.
+    timed(checks, "train: the frameworks' losses agree", lambda: (
+        all(max(v) - min(v) <= 4 * tol * references[key[0]][1] for key, v in losses.items()),
+        "; ".join(f"{b} {loss}: spread {max(v) - min(v):.1e} over {len(v)}"
+                  for (b, loss), v in losses.items())))
+    timed(checks, "train torch.compile against eager, 3 steps",
+          lambda: compiled_steps(cfg, params, device, made["bucketed"]))
+
+
+def compiled_steps(cfg: ModelConfig, params: dict, device: str, batch: Batch) -> tuple[bool, str]:
+    """Three updates, eager and compiled, from the same weights on the same batch (dropout off). Step
+    1: the same weights, so |ΔL| <= 2 F ||z|| (F the float32 bound) for each against float64, twice
+    that between them. After update r each weight may differ by up to 2 lr_r R_r (R: adam_ratio;
+    rounding can flip a near-zero gradient's sign, and Adam then steps a full lr either way), which
+    moves the loss by at most ||∇L||_1 times the sum of those: the bound for steps 2 and 3."""
+    eager, compiled = (get_trainer("torch")(cfg, params, TRAIN, device=device, compile=c, parity=True)
+                       for c in (False, True))
+    _, norm = reference_loss(cfg, params, batch, TRAIN.label_smoothing)
+    rounding = 4 * PARITY["float32"] * norm
+    drift, worst, lines = 0.0, 0.0, []
+    for t in range(1, 4):
+        step = eager.step(batch, keep_grads=True)
+        grads = step.pop("grads")
+        a, b = eager.read(step), compiled.read(compiled.step(batch))
+        g1 = sum(float(np.abs(g).sum()) for g in grads.values())
+        bound = rounding + g1 * drift
+        worst = max(worst, abs(a["loss"] - b["loss"]) / bound)
+        lines.append(f"step {t}: |diff| {abs(a['loss'] - b['loss']):.1e} (bound {bound:.1e})")
+        drift += 2 * a["lr"] * adam_ratio(t, TRAIN.adam_b1, TRAIN.adam_b2)
+    return worst <= 1, "; ".join(lines)
+
+
+# -- attention -----------------------------------------------------------------------------------
+
+def attention_checks(checks: list[Check], device: str) -> None:
+    import jax.numpy as jnp
+    import torch
+
+    from jax_impl.ops import fused_attention
+    from torch_impl.ops import attention as torch_attention
+
+    rng = np.random.default_rng(0)
+    B, h, T, dh = 2, 4, 16, 32
+    q, k, v = (rng.standard_normal((B, h, T, dh)) for _ in range(3))
+    mask = rng.random((B, 1, T, T)) > 0.3
+    mask[0, 0, 3, :] = False  # a query whose keys are all masked: uniform weights (SPEC §2)
+    scores = np.where(mask, q @ k.transpose(0, 1, 3, 2) / math.sqrt(dh), np.finfo(np.float64).min)
+    weights = np.exp(scores - scores.max(-1, keepdims=True))
+    want = (weights / weights.sum(-1, keepdims=True)) @ v  # (B, h, T, dh)
+    want = want.transpose(0, 2, 1, 3)
+    for dtype, bound in (("float32", 1e-5), ("bfloat16", 3e-2)):
+        def run_torch(dtype=dtype):
+            tdt = getattr(torch, dtype)
+            args = [torch.tensor(x, dtype=tdt, device=device) for x in (q, k, v)]
+            with torch.inference_mode():
+                y, _ = torch_attention(*args, torch.tensor(mask, device=device), 0.0)
+            return y.float().cpu().numpy()
+
+        def run_jax(dtype=dtype):
+            jdt = getattr(jnp, dtype)
+            y = fused_attention(*(jnp.asarray(x, jdt) for x in (q, k, v)), jnp.asarray(mask))
+            return np.asarray(y.astype(jnp.float32))
+
+        for name, fn in (("torch SDPA", run_torch), ("jax dot_product_attention", run_jax)):
+            def compare(fn=fn, bound=bound):
+                err = float(np.linalg.norm(fn() - want) / np.linalg.norm(want))
+                return err <= bound, f"relative error {err:.1e} against float64 (bound {bound:.0e})"
+
+            timed(checks, f"attention {name} {dtype}", compare)
+
+
+# -- decoding -----------------------------------------------------------------------------------
+
+def decoding_checks(checks: list[Check], cfg: ModelConfig, params: dict, device: str) -> None:
+    src, _ = random_batch(cfg, 8, 12, 2, seed=3)
+    margin = 8
+    torch_model = get_backend("torch")
+    torch_eager = torch_model(cfg, params, "float32", device=device, compile=False)
+    torch_compiled = torch_model(cfg, params, "float32", device=device, compile=True)
+    jax_model = from_params(cfg, params, "jax", "float32")
+    for beam in (1, 4):
+        search = "greedy" if beam == 1 else f"beam {beam}"
+        eager = torch_eager.generate(src, beam, 0.6, margin)
+
+        def compiled(eager=eager, beam=beam):
+            got = torch_compiled.generate(src, beam, 0.6, margin)
+            same = got.tokens == eager.tokens
+            return same, f"{'the same' if same else 'different'} tokens for {len(src)} sentences"
+
+        def across(eager=eager, beam=beam):
+            other = jax_model.generate(src, beam, 0.6, margin)
+            same = other.tokens == eager.tokens
+            return same, f"PyTorch and JAX: {'the same' if same else 'different'} tokens"
+
+        timed(checks, f"decode torch compiled {search}", compiled)
+        timed(checks, f"decode torch = jax {search}", across)
+
+
+# -- the harness ---------------------------------------------------------------------------------
+
+def harness_checks(checks: list[Check], preset_name: str, device: str, dtype: str, max_tokens: int,
+                   peak_tflops: float | None) -> None:
+    for backend, settings in (("torch", {}), ("jax", {})):
+        def one(backend=backend, settings=settings):
+            run = RunConfig(backends=(backend,), task="copy", preset=preset_name, steps=20, log_every=5,
+                            eval_every=0, checkpoint_every=0, eval_size=4, bleu_samples=4,
+                            max_tokens=max_tokens,
+                            dtype=dtype, device=device if backend == "torch" else None, progress=False,
+                            warmup=4000, peak_tflops=peak_tflops, **settings)
+            with tempfile.TemporaryDirectory() as out:
+                result = train(replace(run, out=out))[backend]
+            mfu = result["median_mfu"]
+            finite = result["final_loss"] is not None and math.isfinite(result["final_loss"])
+            return finite, (f"median step {result['median_step_time_s'] * 1e3:.1f} ms, "
+                            f"{result['median_tgt_tokens_per_s']:,.0f} target tokens/s, MFU "
+                            f"{'not known on this device' if mfu is None else format(mfu, '.1%')}, "
+                            f"compiled {result['compiles']} programs in "
+                            f"{result['compile_time_total_s']:.1f} s")
+
+        timed(checks, f"harness {backend} 20 steps", one)
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__,
+                                     formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--preset", default="base", choices=sorted(PRESETS))
+    parser.add_argument("--device", default=None,
+                        help="torch's device (default: cuda if there is one, else cpu)")
+    parser.add_argument("--out-dir", type=Path, default=RESULTS)
+    parser.add_argument("--no-write", action="store_true", help="print the lines only")
+    parser.add_argument("--seed", type=positive_int, default=1)
+    parser.add_argument("--peak-tflops", type=real, default=None,
+                        help="the GPU's peak TFLOP/s in bfloat16, for the harness's MFU (default: "
+                             "rosetta/flops.py's table of known GPUs)")
+    args = parser.parse_args(argv)
+    if args.peak_tflops is not None and args.peak_tflops <= 0:
+        parser.error(f"--peak-tflops must be a positive number, got {args.peak_tflops:g}")
+    import torch
+
+    device = args.device or ("cuda" if torch.cuda.is_available() else "cpu")
+    if not args.no_write:
+        check_writable(args.out_dir / "gpu_check.json")  # the folder, refused before any check runs
+    started = time.perf_counter()
+    env = environment()
+    cfg = preset(args.preset, **NO_DROPOUT)
+    params = init_params(cfg, seed=args.seed)
+    gpu = device == "cuda"
+    length, rows = (64, 64) if gpu else (24, 16)
+    checks: list[Check] = []
+    parity_checks(checks, cfg, params)
+    training_checks(checks, cfg, params, device, length, rows)
+    attention_checks(checks, device)
+    decoding_checks(checks, cfg, params, device)
+    harness_checks(checks, args.preset, device, "bfloat16" if gpu else "float32", 25000 if gpu else 1024,
+                   args.peak_tflops)
+    failed = [c for c in checks if not c.passed]
+    wall = time.perf_counter() - started
+    print(f"{len(checks) - len(failed)} of {len(checks)} checks passed in {wall:.0f} s", flush=True)
+    if not args.no_write:
+        name = re.sub(r"[^a-z0-9]+", "-", (env.get("gpu") or "cpu").lower()).strip("-")
+        name = f"gpu_check_{name}_{dt.date.today().isoformat()}"
+        result = {"environment": env, "preset": args.preset, "device": device, "wall_s": wall,
+                  "checks": [asdict(c) for c in checks], "passed": not failed}
+        text = (f"# GPU check: {args.preset} on {env.get('gpu') or env['processor']}\n\n"
+                f"{env['date']}, commit "
+                f"{env['commit']}, torch {env.get('torch')}, jax {env.get('jax')}; {wall:.0f} s.\n\n"
+                + "\n".join(f"- {c.line()}" for c in checks) + "\n")
+        print("wrote", *write_results(name, result, text, args.out_dir))
+        json.dumps(result)  # the results are JSON-able
+    return 1 if failed else 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
