@@ -1,5 +1,5 @@
 """The GPU path checked in one command: one line per check, PASS or FAIL, a non-zero exit if any
-fails, and a results file (benchmarks/results/gpu_check_<device>_<date>.{json,md}).
+fails, and a results file (benchmarks/results/gpu-check_<device>_<date>.{json,md}).
 
     python -m benchmarks.gpu_check                          # a GPU: `base`, at most 5 minutes
     python -m benchmarks.gpu_check --preset tiny            # a CPU: the same checks, in the suite
@@ -309,7 +309,8 @@ def main(argv: list[str] | None = None) -> int:
     print(f"{len(checks) - len(failed)} of {len(checks)} checks passed in {wall:.0f} s", flush=True)
     if not args.no_write:
         name = re.sub(r"[^a-z0-9]+", "-", (env.get("gpu") or "cpu").lower()).strip("-")
-        name = f"gpu_check_{name}_{dt.date.today().isoformat()}"
+        # "gpu-check", not "gpu_": benchmarks/report.py takes gpu_*.json for the GPU suite's results.
+        name = f"gpu-check_{name}_{dt.date.today().isoformat()}"
         result = {"environment": env, "preset": args.preset, "device": device, "wall_s": wall,
                   "checks": [asdict(c) for c in checks], "passed": not failed}
         text = (f"# GPU check: {args.preset} on {env.get('gpu') or env['processor']}\n\n"

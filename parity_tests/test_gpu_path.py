@@ -261,7 +261,7 @@ def test_gpu_check_passes_on_the_cpu(tmp_path, capsys):
     out = capsys.readouterr().out
     lines = [line for line in out.splitlines() if line.startswith(("PASS ", "FAIL "))]
     assert code == 0, "\n".join(line for line in lines if line.startswith("FAIL"))
-    (path,) = tmp_path.glob("gpu_check_cpu_*.json")
+    (path,) = tmp_path.glob("gpu-check_cpu_*.json")
     result = json.loads(path.read_text())
     assert result["passed"] and len(result["checks"]) == len(lines)
     names = {c["name"] for c in result["checks"]}
