@@ -26,6 +26,7 @@ import argparse
 import datetime as dt
 import json
 import math
+import os
 import re
 import tempfile
 import time
@@ -34,6 +35,8 @@ from dataclasses import asdict, dataclass, replace
 from pathlib import Path
 
 import numpy as np
+
+os.environ.setdefault("XLA_PYTHON_CLIENT_PREALLOCATE", "false")  # PyTorch runs in this process too
 
 from benchmarks.common import RESULTS, environment, write_results
 from numpy_ref import model as reference

@@ -2,17 +2,17 @@
 (the implementation most PyTorch users reach for), with the same weights — ported to the
 canonical format with rosetta/interop/nn_transformer.py, so our backends load exactly these — the same loss,
 optimizer and schedule (torch_impl/train.py; `rosetta train --backend peer` trains it through the harness:
-torch_impl/peer_train.py), and its usual decoding loop (greedy, the whole
+peer_impl/train.py), and its usual decoding loop (greedy, the whole
 prefix again at every step: nn.Transformer has no key/value cache)."""
 
 from __future__ import annotations
 
 import torch
 
+from peer_impl.model import PeerTransformer  # the model itself lives in its own package
 from rosetta.config import ModelConfig
 from rosetta.interop.nn_transformer import port_nn_transformer
 from rosetta.params import Params
-from torch_impl.peer import PeerTransformer  # the model itself lives in the installed package
 
 __all__ = ["PeerTransformer", "make_peer"]
 

@@ -92,12 +92,12 @@ FLIPS: list[Mistake] = [
 
 
 def catalogue_mistakes() -> list[Mistake]:
-    """Every entry of rosetta.diff.catalogue. Its forward is the catalogue's own build (config,
-    weights, switches) run by rosetta.diff.variant in the dtype of the weights given (float64:
+    """Every entry of rosetta.diff.shared.catalogue. Its forward is the catalogue's own build (config,
+    weights, switches) run by rosetta.diff.shared.variant in the dtype of the weights given (float64:
     exactly `mistaken_stages`); entries made of config and weights alone (no code switch) also
     carry `build`, for the PyTorch gradient."""
-    from rosetta.diff.catalogue import CATALOGUE, build
-    from rosetta.diff.variant import forward_stages
+    from rosetta.diff.shared.catalogue import CATALOGUE, build
+    from rosetta.diff.shared.variant import forward_stages
 
     out = []
     for entry in CATALOGUE:
@@ -271,8 +271,8 @@ def markdown(result: dict) -> str:
         "How: every error is ||ours - reference|| / ||reference|| at the contract positions "
         "(`rosetta.parity`), the reference being the correct model in float64 (`numpy_ref`). "
         "*float64*: the mistake alone (the catalogue's mistaken model, "
-        "`rosetta.diff.catalogue.mistaken_stages`). *float32*: the same NumPy forward "
-        "(`rosetta.diff.variant`) with float32 weights and arithmetic, what a float32 port's parity "
+        "`rosetta.diff.shared.catalogue.mistaken_stages`). *float32*: the same NumPy forward "
+        "(`rosetta.diff.shared.variant`) with float32 weights and arithmetic, what a float32 port's parity "
         "test sees. *bfloat16*: that forward with the weights rounded to bfloat16 and float32 "
         "arithmetic (NumPy has no bfloat16, and the catalogue's code-level mistakes exist only in "
         "the NumPy variant; a real bfloat16 forward also rounds the activations, so its floor differs "

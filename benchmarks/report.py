@@ -74,12 +74,12 @@ def tables(result: dict) -> str:
             f"[{r['min_s'] * 1e3:.2f}–{r['max_s'] * 1e3:.2f}] | {r['sentences_per_s']:,.0f} | "
             f"{_fmt(r.get('ratio_vs_peer'), '.2f')} |"
         )
-    lines += ["", "Decoding (float32, cached; the peer: nn.Transformer re-decoding the prefix, greedy only)",
-              "", "| preset | impl | search | s | sentences/s | tokens/s | ratio vs peer |",
-              "| --- | --- | --- | --- | --- | --- | --- |"]
+    lines += ["", "Decoding (cached; the peer: nn.Transformer re-decoding the prefix, greedy only, float32)",
+              "", "| preset | dtype | impl | search | s | sentences/s | tokens/s | ratio vs peer |",
+              "| --- | --- | --- | --- | --- | --- | --- | --- |"]
     for r in _sorted(result["rows"], "decode"):
         lines.append(
-            f"| {r['preset']} | {r['impl']} | {r['search']} | {r['median_s']:.3f} | "
+            f"| {r['preset']} | {r['dtype']} | {r['impl']} | {r['search']} | {r['median_s']:.3f} | "
             f"{r['sentences_per_s']:,.1f} | {r['tokens_per_s']:,.0f} | "
             f"{_fmt(r.get('ratio_vs_peer'), '.2f')} |"
         )

@@ -283,11 +283,11 @@ def bench_forward(cfg, params, peer, size: Size, dtype: str, suite: Suite, devic
     return rows
 
 
-def bench_decoding(cfg, params, peer, size: Size, suite: Suite, device: str) -> list[dict]:
+def bench_decoding(cfg, params, peer, size: Size, dtype: str, suite: Suite, device: str) -> list[dict]:
     src, _ = random_batch(cfg, size.decode_batch, size.decode_len, 2, seed=2)
     rows = []
-    models = {"torch": TorchModel(cfg, params, "float32", device), "jax": JaxModel(cfg, params, "float32")}
-    if device == "cpu":
+    models = {"torch": TorchModel(cfg, params, dtype, device), "jax": JaxModel(cfg, params, dtype)}
+    if device == "cpu" and dtype == "float32":
         models["numpy"] = from_params(cfg, params, "numpy", "float32")
     for beam in (1, 4):
         for name, model in models.items():
@@ -312,7 +312,9 @@ def bench_decoding(cfg, params, peer, size: Size, suite: Suite, device: str) -> 
                     sentences_per_s=len(src) / t["median_s"],
                 )
             )
-    # The peer: greedy only (nn.Transformer has no beam search), to the longest limit.
+    if dtype != "float32":
+        return rows
+    # The peer: greedy only (nn.Transformer has no beam search), to the longest limit; float32.
     peer.to(device).eval()
     src_t = torch.from_numpy(src).to(device)
     length = size.decode_len + size.margin
@@ -354,8 +356,8 @@ def add_ratios(rows: list[dict]) -> None:
 
 def measure_group(suite: Suite, preset_name: str, dtype: str) -> list[dict]:
     """Every measurement of one preset and dtype: training (the benchmark's and the loop's),
-    forward latency and (float32) decoding, each with the peer; every implementation starts from
-    the same weights and trains on the same batches."""
+    forward latency and decoding (the peer's greedy search in float32 only), each with the peer;
+    every implementation starts from the same weights and trains on the same batches."""
     size = suite.presets[preset_name]
     device = "cuda" if torch.cuda.is_available() else "cpu"
     if device == "cuda":
@@ -366,8 +368,7 @@ def measure_group(suite: Suite, preset_name: str, dtype: str) -> list[dict]:
     found = bench_training(cfg, params, batches, dtype, suite, impls, device)
     found += bench_harness(cfg, preset_name, size, dtype, suite, impls, device)
     found += bench_forward(cfg, params, peer, size, dtype, suite, device)
-    if dtype == "float32":
-        found += bench_decoding(cfg, params, peer, size, suite, device)
+    found += bench_decoding(cfg, params, peer, size, dtype, suite, device)
     peak = (suite.peak_tflops * 1e12 if suite.peak_tflops is not None
             else peak_flops(torch.cuda.get_device_name(0) if device == "cuda" else "cpu", dtype))
     real_flops = sum(batch_work(cfg, b)["flops"] for b in batches) / len(batches)

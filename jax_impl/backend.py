@@ -1,4 +1,5 @@
-"""The JAX/Flax NNX model behind the common backend interface (rosetta.backends).
+"""The JAX/Flax NNX model behind the common backend interface (rosetta.backends), mirroring
+torch_impl/backend.py (parity_tests/test_structure.py).
 
 Forward passes are pure jitted functions of (graphdef, state, ids): after the first call for
 a shape, a call is one dispatch, with no Python work per layer."""

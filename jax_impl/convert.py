@@ -1,6 +1,7 @@
 """Canonical parameters <-> the Flax NNX model. Flax kernels are already in math layout
 [in, out] and the module attributes carry the canonical names, so a canonical name is the
-model's state path joined by dots: no transposes here (compare torch_impl/convert.py)."""
+model's state path joined by dots: no transposes here (compare torch_impl/convert.py, which offers
+the same `build_model` and `to_params`)."""
 
 from __future__ import annotations
 

@@ -1,7 +1,8 @@
 """Greedy and beam search in JAX with a fixed-size key/value cache: the encoder runs once and
 the whole generation loop is one compiled `lax.while_loop` (no Python per token). Step for
 step the algorithm of numpy_ref/decode.py (read its docstring first); `cache=False`
-recomputes the whole prefix instead (for benchmarks)."""
+recomputes the whole prefix instead (for benchmarks). torch_impl/decode.py holds the same searches
+in PyTorch, under the same names in the same order (parity_tests/test_structure.py)."""
 
 from __future__ import annotations
 
@@ -69,7 +70,8 @@ class Steps:
 
     @staticmethod
     def reorder(cache: list[LayerCache], rows: jax.Array) -> list[LayerCache]:
-        return [c._replace(self_k=c.self_k[rows], self_v=c.self_v[rows]) for c in cache]
+        """The previous step's selection: new caches (ops.LayerCache.reorder)."""
+        return [layer_cache.reorder(rows) for layer_cache in cache]
 
 
 # XLA's CPU backend fuses the output projection with the log-softmax's max (a reduce) into one

@@ -6,7 +6,8 @@ jitted step runs over the whole mesh: XLA inserts the all-reduces and all-gather
 
 The framework-free design (the launch environment, one global batch split into blocks) is
 rosetta/distributed.py; docs/distributed.md explains the whole. torch_impl/distributed.py holds
-the same jobs for PyTorch, under the same names where they match, in the same order.
+the same jobs for PyTorch, under the same names where they match, in the same order
+(parity_tests/test_structure.py).
 """
 
 from __future__ import annotations
@@ -117,18 +118,6 @@ def place(nodes: Iterable[nnx.Pytree], mesh: Mesh) -> None:
         nnx.update(node, jax.tree.map(put, state, nnx.get_named_sharding(state, mesh)))
 
 
-def put(value: jax.Array, sharding: NamedSharding) -> jax.Array:
-    """`value` (the same on every process) laid out as `sharding`; across processes each one
-    builds only its own shards."""
-    if jnp.issubdtype(value.dtype, jax.dtypes.prng_key):  # typed keys travel as their raw words
-        data = put(jax.random.key_data(value), NamedSharding(sharding.mesh, P()))
-        return jax.random.wrap_key_data(data, impl=jax.random.key_impl(value))
-    if sharding.is_fully_addressable:
-        return jax.device_put(value, sharding)
-    host = np.asarray(value)
-    return jax.make_array_from_callback(host.shape, sharding, lambda index: host[index])
-
-
 def pin(nodes: Iterable[nnx.Pytree], mesh: Mesh) -> None:
     """Inside the jitted step: the new state of `nodes` constrained to their variables' layouts
     on the mesh, so that the next call hits the same compiled step."""
@@ -163,3 +152,15 @@ def whole(value: jax.Array) -> np.ndarray:
     if value.is_fully_addressable or value.is_fully_replicated:
         return np.array(value)
     return np.array(multihost_utils.process_allgather(value, tiled=True))
+
+
+def put(value: jax.Array, sharding: NamedSharding) -> jax.Array:
+    """`value` (whole, the same on every process) laid out as `sharding`; across processes each one
+    builds only its own shards. The reverse of `whole`."""
+    if jnp.issubdtype(value.dtype, jax.dtypes.prng_key):  # typed keys travel as their raw words
+        data = put(jax.random.key_data(value), NamedSharding(sharding.mesh, P()))
+        return jax.random.wrap_key_data(data, impl=jax.random.key_impl(value))
+    if sharding.is_fully_addressable:
+        return jax.device_put(value, sharding)
+    host = np.asarray(value)
+    return jax.make_array_from_callback(host.shape, sharding, lambda index: host[index])

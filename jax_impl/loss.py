@@ -8,7 +8,8 @@ Maintained kernels that do this (Liger-Kernel's fused linear cross-entropy, Appl
 Cross-Entropy) are PyTorch/Triton only; JAX has none we could install, so this custom_vjp over a
 lax.map (forward) and a lax.scan (backward) of chunks is the one used.
 
-Mirrors torch_impl/loss.py; diff them to see only framework differences.
+Mirrors torch_impl/loss.py, the same names in the same order (parity_tests/test_structure.py);
+diff them to see only framework differences.
 """
 
 from __future__ import annotations
@@ -73,21 +74,21 @@ def cross_entropy(logits: jax.Array, labels: jax.Array, denominator: jax.Array, 
     backward is the closed form; XLA's autodiff of log_softmax, take_along_axis and mean (a
     scatter and five passes over [tokens, V]) took 1.4x as long in a `small` step on this
     project's CPU (docs/benchmarks.md)."""
-    return _plain_forward(logits, labels, denominator, pad_id, label_smoothing)[0]
+    return _cross_entropy_forward(logits, labels, denominator, pad_id, label_smoothing)[0]
 
 
-def _plain_forward(logits, labels, denominator, pad_id, label_smoothing):
+def _cross_entropy_forward(logits, labels, denominator, pad_id, label_smoothing):
     total, lse = _token_losses(logits, labels, pad_id, label_smoothing)
     return total / jnp.asarray(denominator).astype(logits.dtype), (logits, labels, lse, denominator)
 
 
-def _plain_backward(pad_id, label_smoothing, residuals, grad_out):
+def _cross_entropy_backward(pad_id, label_smoothing, residuals, grad_out):
     logits, labels, lse, denominator = residuals
     scale = grad_out.astype(logits.dtype) / jnp.asarray(denominator).astype(logits.dtype)
     return _logits_grad(logits, lse, labels, pad_id, label_smoothing, scale), None, None
 
 
-cross_entropy.defvjp(_plain_forward, _plain_backward)
+cross_entropy.defvjp(_cross_entropy_forward, _cross_entropy_backward)
 
 
 @partial(jax.custom_vjp, nondiff_argnums=(5, 6, 7, 8))
@@ -96,10 +97,11 @@ def chunked_cross_entropy(hidden: jax.Array, weight: jax.Array, bias: jax.Array 
                           chunk: int, scale: float) -> jax.Array:
     """Σ over non-pad tokens of the cross-entropy against q = (1-ε)·onehot(y) + ε/V, divided by
     `denominator`; forward and backward both walk the tokens `chunk` at a time."""
-    return _forward(hidden, weight, bias, labels, denominator, pad_id, label_smoothing, chunk, scale)[0]
+    return _chunked_forward(hidden, weight, bias, labels, denominator, pad_id, label_smoothing, chunk,
+                            scale)[0]
 
 
-def _forward(hidden, weight, bias, labels, denominator, pad_id, label_smoothing, chunk, scale):
+def _chunked_forward(hidden, weight, bias, labels, denominator, pad_id, label_smoothing, chunk, scale):
     dtype = jnp.promote_types(hidden.dtype, jnp.float32)
 
     def one(args: tuple[jax.Array, jax.Array]) -> tuple[jax.Array, jax.Array]:
@@ -111,7 +113,7 @@ def _forward(hidden, weight, bias, labels, denominator, pad_id, label_smoothing,
     return total, (hidden, weight, bias, labels, lse, denominator)
 
 
-def _backward(pad_id, label_smoothing, chunk, s, residuals, grad_out):
+def _chunked_backward(pad_id, label_smoothing, chunk, s, residuals, grad_out):
     """d loss / d logits = mask · (softmax - q) / denominator, recomputed chunk by chunk from
     the saved logsumexp; then through logits = s (h W) + b: d/dh = s g W^T, d/dW = s h^T g."""
     hidden, weight, bias, labels, lse, denominator = residuals
@@ -137,7 +139,7 @@ def _backward(pad_id, label_smoothing, chunk, s, residuals, grad_out):
     return grad_h, grad_w.astype(weight.dtype), grad_b, None, None
 
 
-chunked_cross_entropy.defvjp(_forward, _backward)
+chunked_cross_entropy.defvjp(_chunked_forward, _chunked_backward)
 
 
 def chunked_loss(hidden: jax.Array, weight: jax.Array, bias: jax.Array | None, labels: jax.Array,

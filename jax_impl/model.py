@@ -188,17 +188,15 @@ class DecoderLayer(nnx.Module):
 
         def self_attn(h: Array) -> Array:
             k, v = self.self_attn.project_kv(h)
-            k, v = k.astype(cache.self_k.dtype), v.astype(cache.self_v.dtype)
-            written["k"] = jax.lax.dynamic_update_slice_in_dim(cache.self_k, k, t, axis=2)
-            written["v"] = jax.lax.dynamic_update_slice_in_dim(cache.self_v, v, t, axis=2)
-            return self.self_attn.attend(h, written["k"], written["v"], self_mask)
+            written["cache"] = new = cache.write(t, k, v)  # a new cache (jax_impl/ops.py)
+            return self.self_attn.attend(h, new.self_k, new.self_v, self_mask)
 
         x = residual(self.self_attn_norm, x, self_attn, self.cfg, self.dropout, None)
         x = residual(self.cross_attn_norm, x,
                      lambda h: self.cross_attn.attend(h, cache.cross_k, cache.cross_v, cross_mask),
                      self.cfg, self.dropout, None)
         x = residual(self.ffn_norm, x, self.ffn, self.cfg, self.dropout, None)
-        return x, cache._replace(self_k=written["k"], self_v=written["v"])
+        return x, written["cache"]
 
 
 class Stack(nnx.Module):

@@ -1,7 +1,8 @@
 """JAX-only speed paths and helpers of jax_impl/model.py: attention through
 jax.nn.dot_product_attention where it is faster (and the choice of when), dropout's CPU draw, the
-output projection's backward, the incremental-decoding cache (a pytree), and the variable type of
-the positional table. torch_impl/ops.py holds PyTorch's;
+output projection's backward, the incremental-decoding cache (a pytree, written and reordered into
+new caches), and the variable type of the positional table. torch_impl/ops.py holds PyTorch's, under
+the same names where they match, in the same order (parity_tests/test_structure.py);
 numpy_ref/model.py computes the same numbers the plain way (and decodes without a cache).
 
 Shapes: B batch, h heads, Tq query length, Tk key length, dh d_head.
@@ -65,23 +66,28 @@ def fused_attention(q: jax.Array, k: jax.Array, v: jax.Array, mask: jax.Array) -
     return jnp.where(no_key.transpose(0, 2, 1, 3), v.mean(axis=1, keepdims=True), y)
 
 
+def cpu_dropout(x: jax.Array, p: float, key: jax.Array) -> jax.Array:
+    """Inverted dropout (§5.4) at rate 0 < p < 1 from 16 random bits per value, drawn from `key`
+    and laid out as x (threefry's classic mode hashes one 32-bit word pair per four values instead
+    of per two: nnx.Dropout's float draws were 190 ms of a 2.1 s `small` step on this project's CPU,
+    docs/benchmarks.md). p is rounded to a multiple of 2^-16 (0.1 -> 0.100006) and the scale is
+    exactly 1/(1-p) for that p."""
+    dropped = min(round(p * 65536), 65535)  # of a 16-bit draw's 65536 values, those dropped
+    bits = jax.random.bits(key, x.shape, jnp.uint16, out_sharding=jax.typeof(x).sharding)
+    return jnp.where(bits >= dropped, x * (65536 / (65536 - dropped)), jnp.zeros_like(x))
+
+
 class Dropout(nnx.Dropout):
     """Inverted dropout (§5.4: zero each value with probability p, scale the rest by 1/(1-p)), as
-    torch_impl.ops.Dropout: on CPUs the mask comes from 16 random bits per value (threefry's
-    classic mode hashes one 32-bit word pair per four values instead of per two: nnx.Dropout's
-    float draws were 190 ms of a 2.1 s `small` step on this project's CPU, docs/benchmarks.md).
-    p is rounded to a multiple of 2^-16 (0.1 -> 0.100006) and the scale is exactly 1/(1-p) for
-    that p. Elsewhere, or with rngs other than an nnx.Rngs, nnx.Dropout's own draw."""
+    torch_impl.ops.Dropout: on CPUs by cpu_dropout (its own stream: the trainer's nnx.Rngs).
+    Elsewhere, or with rngs other than an nnx.Rngs, nnx.Dropout's own draw."""
 
     def __call__(self, x: jax.Array, *, deterministic: bool | None = None,
                  rngs: nnx.Rngs | None = None) -> jax.Array:
         off = self.deterministic if deterministic is None else deterministic
         if off or self.rate == 0.0 or not isinstance(rngs, nnx.Rngs) or jax.default_backend() != "cpu":
             return super().__call__(x, deterministic=deterministic, rngs=rngs)
-        dropped = min(round(self.rate * 65536), 65535)  # of a 16-bit draw's 65536 values, those dropped
-        bits = jax.random.bits(rngs[self.rng_collection](), x.shape, jnp.uint16,
-                               out_sharding=jax.typeof(x).sharding)
-        return jnp.where(bits >= dropped, x * (65536 / (65536 - dropped)), jnp.zeros_like(x))
+        return cpu_dropout(x, self.rate, rngs[self.rng_collection]())
 
 
 @jax.custom_vjp
@@ -116,6 +122,17 @@ class LayerCache(NamedTuple):
     self_v: jax.Array
     cross_k: jax.Array
     cross_v: jax.Array
+
+    def write(self, t: jax.Array, k: jax.Array, v: jax.Array) -> LayerCache:
+        """The cache with the keys and values (N, h, 1, dh) of position t written, cast to its dtype:
+        the whole cache is attended, positions > t masked (torch_impl's static-cache path)."""
+        k, v = k.astype(self.self_k.dtype), v.astype(self.self_v.dtype)
+        return self._replace(self_k=jax.lax.dynamic_update_slice_in_dim(self.self_k, k, t, axis=2),
+                             self_v=jax.lax.dynamic_update_slice_in_dim(self.self_v, v, t, axis=2))
+
+    def reorder(self, rows: jax.Array) -> LayerCache:
+        """Beam search's reordering: row i takes row rows[i] (a new cache: JAX arrays are immutable)."""
+        return self._replace(self_k=self.self_k[rows], self_v=self.self_v[rows])
 
 
 class Positions(nnx.Variable):

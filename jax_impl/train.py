@@ -6,7 +6,8 @@ default, several processes under torchrun via `jax.distributed`), with the param
 or, with `shard=True`, sharded ZeRO-3 style; the mesh and the layouts live in
 jax_impl/distributed.py (the design: rosetta/distributed.py, docs/distributed.md).
 
-Mirrors torch_impl/train.py function for function; diff them to see only framework differences.
+Mirrors torch_impl/train.py function for function (parity_tests/test_structure.py lists what
+one framework alone has); diff them to see only framework differences.
 """
 
 from __future__ import annotations
@@ -43,7 +44,7 @@ from jax_impl.model import Transformer
 from rosetta.checkpoint import check_params
 from rosetta.config import ModelConfig
 from rosetta.device import cpu_name, max_rss_bytes
-from rosetta.distributed import launch_env, split_rows
+from rosetta.distributed import LaunchEnv, launch_env, split_rows
 from rosetta.inputs import Packing
 from rosetta.params import Params, canonical_dtype, param_shapes
 from rosetta.training import Batch, HostTimer, Prepared, TrainConfig, check_state, check_trainer_args
@@ -87,6 +88,29 @@ def make_optimizer(model: Transformer, train_cfg: TrainConfig) -> nnx.Optimizer:
     return nnx.Optimizer(model, tx, wrt=nnx.Param)
 
 
+def forward_loss(model: Transformer, rngs: nnx.Rngs | None, src: jax.Array, tgt: jax.Array, labels: jax.Array,
+                 label_smoothing: float, num_tokens: jax.Array | int | None = None,
+                 packing: Packing | None = None) -> jax.Array:
+    """The loss of one batch, forward only: what `_train_step` differentiates. `packing`: a packed
+    batch's segment and position arrays (docs/packing.md)."""
+    logits = model(src, tgt, rngs=rngs, packing=packing)
+    return loss_fn(logits, labels, model.cfg.pad_id, label_smoothing, num_tokens)[0]
+
+
+def chunked_forward_loss(model: Transformer, rngs: nnx.Rngs | None, src: jax.Array, tgt: jax.Array,
+                         labels: jax.Array, label_smoothing: float, num_tokens: jax.Array | int | None = None,
+                         packing: Packing | None = None) -> jax.Array:
+    """`forward_loss` without the [tokens, V] float32 logits: the decoder's output, then the output
+    projection and the loss chunk by chunk with their own backward (jax_impl/loss.py, docs/loss.md)."""
+    hidden = model(src, tgt, rngs=rngs, hidden=True, packing=packing)
+    return chunked_loss(hidden, *generator_params(model), labels, model.cfg.pad_id, label_smoothing,
+                        num_tokens, logit_scale=model.cfg.logit_scale)[0]
+
+
+# Each of rosetta.training.LOSSES by name: its forward pass and loss.
+FORWARDS: dict[str, Callable[..., jax.Array]] = {"plain": forward_loss, "chunked": chunked_forward_loss}
+
+
 @nnx.jit(static_argnames=("train_cfg", "mesh", "loss", "keep_grads"))
 def _train_step(model: Transformer, optimizer: nnx.Optimizer, rngs: nnx.Rngs, src: jax.Array,
                 tgt: jax.Array, labels: jax.Array, num_tokens: jax.Array | None, train_cfg: TrainConfig,
@@ -102,15 +126,11 @@ def _train_step(model: Transformer, optimizer: nnx.Optimizer, rngs: nnx.Rngs, sr
     the same compiled step. `packing`: a packed batch's segment and position arrays [K, rows, L]
     (docs/packing.md), a pytree: None or a Packing of arrays, each compiled once per shape.
     `keep_grads` (`rosetta train --trace`): the gradients before clipping are returned fourth."""
-    chunked = loss == "chunked"
+    forward = FORWARDS[loss]
 
     def loss_of(model: Transformer, rngs: nnx.Rngs, src: jax.Array, tgt: jax.Array,
                 labels: jax.Array, packing: Packing | None) -> jax.Array:
-        out = model(src, tgt, rngs=rngs, hidden=chunked, packing=packing)
-        if chunked:
-            return chunked_loss(out, *generator_params(model), labels, model.cfg.pad_id,
-                                train_cfg.label_smoothing, num_tokens, logit_scale=model.cfg.logit_scale)[0]
-        return loss_fn(out, labels, model.cfg.pad_id, train_cfg.label_smoothing, num_tokens)[0]
+        return forward(model, rngs, src, tgt, labels, train_cfg.label_smoothing, num_tokens, packing)
 
     lr = schedule(model.cfg.d_model, train_cfg)(optimizer.step[...])  # what adam reads this update
     value_and_grad = nnx.value_and_grad(loss_of)  # d/d(nnx.Param of model) only
@@ -290,6 +310,17 @@ class Trainer:
         self._steps = 0  # updates done, on the host: reading optimizer.step would wait for the device
         self.device_name = cpu_name() if self.device.platform == "cpu" else self.device.device_kind
 
+    @staticmethod
+    def resolve_device(name: str | None, env: LaunchEnv) -> str:
+        """The first device a trainer built with `device=name` in the launch `env` takes ('cpu:0',
+        'gpu:1'), checked as the constructor checks it: a RosettaError if JAX has no such device here.
+        Under a launcher JAX may not look at its devices before the processes join (init_distributed),
+        so there `name` comes back as given (None: 'default'), checked when the trainer is built."""
+        if env.distributed:
+            return name or "default"
+        device = local_device(name)
+        return f"{device.platform}:{jax.local_devices(backend=device.platform).index(device)}"
+
     def _global_batch(self, batch: Batch) -> tuple[tuple[jax.Array, ...], Packing | None, int]:
         """src, tgt_in, labels as [K, W·m, L] arrays, rows sharded over "data": block w·K + k of
         `split_rows` (worker w's k-th micro-batch) is rows w·m..(w+1)·m of micro-batch k. Also a
@@ -343,10 +374,7 @@ class Trainer:
                    "num_src_tokens": int(batch.num_src_tokens), "num_tgt_tokens": int(batch.num_tgt_tokens),
                    "world_size": self.world_size, "worker_rows": rows}
         if keep_grads:
-            flat = {flax_name(path): whole(value.get_value() if hasattr(value, "get_value") else value)
-                    .astype(canonical_dtype(self.dtype)) for path, value in nnx.to_flat_state(grads[0])}
-            check_params(self.cfg, flat, source="gradients")
-            metrics["grads"] = {name: flat[name] for name in param_shapes(self.cfg)}  # checkpoint order
+            metrics["grads"] = self._kept_gradients(grads[0])
         return metrics
 
     def read(self, metrics: dict[str, Any]) -> dict[str, Any]:
@@ -365,6 +393,14 @@ class Trainer:
     def compilation(self) -> tuple[float, int]:
         """JAX's seconds and programs compiled so far in this process (jax_impl/compilation.py)."""
         return compilation.compile_totals()
+
+    def _kept_gradients(self, grads: nnx.State) -> Params:
+        """The step's gradients before clipping (`_train_step` returns them), canonical and whole on
+        every process (a collective when they are sharded across processes)."""
+        flat = {flax_name(path): whole(value.get_value() if hasattr(value, "get_value") else value)
+                .astype(canonical_dtype(self.dtype)) for path, value in nnx.to_flat_state(grads)}
+        check_params(self.cfg, flat, source="gradients")
+        return {name: flat[name] for name in param_shapes(self.cfg)}  # checkpoint order
 
     def any_process(self, flag: bool) -> bool:
         """Whether `flag` holds on any process of the launch (a collective; alone: `flag`), so that

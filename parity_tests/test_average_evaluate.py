@@ -18,12 +18,12 @@ import sacrebleu
 import torch
 
 from rosetta import init_params, preset
-from rosetta.average import average_checkpoints, resolve_checkpoints
 from rosetta.backends import load
 from rosetta.checkpoint import DTYPES, load_checkpoint, save_checkpoint
 from rosetta.errors import RosettaError
 from rosetta.files import atomic_write_bytes
 from rosetta.generation import Generation
+from rosetta.harness.average import average_checkpoints, resolve_checkpoints
 from rosetta.harness.commands import add_parsers
 from rosetta.harness.data import default_data_dir, load_multi30k
 from rosetta.harness.evaluate import FORMAT, evaluate_model

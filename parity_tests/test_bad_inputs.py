@@ -20,6 +20,7 @@ import pytest
 
 from rosetta import from_params, init_params, preset, save_checkpoint
 from rosetta.backends import BACKENDS
+from rosetta.diff.shared.dump import dump_model
 from rosetta.parity import random_batch
 
 CFG = preset("tiny", num_encoder_layers=1, num_decoder_layers=1)
@@ -94,7 +95,7 @@ def dump_case(tmp_path_factory):
     params = init_params(CFG, seed=0)
     checkpoint = save_checkpoint(root / "m.safetensors", CFG, params)
     src, tgt = random_batch(CFG, batch=2, src_len=7, tgt_len=5, seed=2)
-    dump = from_params(CFG, params, "numpy").dump(root / "good.npz", src, tgt)
+    dump = dump_model(from_params(CFG, params, "numpy"), root / "good.npz", src, tgt)
     with zipfile.ZipFile(dump) as archive:
         members = {info.filename: archive.read(info) for info in archive.infolist()}
     return root, checkpoint, dump, members
@@ -139,7 +140,7 @@ def test_a_compressed_member_of_a_wrong_large_shape_is_refused_before_reading(du
 def test_a_dump_that_unpacks_far_beyond_its_size_is_refused(dump_case, monkeypatch):
     """Shapes right for the batch, sizes honest, but a compression ratio no activations have
     (floor and ratio lowered here to fit the tiny model's 30 KB dump of zeros)."""
-    from rosetta.diff import dump as dump_module
+    from rosetta.diff.shared import dump as dump_module
     from rosetta.errors import CheckpointError
 
     root, _, _, members = dump_case

@@ -240,8 +240,11 @@ def test_two_device_torch_and_jax_runs_agree_step_by_step(two_process_run, tmp_p
 
 def test_a_killed_rank_ends_the_launch_with_its_name_and_the_run_resumes(two_process_run, tmp_path):
     out = tmp_path / "run"
-    # Process 1 dies (SIGKILL, as the OOM killer would) after step 3: torchrun stops process 0.
-    killed = _rosetta([*TRAIN_ARGS, "--out", str(out), "--nproc", "2"], ROSETTA_TEST_KILL_AT="1:3")
+    # Process 1 dies (SIGKILL, as the OOM killer would) after step 3: torchrun stops process 0. The
+    # fault is the test's own (parity_tests/fault_injection/sitecustomize.py, first on PYTHONPATH).
+    injected = os.pathsep.join([str(ROOT / "parity_tests" / "fault_injection"), _env()["PYTHONPATH"]])
+    killed = _rosetta([*TRAIN_ARGS, "--out", str(out), "--nproc", "2"], ROSETTA_TEST_KILL_AT="1:3",
+                      PYTHONPATH=injected)
     assert killed.returncode == 2
     assert "rank      : 1" in killed.stderr and "SIGKILL" in killed.stderr  # torchrun's report names it
     assert "rosetta: error: the launch of 2 processes failed" in killed.stderr.splitlines()[-1]

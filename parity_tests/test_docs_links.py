@@ -31,10 +31,11 @@ PAGES = [ROOT / "README.md", *sorted((ROOT / "docs").glob("*.md"))]
 LINK = re.compile(r"\[([^\]]*)\]\(([^)\s]+)\)")
 CODE_SPAN = re.compile(r"`([^`\n]+)`")
 # Top-level folders of the repository: a code span starting with one of them is a path.
-REPO_DIRS = ("rosetta/", "numpy_ref/", "torch_impl/", "jax_impl/", "benchmarks/", "parity_tests/", "docs/")
+REPO_DIRS = ("rosetta/", "numpy_ref/", "torch_impl/", "jax_impl/", "peer_impl/", "benchmarks/",
+             "parity_tests/", "docs/")
 CONTRACT, PITFALLS_PAGE = ROOT / "docs" / "contract.md", ROOT / "docs" / "pitfalls.md"
 # Where "SPEC §N" and "PITFALLS N" may be written: the pages and the code (comments, docstrings).
-CODE_DIRS = ("rosetta", "numpy_ref", "torch_impl", "jax_impl", "benchmarks", "parity_tests")
+CODE_DIRS = ("rosetta", "numpy_ref", "torch_impl", "jax_impl", "peer_impl", "benchmarks", "parity_tests")
 CITING = PAGES + sorted(p for d in CODE_DIRS for p in (ROOT / d).rglob("*.py"))
 # "SPEC §2", "SPEC §1-2", "SPEC §1, §3"; "PITFALLS 14", "PITFALLS 2, 3", "PITFALLS 1-12".
 # "1, 2" is taken as a list only when what follows the comma is a bare number.

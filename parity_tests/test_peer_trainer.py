@@ -1,5 +1,5 @@
-"""`rosetta train --backend peer`: torch.nn.Transformer (torch_impl/peer.py) trained by the harness
-with the torch backend's recipe (torch_impl/peer_train.py).
+"""`rosetta train --backend peer`: torch.nn.Transformer (peer_impl/model.py) trained by the harness
+with the torch backend's recipe (peer_impl/train.py).
 
 The oracle is the torch backend, itself at parity with the float64 reference (test_training.py,
 test_harness.py): from the same canonical weights, without dropout, one peer step gives its loss,
@@ -17,6 +17,8 @@ pytest.importorskip("torch")
 
 from benchmarks.peer import make_peer  # noqa: E402
 from parity_tests.dp_case import LOSS_RTOL, WEIGHTS_RTOL, compare  # noqa: E402
+from peer_impl import train as peer_train  # noqa: E402
+from peer_impl.model import peer_from_params  # noqa: E402
 from rosetta import RosettaError, init_params, load_checkpoint, preset  # noqa: E402
 from rosetta.backends import from_params, load  # noqa: E402
 from rosetta.cli import main  # noqa: E402
@@ -26,8 +28,7 @@ from rosetta.harness.data import synthetic_pairs  # noqa: E402
 from rosetta.harness.trainer_state import load_trainer_state  # noqa: E402
 from rosetta.interop.nn_transformer import port_nn_transformer  # noqa: E402
 from rosetta.training import TrainConfig  # noqa: E402
-from torch_impl import peer_train, train  # noqa: E402
-from torch_impl.peer import peer_from_params  # noqa: E402
+from torch_impl import train  # noqa: E402
 
 pytestmark = pytest.mark.trainable
 

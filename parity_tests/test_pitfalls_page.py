@@ -70,7 +70,7 @@ def test_epsilon_row_matches_an_independent_computation():
 def test_catalogue_forward_is_mistaken_stages():
     """The script runs each catalogue entry through the catalogue's own build; in float64 that
     is exactly engineer 2's mistaken_stages, for a config flip, a weight transform and a switch."""
-    from rosetta.diff.diagnose import mistaken_stages
+    from rosetta.diff.shared.diagnose import mistaken_stages
     cfg, params, src, tgt = _tiny()
     by_name = {m.name: m for m in pitfalls.catalogue_mistakes()}
     for name in ("pre_norm", "kernels_transposed", "mask_inverted"):

@@ -1,5 +1,6 @@
 """The three model files read line for line (as recurrentgemma's jax/ and torch/ packages: the same
-classes in the same order), checked on their syntax trees with `ast`; nothing is imported.
+classes in the same order), and so do the other files both framework backends have; checked on their
+syntax trees with `ast`; nothing is imported.
 
 The outline of a file is its top-level classes (each with its methods, in order) and top-level
 functions, in order. PyTorch's `forward` and Flax's `__call__` are one name ("forward").
@@ -15,6 +16,12 @@ functions, in order. PyTorch's `forward` and Flax's `__call__` are one name ("fo
   go stale). Training-only parts (dropout) and speed paths live in torch_impl/ops.py and
   jax_impl/ops.py, outside the compared files.
 - every model file is at most MAX_LINES lines: one sitting, as nanoGPT's model.py.
+- beyond model.py (issue 38), each file of MIRRORED in torch_impl/ and jax_impl/: the same concept
+  under the same name, in the same order (classes with their methods, read as 'Class.method'),
+  after leaving out what one framework alone has, listed by name with its reason in TORCH_ONLY and
+  JAX_ONLY (a listed class covers its methods; each listed name must be in its file and not in the
+  other, so the lists cannot go stale). Parameters are not compared there: JAX passes its generator,
+  graph and state explicitly where PyTorch keeps them in modules and global state.
 """
 
 from __future__ import annotations
@@ -114,7 +121,147 @@ MAX_FILE_LINES = 500  # issue 25: no file of the package or the backends reads p
 
 
 def test_no_source_file_is_over_500_lines():
-    files = [p for d in ("rosetta", "numpy_ref", "torch_impl", "jax_impl") for p in (ROOT / d).rglob("*.py")]
+    files = [p for d in ("rosetta", "numpy_ref", "torch_impl", "jax_impl", "peer_impl")
+             for p in (ROOT / d).rglob("*.py")]
     assert len(files) > 40  # the walk found the tree
     lines = {str(p.relative_to(ROOT)): len(p.read_text().splitlines()) for p in files}
     assert {name: n for name, n in lines.items() if n > MAX_FILE_LINES} == {}
+
+
+# -- Beyond model.py: the other files both framework backends have ---------------------------------
+
+MIRRORED = ("ops", "loss", "distributed", "train", "decode", "convert", "compilation", "backend")
+TORCH_ONLY: dict[str, dict[str, str]] = {
+    "ops": {
+        "LayerCache.tensors": "a compiled step marks the cache's tensors static (CUDA graphs)",
+        "grow_positions": "the positional buffer is replaced eagerly; JAX builds a longer table when tracing",
+        "_can_pack": "oneDNN's packed float32 linears for CPU decoding (a torch build's kernel)",
+        "_packed_linear": "the same",
+        "packed_linears": "the same",
+    },
+    "loss": {
+        "_ChunkedCrossEntropy": "the autograd.Function binding _chunked_forward/_backward (JAX: defvjp)",
+    },
+    "distributed": {
+        "replicate": "DDP or FSDP2 wrap the module; JAX lays its variables on a mesh (place)",
+        "unwrap": "the module inside DDP's wrapper; JAX wraps nothing",
+        "gradient_sync": "DDP's and FSDP2's reduction held until the last micro-batch; JAX sums in one step",
+        "all_sum": "the loss summed over processes by hand; XLA inserts JAX's reductions itself",
+        "every_process": "generator states are Python objects gathered per process; JAX's are arrays (whole)",
+    },
+    "train": {
+        "compiled_forward": "torch.compile is opt-in (--compile); every JAX step is jitted",
+        "CudaTimer": "CUDA events time a stretch of steps; JAX has no device events (HostTimer)",
+        "Trainer._rng_devices": "torch's global generators swapped in per step; JAX's nnx.Rngs is explicit",
+        "Trainer._get_rng": "the same",
+        "Trainer._load_rng": "the same, per process (one process per device)",
+        "Trainer._precision": "TF32 per device; JAX's matmul precision is set in _context",
+        "Trainer._tensor": "ids copied from pinned memory per process; JAX lays the batch on the mesh",
+    },
+    "decode": {
+        "Steps.tensors": "a compiled step marks what it reads static (CUDA graphs)",
+        "column": "a 0-d tensor t indexed without a host read; JAX indexes with traced t",
+        "put_column": "the same",
+        "topk_stable": "torch.topk leaves ties unordered; jax.lax.top_k takes the lower index",
+        "topk_exact": "the same, compiled",
+        "_topk_by_keys": "the same",
+        "run": "the Python loop over compiled or eager steps; JAX's is one lax.while_loop",
+        "_dynamic_dims": "the sizes torch.compile keeps dynamic; jax.jit compiles per shape",
+    },
+    "convert": {
+        "torch_name": "nn.Linear stores [out, in] and other modules name their tensors `weight`",
+        "to_state_dict": "the state_dict, torch's container (gradients and sharded state go through it)",
+        "_torch_compatible": "torch.tensor cannot read ml_dtypes' bfloat16",
+        "from_state_dict": "the state_dict, read back canonical",
+    },
+    "compilation": {
+        "compiled": "torch.compile with our settings; JAX jits each step where it is defined",
+    },
+    "backend": {
+        "Precision": "torch's dtypes: parameter dtype, autocast dtype, CUDA-only",
+        "float32_matmul_precision": "torch's TF32 switches, restored after",
+        "autocast_context": "torch.autocast; JAX computes in the model's dtype",
+        "default_device": "CUDA if available: torch places tensors itself; JAX has a default device",
+        "Model.__init__": "the device and the compiled search step chosen per model",
+        "Model._tensor": "NumPy ids to the model's device; JAX takes NumPy arrays directly",
+    },
+}
+JAX_ONLY: dict[str, dict[str, str]] = {
+    "ops": {
+        "fused_attention": "jax.nn.dot_product_attention and its choice of kernel; torch's SDPA is inline",
+        "project": "the output projection's custom_vjp: XLA's CPU autodiff of a tied kernel transposes",
+        "_project_forward": "the same",
+        "_project_backward": "the same",
+        "Positions": "the positional table's variable type; torch registers a buffer",
+    },
+    "loss": {
+        "_chunks": "lax.map and lax.scan need equal chunks; torch slices a shorter last one",
+        "cross_entropy": "loss_fn's closed-form backward (torch's autograd was faster: loss.py)",
+        "_cross_entropy_forward": "the same",
+        "_cross_entropy_backward": "the same",
+    },
+    "distributed": {
+        "make_mesh": "the jax.sharding.Mesh of devices; torch runs one process per device",
+        "_mesh_devices": "the same",
+        "shard_variables": "ZeRO-3 metadata on variables; torch's FSDP2 shards in replicate",
+        "_shard_spec": "the same",
+        "place": "variables laid on the mesh; torch's DDP broadcasts in replicate",
+        "pin": "sharding constraints inside the jitted step; torch's engine keeps layouts",
+        "dropout_draws": "threefry's draw mode; torch's generator has one",
+    },
+    "train": {
+        "_accumulated": "micro-batches in a lax.scan; torch's loop in _train_step",
+        "make_train_step": "nnx.cached_partial binds the graph once; torch has no graph walk per call",
+        "_gradients": "gradients' jitted core; torch runs eagerly",
+        "_eval_loss": "eval_loss's jitted core; torch runs eagerly",
+        "Trainer._global_batch": "the global batch laid on the mesh; torch copies its own blocks (_tensor)",
+    },
+    "decode": {
+        "Steps.init_cache": "the cache is loop state; torch's Steps holds it (written in place)",
+        "_search_jit": "jax.jit with XLA's CPU options for the searches",
+        "_greedy_search": "the jitted search: one lax.while_loop (torch: greedy_search through run)",
+        "_beam_search": "the same for beam search",
+    },
+    "convert": {
+        "flax_name": "a state path's canonical name; Flax kernels need no transpose",
+    },
+    "compilation": {
+        "set_xla_flags": "XLA's flags, read when JAX starts its backends",
+        "configure": "JAX's persistent compilation cache; inductor keeps its own",
+        "_on_duration": "JAX's compilation events counted (torch: dynamo's own timings)",
+        "_on_event": "the same",
+        "compiled_programs": "programs compiled per jitted function, for the tests",
+    },
+    "backend": {
+        "x64": "64-bit JAX around float64 work; torch has float64 natively",
+        "_encode": "pure jitted functions of (graphdef, state); torch calls its module",
+        "_decode": "the same",
+        "_logits": "the same",
+        "_stages": "the same",
+        "_step_logits": "the same",
+    },
+}
+
+
+def names(path: Path) -> list[str]:
+    """The outline flattened: each class, then its methods as 'Class.method', and the functions."""
+    return [n for name, methods in outline(path) for n in (name, *(f"{name}.{m}" for m in methods or []))]
+
+
+def _alone(name: str, listed: dict[str, str]) -> bool:
+    return name in listed or name.split(".")[0] in listed
+
+
+def test_the_mirrored_files_are_every_file_both_backends_have():
+    torch_files, jax_files = ({p.stem for p in (ROOT / d).glob("*.py")} for d in ("torch_impl", "jax_impl"))
+    assert torch_files & jax_files - {"__init__", "model"} == set(MIRRORED)
+
+
+@pytest.mark.parametrize("name", MIRRORED)
+def test_torch_and_jax_files_define_the_same_names_in_the_same_order(name):
+    torch_names, jax_names = (names(ROOT / d / f"{name}.py") for d in ("torch_impl", "jax_impl"))
+    torch_only, jax_only = TORCH_ONLY[name], JAX_ONLY[name]
+    assert set(torch_only) <= set(torch_names) - set(jax_names), set(torch_only) - set(torch_names)
+    assert set(jax_only) <= set(jax_names) - set(torch_names), set(jax_only) - set(jax_names)
+    shared = [n for n in torch_names if not _alone(n, torch_only)]
+    assert shared == [n for n in jax_names if not _alone(n, jax_only)]

@@ -76,10 +76,10 @@ def test_an_evaluation_that_crosses_the_budget_ends_the_run_at_its_step(tmp_path
 
     def slow(*args, **kwargs):
         time.sleep(4.0)
-        return evaluate(*args, **kwargs)
+        return validation(*args, **kwargs)
 
-    evaluate = loop.evaluate
-    monkeypatch.setattr(loop, "evaluate", slow)
+    validation = loop.validation
+    monkeypatch.setattr(loop, "validation", slow)
     result = train(RunConfig(out=str(tmp_path), time_budget=3 / 60, **RUN))["torch"]
     assert result["stopped_by"] == "time_budget" and result["steps"] == 5
     assert [r["step"] for r in _log(tmp_path) if r["kind"] == "eval"] == [5]

@@ -1,8 +1,8 @@
 """Plain training loops, as users write them, for the training diff's tests
-(parity_tests/test_training_diff.py): PyTorch + torch.optim and JAX + optax, each able to make
+(parity_tests/test_diff_training.py): PyTorch + torch.optim and JAX + optax, each able to make
 one catalogued mistake the way real code makes it (torch.optim.AdamW's default decay, optax's
 schedule fed the count from 0, the Annotated Transformer's KLDivLoss...), tracing every step with
-rosetta.diff.trace.TraceWriter as docs/training_diff.md's recipe does.
+rosetta.diff.training.trace.TraceWriter as docs/training_diff.md's recipe does.
 
 Independent of our trainers and of the catalogue's replay: only the model's forward pass is ours
 (torch_impl's and jax_impl's modules, proven by the parity suite); the loss, the optimizer, the
@@ -14,7 +14,7 @@ from __future__ import annotations
 import numpy as np
 
 from rosetta.config import ModelConfig
-from rosetta.diff.trace import TraceWriter
+from rosetta.diff.training.trace import TraceWriter
 from rosetta.training import Batch, TrainConfig
 
 # Mistakes a torch.optim loop below can make (the catalogue's names).
@@ -24,7 +24,7 @@ TORCH_MISTAKES = (
     "clip_per_tensor", "clip_torch_eps", "smooth_over_v_minus_1", "annotated_kl", "pad_in_loss",
     "per_sentence", "schedule_scaled", "clip_before_accumulation",
 )
-# Entries judged another way than by a replay (rosetta/diff/train_checks.py), each with its own test;
+# Entries judged another way than by a replay (rosetta/diff/training/checks.py), each with its own test;
 # the loop can make them too ("tf32_matmuls": float32 with emulated TF32 matmuls).
 JUDGED = ("tf32_matmuls", "dropout_at_evaluation")
 ACCUMULATE = 2  # micro-batches per update of the clip_before_accumulation loop (and of its reference)

@@ -17,7 +17,6 @@ import os
 from abc import ABC, abstractmethod
 from collections.abc import Iterable, Mapping
 from dataclasses import dataclass
-from pathlib import Path
 from typing import Any, ClassVar
 
 import numpy as np
@@ -52,9 +51,9 @@ BACKENDS: dict[str, Backend] = {
     "numpy": Backend("numpy_ref.backend", None, "numpy", None),
     "torch": Backend("torch_impl.backend", "torch_impl.train", "torch", "torch"),
     "jax": Backend("jax_impl.backend", "jax_impl.train", "jax", "jax"),
-    # torch.nn.Transformer trained with the torch recipe (torch_impl/peer_train.py); our torch model
+    # torch.nn.Transformer trained with the torch recipe (peer_impl/train.py); our torch model
     # decodes its weights, so a BLEU difference is training alone.
-    "peer": Backend(None, "torch_impl.peer_train", "torch", "torch"),
+    "peer": Backend(None, "peer_impl.train", "torch", "torch"),
 }
 MODEL_BACKENDS: tuple[str, ...] = tuple(name for name, b in BACKENDS.items() if b.model)
 TRAINING_BACKENDS: tuple[str, ...] = tuple(name for name, b in BACKENDS.items() if b.trainer)
@@ -119,14 +118,6 @@ class BackendModel(ABC):
         `....self_attn.weights` / `....cross_attn.weights` (the softmax probabilities [B, h, Tq, Tk])."""
         src = check_src(self.config, src)
         return self._stages(src, check_tgt(self.config, tgt, src.shape[0]), fine)
-
-    def dump(self, path: str | os.PathLike, src: object, tgt: object, fine: bool = True) -> Path:
-        """Write the stages of (src, tgt) as an activation dump (rosetta.diff.dump, docs/diff.md)."""
-        from rosetta.diff.dump import write_dump  # the tool layer sits above this contract
-
-        src = check_src(self.config, src)
-        tgt = check_tgt(self.config, tgt, src.shape[0])
-        return write_dump(path, src, tgt, self._stages(src, tgt, fine))
 
     def generate(self, src: object, beam_size: int = 1, alpha: float = 0.6,
                  max_len_margin: int = 50, length_rule: str = "wu", *, banned: Iterable[int] = (),

@@ -131,7 +131,7 @@ def param_count(cfg: ModelConfig) -> int:
 def canonical_dtype(compute_dtype: str) -> type:
     """The NumPy dtype of canonical params taken out of a framework that computes in
     `compute_dtype` (every converter's `dtype` argument: torch_impl/convert.py, jax_impl/convert.py,
-    torch_impl/peer.py, rosetta/interop/nn_transformer.py): float64 for float64 (the float64
+    peer_impl/model.py, rosetta/interop/nn_transformer.py): float64 for float64 (the float64
     trainers of the equivalence tests, docs/testing.md), else float32, the checkpoint's dtype
     (bfloat16 and float16 computations keep float32 weights)."""
     return np.float64 if compute_dtype == "float64" else np.float32

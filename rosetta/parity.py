@@ -67,10 +67,10 @@ def random_batch(
 
 def diagnostic_batch(cfg: ModelConfig, seed: int = 0) -> tuple[np.ndarray, np.ndarray]:
     """`rosetta diff`'s default batch (docs/diff.md): random ids in a fixed layout that lets every
-    entry of rosetta.diff.catalogue show. Source length 11, target length 9 (cut to max_len; the
+    entry of rosetta.diff.shared.catalogue show. Source length 11, target length 9 (cut to max_len; the
     lengths differ, or keys sized with the query length pass unseen); start token bos_id in every
     row (equal to pad_id where the config says so, PITFALLS 12). Rows:
-      0  full length, no padding (the row rosetta.diff.plots draws);
+      0  full length, no padding (the row rosetta.diff.shared.plots draws);
       1  both sides padded after about half their length (mask polarity, PITFALLS 4);
       2  a source of nothing but padding: every cross-attention key masked (the fills, PITFALLS 4);
       3  one source token, the start token alone (the shortest pair)."""

@@ -27,6 +27,7 @@ from rosetta.inputs import Packing
 
 if TYPE_CHECKING:
     from rosetta.backends import BackendModel
+    from rosetta.distributed import LaunchEnv
     from rosetta.params import Params
 
 # `rosetta train --loss`: the logits then the loss, or the output projection and the loss chunk by
@@ -212,7 +213,7 @@ def check_state(state: Mapping[str, np.ndarray], shapes: Mapping[str, tuple[int,
 
 class Trainer(Protocol):
     """What rosetta/harness/loop.py drives: torch_impl/train.py's and jax_impl/train.py's
-    `Trainer` (and torch_impl/peer_train.py's), built as Trainer(cfg, params, train_cfg, device=,
+    `Trainer` (and peer_impl/train.py's), built as Trainer(cfg, params, train_cfg, device=,
     dtype=, accumulate=, shard=, num_devices=, loss=, compile=, compile_cache=) from canonical weights.
 
     A step does not wait for the device: its loss, learning rate and gradient norm stay there until
@@ -229,6 +230,13 @@ class Trainer(Protocol):
     accumulate: int  # micro-batches per update
     shard: bool  # parameters and optimizer state split over the workers
 
+    @staticmethod
+    def resolve_device(name: str | None, env: LaunchEnv) -> str:
+        """The device a trainer built with `device=name` in the launch `env` would take, checked by
+        the framework as the constructor checks it (rosetta train's preflight, before anything is
+        written): a RosettaError of one line if this machine lacks it. JAX under a launcher cannot
+        look before the processes join: it returns `name` unchecked."""
+
     @property
     def step_count(self) -> int:
         """Updates done so far."""
@@ -241,7 +249,7 @@ class Trainer(Protocol):
         """One update on the global `batch`: {step, loss, lr, grad_norm, token counts, world_size,
         worker_rows}, loss, lr and grad_norm as device values (`read` gives floats); with
         `keep_grads` also `grads`, the canonical gradients before clipping (`rosetta train --trace`,
-        rosetta/diff/trace.py: that step waits for the device)."""
+        rosetta/diff/training/trace.py: that step waits for the device)."""
 
     def read(self, metrics: dict[str, Any]) -> dict[str, Any]:
         """`metrics` of a step with its device values as floats, and `non_finite`: None, or

@@ -1,4 +1,5 @@
-"""The PyTorch model behind the common backend interface (rosetta.backends)."""
+"""The PyTorch model behind the common backend interface (rosetta.backends). jax_impl/backend.py is
+JAX's, under the same names where they match, in the same order (parity_tests/test_structure.py)."""
 
 from __future__ import annotations
 
@@ -14,8 +15,8 @@ from rosetta.errors import RosettaError
 from rosetta.generation import NO_CONSTRAINTS, Constraints
 from rosetta.params import Params
 from torch_impl import decode
-from torch_impl.convert import from_state_dict, to_state_dict
-from torch_impl.model import Transformer, source_mask
+from torch_impl.convert import build_model, to_params
+from torch_impl.model import source_mask
 from torch_impl.ops import packed_linears
 
 
@@ -62,6 +63,11 @@ def parity_mode(enabled: bool = True) -> contextlib.AbstractContextManager:
     return float32_matmul_precision("highest") if enabled else contextlib.nullcontext()
 
 
+def autocast_context(device: torch.device, dtype: torch.dtype | None) -> contextlib.AbstractContextManager:
+    """torch.autocast to `dtype` (a DTYPES entry's `autocast`) on `device`'s type; None: no autocast."""
+    return torch.autocast(device.type, dtype=dtype) if dtype is not None else contextlib.nullcontext()
+
+
 def default_device() -> str:
     return "cuda" if torch.cuda.is_available() else "cpu"
 
@@ -83,18 +89,14 @@ class Model(BackendModel):
         if precision.cuda_only and self.device.type != "cuda":
             raise RosettaError(f"backend 'torch' offers {self.dtype} on CUDA only; use bfloat16 on a "
                                f"{self.device.type}")
-        with torch.device("meta"):  # no memory, no random draws: weights come from `params`
-            module = Transformer(self.config)
-        module.load_state_dict(to_state_dict(self.config, params, param_dtype), assign=True)
-        self.module = module.to(self.device, param_dtype).eval()
+        self.module = build_model(self.config, params, param_dtype, self.device)
 
     def to_params(self) -> Params:
-        return from_state_dict(self.config, self.module.state_dict())
+        return to_params(self.module)
 
     @contextlib.contextmanager
     def _context(self) -> Iterator[None]:
-        autocast = (torch.autocast(self.device.type, dtype=self.autocast_dtype)
-                    if self.autocast_dtype else contextlib.nullcontext())
+        autocast = autocast_context(self.device, self.autocast_dtype)
         with torch.inference_mode(), parity_mode(self.autocast_dtype is None), autocast:
             yield
 

@@ -1,6 +1,8 @@
-"""Canonical parameters <-> the PyTorch module's state_dict. The one place where layouts
-change: nn.Linear stores `weight` as [out, in], the transpose of our math-layout `kernel`
-(PITFALLS 7), and nn.Embedding and nn.LayerNorm call their tensors `weight`."""
+"""Canonical parameters <-> the PyTorch model: `build_model` and `to_params`, as
+jax_impl/convert.py's, through the module's state_dict (`to_state_dict`, `from_state_dict`: also
+what gradients and sharded state go through). The one place where layouts change: nn.Linear stores
+`weight` as [out, in], the transpose of our math-layout `kernel` (PITFALLS 7), and nn.Embedding and
+nn.LayerNorm call their tensors `weight`."""
 
 from __future__ import annotations
 
@@ -14,6 +16,7 @@ from rosetta.checkpoint import check_params
 from rosetta.config import ModelConfig
 from rosetta.errors import CheckpointError
 from rosetta.params import Params, param_shapes
+from torch_impl.model import Transformer
 
 
 def torch_name(name: str) -> tuple[str, bool]:
@@ -64,3 +67,20 @@ def from_state_dict(cfg: ModelConfig, state: Mapping[str, torch.Tensor], dtype: 
         params[name] = np.array(value.T if torch_name(name)[1] else value)  # a copy, not a view
     check_params(cfg, params, source="state_dict")
     return params
+
+
+def build_model(cfg: ModelConfig, params: Mapping[str, np.ndarray], dtype: torch.dtype = torch.float32,
+                device: str | torch.device = "cpu") -> Transformer:
+    """A Transformer holding `params` on `device`, parameters in `dtype`, in eval mode. Built on the
+    meta device: nothing is initialised inside the framework, every value comes from `params`
+    (PITFALLS 9)."""
+    with torch.device("meta"):  # no memory, no random draws
+        module = Transformer(cfg)
+    module.load_state_dict(to_state_dict(cfg, params, dtype), assign=True)
+    return module.to(device, dtype).eval()
+
+
+def to_params(module: Transformer, dtype: type = np.float32) -> Params:
+    """Canonical NumPy arrays from the module's parameters: float32, or `dtype` np.float64 (a
+    float64 trainer's weights: the float64 tests, docs/testing.md)."""
+    return from_state_dict(module.cfg, module.state_dict(), dtype)

@@ -5,7 +5,8 @@ that make a value whole or the same on every process. One process per device, un
 
 The framework-free design (the launch environment, one global batch split into blocks) is
 rosetta/distributed.py; docs/distributed.md explains the whole. jax_impl/distributed.py holds
-the same jobs for JAX, under the same names where they match, in the same order.
+the same jobs for JAX, under the same names where they match, in the same order
+(parity_tests/test_structure.py).
 """
 
 from __future__ import annotations
@@ -118,17 +119,18 @@ def whole(tensor: torch.Tensor) -> torch.Tensor:
     return tensor.full_tensor() if isinstance(tensor, DTensor) else tensor
 
 
-def shard_like(param: torch.Tensor, value: np.ndarray) -> torch.Tensor:
-    """A saved (whole) optimizer tensor laid out as `param`: sharded like it under FSDP2, else with its
-    strides (a Linear weight loaded from a canonical kernel is its transpose, a view): the fused Adam
-    kernel walks parameter, gradient and moments in memory order, so a moment of another layout
-    would be updated with the wrong gradient entries."""
+def put(value: np.ndarray, like: torch.Tensor) -> torch.Tensor:
+    """`value` (whole, the same on every process: a saved optimizer tensor) laid out as the parameter
+    `like`: sharded like it under FSDP2, else with its strides (a Linear weight loaded from a
+    canonical kernel is its transpose, a view): the fused Adam kernel walks parameter, gradient and
+    moments in memory order, so a moment of another layout would be updated with the wrong gradient
+    entries. The reverse of `whole`."""
     tensor = torch.from_numpy(np.array(value))
-    if isinstance(param, DTensor) and tensor.ndim:
-        return distribute_tensor(tensor.to(param.device), param.device_mesh, param.placements)
-    if tensor.shape != param.shape:
+    if isinstance(like, DTensor) and tensor.ndim:
+        return distribute_tensor(tensor.to(like.device), like.device_mesh, like.placements)
+    if tensor.shape != like.shape:
         return tensor  # the step count (0-d), or a mismatch that check_state has already refused
-    return torch.empty_strided(param.shape, param.stride(), dtype=tensor.dtype).copy_(tensor)
+    return torch.empty_strided(like.shape, like.stride(), dtype=tensor.dtype).copy_(tensor)
 
 
 def every_process(value: Any, num_processes: int) -> list[Any]:

@@ -12,7 +12,8 @@ from, Cut Cross-Entropy is but needs Triton and a GPU, and neither runs on our C
 Measuring them against this Function on a GPU is not done here (not measured): until it is, this
 plain-PyTorch Function is the one used, on every device.
 
-Mirrors jax_impl/loss.py; diff them to see only framework differences.
+Mirrors jax_impl/loss.py, the same names in the same order (parity_tests/test_structure.py);
+diff them to see only framework differences.
 """
 
 from __future__ import annotations
@@ -59,55 +60,66 @@ def _logits_grad(logits: torch.Tensor, lse: torch.Tensor, y: torch.Tensor, pad_i
     return g.mul_(torch.where(y != pad_id, scale, 0.0)[..., None])
 
 
-class ChunkedCrossEntropy(torch.autograd.Function):
+def chunked_cross_entropy(hidden: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None,
+                          labels: torch.Tensor, denominator: torch.Tensor, pad_id: int,
+                          label_smoothing: float, chunk: int, scale: float) -> torch.Tensor:
     """Σ over non-pad tokens of the cross-entropy against q = (1-ε)·onehot(y) + ε/V, divided by
     `denominator`; forward and backward both walk the tokens `chunk` at a time."""
+    return _ChunkedCrossEntropy.apply(hidden, weight, bias, labels, denominator, pad_id, label_smoothing,
+                                      chunk, scale)
 
-    @staticmethod
-    def forward(ctx, hidden: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None,
-                labels: torch.Tensor, pad_id: int, label_smoothing: float, denominator: torch.Tensor,
-                chunk: int, scale: float) -> torch.Tensor:
-        dtype = torch.promote_types(hidden.dtype, torch.float32)
-        total = hidden.new_zeros((), dtype=dtype)
-        lse = hidden.new_empty(hidden.shape[0], dtype=dtype)  # O(N): kept for the backward
-        with torch.autocast(hidden.device.type, enabled=False):  # the logits stay in `dtype`
-            for start in range(0, hidden.shape[0], chunk):
-                logits = _chunk_logits(hidden[start:start + chunk], weight, bias, dtype, scale)
-                chunk_total, lse[start:start + chunk] = _token_losses(logits, labels[start:start + chunk],
-                                                                      pad_id, label_smoothing)
-                total = total + chunk_total
-        ctx.save_for_backward(hidden, weight, bias, labels, lse, denominator)
-        ctx.pad_id, ctx.label_smoothing, ctx.chunk, ctx.scale = pad_id, label_smoothing, chunk, scale
-        return total / denominator.to(dtype)
 
-    @staticmethod
-    def backward(ctx, grad_out: torch.Tensor):
-        """d loss / d logits = mask · (softmax - q) / denominator, recomputed chunk by chunk from
-        the saved logsumexp; then through logits = s (h W^T) + b: d/dh = s g W, d/dW = s g^T h."""
-        hidden, weight, bias, labels, lse, denominator = ctx.saved_tensors
-        eps, V = ctx.label_smoothing, weight.shape[0]
-        dtype = lse.dtype
-        scale = grad_out.to(dtype) / denominator.to(dtype)
-        grad_h = torch.empty_like(hidden) if ctx.needs_input_grad[0] else None
-        need_w, need_b = ctx.needs_input_grad[1], bias is not None and ctx.needs_input_grad[2]
-        grad_w = torch.zeros(weight.shape, dtype=dtype, device=weight.device) if need_w else None
-        grad_b = torch.zeros(V, dtype=dtype, device=weight.device) if need_b else None
-        w, s = weight.to(dtype), ctx.scale
-        with torch.autocast(hidden.device.type, enabled=False):
-            for start in range(0, hidden.shape[0], ctx.chunk):
-                h, y = hidden[start:start + ctx.chunk].to(dtype), labels[start:start + ctx.chunk]
-                g = _logits_grad(_chunk_logits(h, weight, bias, dtype, s), lse[start:start + ctx.chunk], y,
-                                 ctx.pad_id, eps, scale)
-                # s multiplies the [chunk, d] sides (exact when s = 1), never the [chunk, V] block.
-                if grad_h is not None:
-                    grad_h[start:start + ctx.chunk] = (s * (g @ w)).to(hidden.dtype)
-                if grad_w is not None:
-                    grad_w += g.T @ (s * h)
-                if grad_b is not None:
-                    grad_b += g.sum(dim=0)  # the bias is added after the scale
-        grad_w = None if grad_w is None else grad_w.to(weight.dtype)
-        grad_b = None if grad_b is None else grad_b.to(bias.dtype)
-        return grad_h, grad_w, grad_b, None, None, None, None, None, None
+def _chunked_forward(ctx, hidden: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None,
+                     labels: torch.Tensor, denominator: torch.Tensor, pad_id: int, label_smoothing: float,
+                     chunk: int, scale: float) -> torch.Tensor:
+    dtype = torch.promote_types(hidden.dtype, torch.float32)
+    total = hidden.new_zeros((), dtype=dtype)
+    lse = hidden.new_empty(hidden.shape[0], dtype=dtype)  # O(N): kept for the backward
+    with torch.autocast(hidden.device.type, enabled=False):  # the logits stay in `dtype`
+        for start in range(0, hidden.shape[0], chunk):
+            logits = _chunk_logits(hidden[start:start + chunk], weight, bias, dtype, scale)
+            chunk_total, lse[start:start + chunk] = _token_losses(logits, labels[start:start + chunk],
+                                                                  pad_id, label_smoothing)
+            total = total + chunk_total
+    ctx.save_for_backward(hidden, weight, bias, labels, lse, denominator)
+    ctx.pad_id, ctx.label_smoothing, ctx.chunk, ctx.scale = pad_id, label_smoothing, chunk, scale
+    return total / denominator.to(dtype)
+
+
+def _chunked_backward(ctx, grad_out: torch.Tensor):
+    """d loss / d logits = mask · (softmax - q) / denominator, recomputed chunk by chunk from
+    the saved logsumexp; then through logits = s (h W^T) + b: d/dh = s g W, d/dW = s g^T h."""
+    hidden, weight, bias, labels, lse, denominator = ctx.saved_tensors
+    eps, V = ctx.label_smoothing, weight.shape[0]
+    dtype = lse.dtype
+    scale = grad_out.to(dtype) / denominator.to(dtype)
+    grad_h = torch.empty_like(hidden) if ctx.needs_input_grad[0] else None
+    need_w, need_b = ctx.needs_input_grad[1], bias is not None and ctx.needs_input_grad[2]
+    grad_w = torch.zeros(weight.shape, dtype=dtype, device=weight.device) if need_w else None
+    grad_b = torch.zeros(V, dtype=dtype, device=weight.device) if need_b else None
+    w, s = weight.to(dtype), ctx.scale
+    with torch.autocast(hidden.device.type, enabled=False):
+        for start in range(0, hidden.shape[0], ctx.chunk):
+            h, y = hidden[start:start + ctx.chunk].to(dtype), labels[start:start + ctx.chunk]
+            g = _logits_grad(_chunk_logits(h, weight, bias, dtype, s), lse[start:start + ctx.chunk], y,
+                             ctx.pad_id, eps, scale)
+            # s multiplies the [chunk, d] sides (exact when s = 1), never the [chunk, V] block.
+            if grad_h is not None:
+                grad_h[start:start + ctx.chunk] = (s * (g @ w)).to(hidden.dtype)
+            if grad_w is not None:
+                grad_w += g.T @ (s * h)
+            if grad_b is not None:
+                grad_b += g.sum(dim=0)  # the bias is added after the scale
+    grad_w = None if grad_w is None else grad_w.to(weight.dtype)
+    grad_b = None if grad_b is None else grad_b.to(bias.dtype)
+    return grad_h, grad_w, grad_b, None, None, None, None, None, None
+
+
+class _ChunkedCrossEntropy(torch.autograd.Function):
+    """chunked_cross_entropy's custom backward in torch's form (JAX's: jax.custom_vjp's defvjp)."""
+
+    forward = staticmethod(_chunked_forward)
+    backward = staticmethod(_chunked_backward)
 
 
 def chunked_loss(hidden: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None,
@@ -136,8 +148,8 @@ def chunked_loss(hidden: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor 
     h, y = hidden.reshape(-1, hidden.shape[-1]), labels.reshape(-1).long()
     count = (y != pad_id).sum()
     denominator = count.clamp(min=1) if num_tokens is None else torch.as_tensor(num_tokens, device=h.device)
-    loss = ChunkedCrossEntropy.apply(h, weight, bias, y, pad_id, float(label_smoothing), denominator, chunk,
-                                     float(logit_scale))
+    loss = chunked_cross_entropy(h, weight, bias, y, denominator, pad_id, float(label_smoothing), chunk,
+                                 float(logit_scale))
     return loss, count
 
 

@@ -2,7 +2,8 @@
 on CPUs with attention dropout), dropout from 16 random bits a value on CPUs, the
 incremental-decoding cache (written in place), weights packed once for CPU decoding, and the
 positional buffer's growth outside compiled graphs.
-jax_impl/ops.py holds JAX's; numpy_ref/model.py computes the same numbers the plain way (and
+jax_impl/ops.py holds JAX's, under the same names where they match, in the same order
+(parity_tests/test_structure.py); numpy_ref/model.py computes the same numbers the plain way (and
 decodes without a cache).
 
 Shapes: B batch, h heads, Tq query length, Tk key length, dh d_head.

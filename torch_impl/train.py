@@ -3,9 +3,9 @@ training step, canonical gradients for the parity tests, and `Trainer`, the adap
 framework-free loop (rosetta/harness/loop.py) drives. Data-parallel training runs on torch's own
 engine: one process per device under torchrun, DistributedDataParallel, or FSDP2's `fully_shard`
 with `shard=True`; the process group and the engine live in torch_impl/distributed.py (the design:
-rosetta/distributed.py, docs/distributed.md).
-
-Mirrors jax_impl/train.py function for function; diff them to see only framework differences.
+rosetta/distributed.py, docs/distributed.md). Mirrors jax_impl/train.py function for function
+(parity_tests/test_structure.py lists what one framework alone has): diff them to see only
+framework differences.
 """
 
 from __future__ import annotations
@@ -20,7 +20,7 @@ import torch
 
 from rosetta.config import ModelConfig
 from rosetta.device import cpu_name, max_rss_bytes
-from rosetta.distributed import launch_env, rank_seed, split_rows
+from rosetta.distributed import LaunchEnv, launch_env, rank_seed, split_rows
 from rosetta.errors import RosettaError
 from rosetta.inputs import Packing
 from rosetta.params import Params, canonical_dtype
@@ -34,8 +34,8 @@ from rosetta.training import (
     learning_rate,
 )
 from torch_impl import compilation
-from torch_impl.backend import DTYPES, Model, float32_matmul_precision, parity_mode
-from torch_impl.convert import from_state_dict
+from torch_impl.backend import DTYPES, Model, autocast_context, float32_matmul_precision, parity_mode
+from torch_impl.convert import build_model, from_state_dict
 from torch_impl.distributed import (
     all_sum,
     any_process,
@@ -43,8 +43,8 @@ from torch_impl.distributed import (
     gradient_sync,
     init_distributed,
     local_device,
+    put,
     replicate,
-    shard_like,
     unwrap,
     whole,
 )
@@ -90,17 +90,13 @@ def make_optimizer(module: Transformer, train_cfg: TrainConfig
     return optimizer, torch.optim.lr_scheduler.LambdaLR(optimizer, schedule(module.cfg.d_model, train_cfg))
 
 
-def _autocast(device: torch.device, dtype: torch.dtype | None) -> contextlib.AbstractContextManager:
-    return torch.autocast(device.type, dtype=dtype) if dtype is not None else contextlib.nullcontext()
-
-
 def forward_loss(module: Transformer, src: torch.Tensor, tgt: torch.Tensor, labels: torch.Tensor,
                  label_smoothing: float, autocast: torch.dtype | None = None,
                  num_tokens: torch.Tensor | None = None, packing: Packing | None = None) -> torch.Tensor:
     """The loss of one batch, forward only: what `compiled_forward` compiles (`rosetta train --compile`).
     `packing`: a packed batch's segment and position arrays (docs/packing.md); the peer
-    (torch_impl/peer.py) takes none, so an unpacked batch passes no `packing` argument."""
-    with _autocast(src.device, autocast):  # the backward pass runs outside autocast, as torch advises
+    (peer_impl/model.py) takes none, so an unpacked batch passes no `packing` argument."""
+    with autocast_context(src.device, autocast):  # the backward pass runs outside autocast, as torch advises
         logits = module(src, tgt) if packing is None else module(src, tgt, packing=packing)
         return loss_fn(logits, labels, unwrap(module).cfg.pad_id, label_smoothing, num_tokens)[0]
 
@@ -112,7 +108,7 @@ def chunked_forward_loss(module: Transformer, src: torch.Tensor, tgt: torch.Tens
     """`forward_loss` without the [tokens, V] float32 logits: the decoder's output, then the output
     projection and the loss chunk by chunk with their own backward (torch_impl/loss.py, docs/loss.md).
     The tied table is used outside the wrapper's forward; its one gradient still reaches DDP's hook."""
-    with _autocast(src.device, autocast):
+    with autocast_context(src.device, autocast):
         hidden = module(src, tgt, hidden=True, packing=packing)
     model = unwrap(module)
     weight, bias = generator_params(model)
@@ -195,6 +191,14 @@ def gradients(module: Transformer, src: torch.Tensor, tgt: torch.Tensor, labels:
     return float(loss.detach()), from_state_dict(module.cfg, grads)
 
 
+def _watch(non_finite: torch.Tensor, step: int, loss: torch.Tensor, grad_norm: torch.Tensor) -> torch.Tensor:
+    """(step, loss, gradient norm) of the first step whose loss or norm is not finite; step 0: none yet."""
+    bad = ~(torch.isfinite(loss) & torch.isfinite(grad_norm)) & (non_finite[0] == 0)
+    now = torch.stack([torch.full((), step, dtype=non_finite.dtype, device=non_finite.device),
+                       loss.to(non_finite.dtype), grad_norm.to(non_finite.dtype)])
+    return torch.where(bad, now, non_finite)
+
+
 class CudaTimer:
     """A stretch of steps timed by CUDA events on the device's stream (rosetta.training.HostTimer's
     interface): the time the GPU took from the first step's first kernel to the last one's end."""
@@ -269,8 +273,8 @@ class Trainer:
             if compile:  # DDP's and FSDP2's hooks under torch.compile are not tested here yet
                 raise RosettaError("--compile trains in one process for now: leave out --nproc or --compile")
             init_distributed(env, self.device)
-        model = Model(cfg, params, dtype, device=str(self.device))  # meta device, then the weights
-        self.module, self.autocast = model.module, DTYPES[dtype].autocast
+        self.module = build_model(cfg, params, DTYPES[dtype].params, self.device)  # meta, then the weights
+        self.autocast = DTYPES[dtype].autocast
         self.parity = self.device.type == "cpu" if parity is None else parity
         self.replica = replicate(self.module, self.device, env, self.shard)
         self.optimizer, self.scheduler = make_optimizer(self.module, train_cfg)  # after fully_shard
@@ -284,6 +288,12 @@ class Trainer:
         self._non_finite = torch.zeros(3, dtype=torch.float64, device=self.device)
         if self.device.type == "cuda":
             torch.cuda.reset_peak_memory_stats(self.device)
+
+    @staticmethod
+    def resolve_device(name: str | None, env: LaunchEnv) -> str:
+        """The device a trainer built with `device=name` in the launch `env` takes ('cpu', 'cuda:1'),
+        checked as the constructor checks it: a RosettaError if torch has no such device here."""
+        return str(local_device(name, env))
 
     # -- precision and randomness ------------------------------------------------------------
     def _rng_devices(self) -> list[torch.device]:
@@ -347,15 +357,12 @@ class Trainer:
         with self._context():
             loss, lr, grad_norm = _train_step(self.replica, self.optimizer, self.scheduler, micro, num_tokens,
                                               self.train_cfg, self.autocast, self.forward, self.world_size)
-            bad = ~(torch.isfinite(loss) & torch.isfinite(grad_norm)) & (self._non_finite[0] == 0)
-            step = torch.full((), self.step_count, dtype=torch.float64, device=self.device)
-            self._non_finite = torch.where(bad, torch.stack([step, loss.double(), grad_norm.double()]),
-                                           self._non_finite)
+            self._non_finite = _watch(self._non_finite, self.step_count, loss, grad_norm)
         metrics = {"step": self.step_count, "loss": loss, "lr": float(lr), "grad_norm": grad_norm,
                    "num_src_tokens": int(batch.num_src_tokens), "num_tgt_tokens": int(batch.num_tgt_tokens),
                    "world_size": self.world_size, "worker_rows": rows}
         if keep_grads:
-            metrics["grads"] = self._gradients(float(grad_norm))
+            metrics["grads"] = self._kept_gradients(float(grad_norm))
         return metrics
 
     def read(self, metrics: dict[str, Any]) -> dict[str, Any]:
@@ -378,7 +385,7 @@ class Trainer:
         """torch.compile's seconds and graphs so far in this process (0 in eager mode)."""
         return compilation.compile_totals()
 
-    def _gradients(self, grad_norm: float) -> Params:
+    def _kept_gradients(self, grad_norm: float) -> Params:
         """The last update's gradients before clipping, canonical (a collective when sharded). The
         clipped ones are what `p.grad` holds: divided back by clipping's min(1, clip / norm)."""
         clip = self.train_cfg.clip_norm
@@ -392,7 +399,6 @@ class Trainer:
         every process stops at the same step (a time budget read from each one's own clock)."""
         return any_process(flag, self.num_processes, self.device)
 
-
     def eval_loss(self, batches: Iterable[Batch]) -> float:
         """The training loss (label-smoothed) without dropout, averaged over every non-pad label
         of `batches` (a token-weighted mean, not a mean of batch means)."""
@@ -401,7 +407,7 @@ class Trainer:
         try:
             with torch.inference_mode(), self._precision():
                 for batch in batches:
-                    with _autocast(self.device, self.autocast):
+                    with autocast_context(self.device, self.autocast):
                         logits = self.module(self._tensor(batch.src), self._tensor(batch.tgt_in))
                     loss, n = loss_fn(logits, self._tensor(batch.labels), self.cfg.pad_id,
                                       self.train_cfg.label_smoothing)
@@ -469,7 +475,7 @@ class Trainer:
         opt = self.optimizer.state_dict()
         for index, (name, p) in enumerate(self.module.named_parameters()):
             if f"optimizer.{name}.step" in state:
-                opt["state"][index] = {key: shard_like(p, state[f"optimizer.{name}.{key}"])
+                opt["state"][index] = {key: put(state[f"optimizer.{name}.{key}"], p)
                                        for key in ("step", "exp_avg", "exp_avg_sq")}
         opt["param_groups"][0]["lr"] = float(state["optimizer.lr"])
         self.optimizer.load_state_dict(opt)  # moves the moments to the parameters' device

@@ -133,7 +133,7 @@ def add_train_parser(cmds: argparse._SubParsersAction) -> None:
 
 def cmd_average(args: argparse.Namespace) -> int:
     """Average checkpoints (float64, cast back) into one file; print what was averaged."""
-    from rosetta.average import resolve_checkpoints, write_average
+    from rosetta.harness.average import resolve_checkpoints, write_average
 
     resolved = resolve_checkpoints(args.checkpoints, args.last)
     for note in resolved.notes:
@@ -208,8 +208,8 @@ def cmd_evaluate(args: argparse.Namespace) -> int:
 
 def add_parsers(cmds: argparse._SubParsersAction) -> None:
     """Register `average` and `evaluate` on rosetta/cli.py's subcommands."""
-    from rosetta.average import DEFAULT_LAST
     from rosetta.cli_args import add_search_args, nonempty_path, output_file, positive_int
+    from rosetta.harness.average import DEFAULT_LAST
 
     p = cmds.add_parser("average", help="average checkpoints into one (paper §6.1: the last 5)",
                         epilog="CKPT: a model.safetensors file, a checkpoint directory, a checkpoints/latest "

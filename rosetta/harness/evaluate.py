@@ -8,7 +8,8 @@ on detokenised text (Post 2018), the comparable number, on Multi30k.
 
 One BLEU path: `bleu` scores for `rosetta evaluate` (`evaluate_model` on any sentences,
 `evaluate_split` on a Multi30k split, `write_report` the atomic JSON file) and for the training
-loop (`score_batches`, on the evaluation pairs the loop has batched by length).
+loop (`score_batches`, on the evaluation pairs the loop has batched by length: `validation` at
+its evaluation steps, `averaged` for `--average-last`).
 """
 
 from __future__ import annotations
@@ -23,13 +24,17 @@ from typing import Any
 
 import numpy as np
 
-from rosetta.backends import BackendModel
+from rosetta.backends import BackendModel, from_params
+from rosetta.checkpoint import load_checkpoint
 from rosetta.errors import RosettaError
 from rosetta.files import atomic_write_bytes
+from rosetta.harness.average import resolve_checkpoints, write_average
 from rosetta.harness.batching import Batch, restore_order
+from rosetta.harness.out_dir import os_errors
 from rosetta.harness.tasks import TaskData
 from rosetta.harness.translate import translate_lines
 from rosetta.tokenizer import TextTokenizer
+from rosetta.training import Trainer
 
 FORMAT = "rosetta-evaluate/1"
 # The characters str.splitlines breaks at. A hypothesis is one line (of the --hyps file, of
@@ -82,6 +87,33 @@ def score_batches(model: BackendModel, task: TaskData, batches: list[Batch], cou
              if task.synthetic and kept else None)
     sample = {"hyp": hyps[0], "ref": refs[0]} if kept else None
     return {"bleu": corpus_bleu, "exact_match": exact, "bleu_sentences": len(kept), "sample": sample}
+
+
+def validation(trainer: Trainer, task: TaskData, loss_batches: list[Batch], gen_batches: list[Batch],
+               count: int, beam: int, alpha: float, max_len_margin: int) -> dict[str, Any]:
+    """An evaluation during training: the validation loss (`Trainer.eval_loss`, no dropout) and
+    `score_batches` of the trainer's own model (`Trainer.backend_model`: greedy by default, beam
+    search with `beam` > 1), and the seconds they took."""
+    start = time.perf_counter()
+    val_loss = trainer.eval_loss(loss_batches)
+    scores = score_batches(trainer.backend_model(), task, gen_batches, count, beam, alpha, max_len_margin)
+    return {"val_loss": val_loss, **scores, "eval_time_s": time.perf_counter() - start}
+
+
+def averaged(run_dir: Path, last: int, decoder: str, dtype: str, task: TaskData, gen_batches: list[Batch],
+             count: int, beam: int, alpha: float, max_len_margin: int) -> dict[str, Any]:
+    """`rosetta train --average-last N`: the average of the run's last `last` checkpoints (paper
+    §6.1, rosetta/harness/average.py), written beside them as averaged.safetensors and scored
+    like a checkpoint, in backend `decoder`'s model (the registry's) at `dtype`."""
+    paths = resolve_checkpoints([run_dir], last).paths
+    with os_errors(run_dir, "write the averaged checkpoint in"):
+        out = write_average(paths, run_dir / "averaged.safetensors")
+    ckpt = load_checkpoint(out)
+    start = time.perf_counter()
+    scores = score_batches(from_params(ckpt.config, ckpt.params, decoder, dtype), task, gen_batches, count,
+                           beam, alpha, max_len_margin)
+    return {"checkpoints": [p.parent.name for p in paths], **scores,
+            "eval_time_s": time.perf_counter() - start}
 
 
 def evaluate_model(model: BackendModel, tokenizer: TextTokenizer | None, sources: Sequence[str],

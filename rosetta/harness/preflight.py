@@ -6,10 +6,25 @@ Imports the frameworks, as training would.
 
 from __future__ import annotations
 
+from pathlib import Path
+
 from rosetta.backends import BACKENDS, get_backend, get_trainer
 from rosetta.distributed import LaunchEnv
 from rosetta.errors import RosettaError
 from rosetta.harness.run_config import RunConfig
+
+
+def check_launch(run: RunConfig, env: LaunchEnv) -> None:
+    """--nproc against the launch this process is part of, and --out (a file; --resume of nothing)."""
+    if run.nproc > 1 and run.nproc != env.num_processes:
+        raise RosettaError(f"--nproc {run.nproc}: this is process {env.rank} of {env.num_processes}; --nproc "
+                           "launches its processes from the command line (rosetta train --nproc N) or give "
+                           "none under torchrun")
+    out = Path(run.out)
+    if out.exists() and not out.is_dir():
+        raise RosettaError(f"--out {out} is a file, not a directory")
+    if run.resume and not out.is_dir():
+        raise RosettaError(f"--resume: {out} holds no run to resume (no such directory)")
 
 
 def check_backends(run: RunConfig, env: LaunchEnv) -> None:
@@ -29,21 +44,12 @@ def check_backends(run: RunConfig, env: LaunchEnv) -> None:
 
 
 def _check_device(run: RunConfig, env: LaunchEnv) -> None:
-    """Refuse a --device this machine lacks before `out` is touched (each trainer checks it again
-    when it is built). Imports the frameworks, as training would."""
+    """Refuse a --device this machine lacks before `out` is touched: each trainer's own parser of the
+    name (`Trainer.resolve_device`, the one its constructor calls), reached through the registry."""
     if run.device is None:
         return
     for backend in run.backends:
-        get_trainer(backend)  # installed, or one line saying so
-        # Each framework's own parser of the device name, the one its Trainer calls.
         try:
-            if BACKENDS[backend].framework == "torch":
-                from torch_impl.distributed import local_device as torch_device
-
-                torch_device(run.device, env)
-            elif not env.distributed:  # JAX's backends start after jax.distributed joins (init_distributed)
-                from jax_impl.distributed import local_device as jax_device
-
-                jax_device(run.device)
+            get_trainer(backend).resolve_device(run.device, env)
         except RosettaError as e:
             raise RosettaError(f"--device {run.device}: {e}") from None

@@ -16,9 +16,15 @@ import os
 from collections.abc import Sequence
 from dataclasses import dataclass
 from pathlib import Path
+from typing import TYPE_CHECKING, Any
 
+from rosetta.config import ModelConfig, preset
+from rosetta.errors import RosettaError
 from rosetta.harness.data import LANGUAGES, SPLITS, SYNTHETIC_TASKS, DataError, load_multi30k, synthetic_pairs
 from rosetta.tokenizer import Tokenizer
+
+if TYPE_CHECKING:  # run_config imports this module (check_task, parse_pair): no import at run time
+    from rosetta.harness.run_config import RunConfig
 
 TASKS: tuple[str, ...] = (*SYNTHETIC_TASKS, "multi30k")
 IdPair = tuple[list[int], list[int]]
@@ -104,3 +110,37 @@ def load_task(
 
     return TaskData(task, encode(train_text), encode(eval_text), [t for _, t in eval_text], tokenizer,
                     eval_split)
+
+
+# -- What `rosetta train` (rosetta/harness/loop.py) takes from a RunConfig -----------------------
+
+def run_model_config(run: RunConfig, task: TaskData) -> ModelConfig:
+    """The model `rosetta train` builds: the preset, --set, and a text task's vocabulary size."""
+    overrides = dict(run.overrides)
+    if task.tokenizer is not None:  # the joint BPE vocabulary sizes both tables (§5.1)
+        size = task.tokenizer.vocab_size
+        overrides |= {"src_vocab_size": size, "tgt_vocab_size": size}
+    return preset(run.preset, **overrides)
+
+
+def run_task(run: RunConfig) -> TaskData:
+    """The task's data; on --resume a text task reloads the run's own tokenizer."""
+    tokenizer_path = None
+    if run.resume and run.task == "multi30k":
+        paths = [Path(run.out) / b / "tokenizer.json" for b in run.backends]
+        texts = {p.read_text(encoding="utf-8") if p.is_file() else None for p in paths}
+        if None in texts or len(texts) != 1:
+            raise RosettaError(f"--resume: the runs in {run.out} do not share one tokenizer.json")
+        tokenizer_path = paths[0]
+    base = preset(run.preset, **run.overrides)
+    return load_task(run.task, vocab_size=min(base.src_vocab_size, base.tgt_vocab_size), seed=run.seed,
+                     train_size=run.train_size, eval_size=run.eval_size, eval_split=run.eval_split,
+                     pair=run.pair, data_dir=run.data_dir,
+                     bpe_vocab_size=run.vocab_size, tokenizer_path=tokenizer_path,
+                     synthetic_max_len=run.synthetic_max_len)
+
+
+def run_batching(run: RunConfig, cfg: ModelConfig) -> dict[str, Any]:
+    """The batching settings of `rosetta train` (rosetta/harness/batching.py's keywords) for `cfg`."""
+    return dict(max_len=cfg.max_len, buckets=run.buckets, pad_id=cfg.pad_id, bos_id=cfg.bos_id,
+                eos_id=cfg.eos_id)

@@ -1,4 +1,5 @@
-"""Converters between the canonical checkpoint (SPEC §3) and other implementations' weights.
+"""Converters between the canonical checkpoint (SPEC §3) and other implementations' weights:
+`from rosetta.interop.convert import convert, read_model` (any format to any).
 
 Each converter is one module with its mapping table at the top: nn_transformer.py
 (`torch.nn.Transformer` modules -> canonical), marian.py (Hugging Face `MarianMTModel`
