@@ -56,6 +56,7 @@ from rosetta.training import Batch, TrainConfig
 PARITY = {"float32": 1e-6, "bfloat16": 3e-2, "float16": 1e-2, "float64": 1e-12}
 NO_DROPOUT = {"dropout": 0.0, "attention_dropout": 0.0, "activation_dropout": 0.0}
 TRAIN = TrainConfig(warmup_steps=4000)  # the paper's schedule: step 1's lr is tiny, as in a real run
+GROUPS = ("parity", "train", "attention", "decode", "harness")  # the checks, in the order they run
 
 
 @dataclass
@@ -283,6 +284,8 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--out-dir", type=Path, default=RESULTS)
     parser.add_argument("--no-write", action="store_true", help="print the lines only")
     parser.add_argument("--seed", type=positive_int, default=1)
+    parser.add_argument("--only", nargs="+", choices=GROUPS, default=list(GROUPS),
+                        help="only these groups of checks (default: all; the results file names them)")
     parser.add_argument("--peak-tflops", type=real, default=None,
                         help="the GPU's peak TFLOP/s in bfloat16, for the harness's MFU (default: "
                              "rosetta/flops.py's table of known GPUs)")
@@ -301,12 +304,17 @@ def main(argv: list[str] | None = None) -> int:
     gpu = device == "cuda"
     length, rows = (64, 64) if gpu else (24, 16)
     checks: list[Check] = []
-    parity_checks(checks, cfg, params)
-    training_checks(checks, cfg, params, device, length, rows)
-    attention_checks(checks, device)
-    decoding_checks(checks, cfg, params, device)
-    harness_checks(checks, args.preset, device, "bfloat16" if gpu else "float32", 25000 if gpu else 1024,
-                   args.peak_tflops)
+    groups = {
+        "parity": lambda: parity_checks(checks, cfg, params),
+        "train": lambda: training_checks(checks, cfg, params, device, length, rows),
+        "attention": lambda: attention_checks(checks, device),
+        "decode": lambda: decoding_checks(checks, cfg, params, device),
+        "harness": lambda: harness_checks(checks, args.preset, device, "bfloat16" if gpu else "float32",
+                                          25000 if gpu else 1024, args.peak_tflops),
+    }
+    for group in GROUPS:
+        if group in args.only:
+            groups[group]()
     failed = [c for c in checks if not c.passed]
     wall = time.perf_counter() - started
     print(f"{len(checks) - len(failed)} of {len(checks)} checks passed in {wall:.0f} s", flush=True)
@@ -315,8 +323,10 @@ def main(argv: list[str] | None = None) -> int:
         # "gpu-check", not "gpu_": benchmarks/report.py takes gpu_*.json for the GPU suite's results.
         name = f"gpu-check_{name}_{dt.date.today().isoformat()}"
         result = {"environment": env, "preset": args.preset, "device": device, "wall_s": wall,
+                  "groups": [g for g in GROUPS if g in args.only],
                   "checks": [asdict(c) for c in checks], "passed": not failed}
-        text = (f"# GPU check: {args.preset} on {env.get('gpu') or env['processor']}\n\n"
+        only = "" if set(args.only) == set(GROUPS) else f" (only {', '.join(result['groups'])})"
+        text = (f"# GPU check: {args.preset} on {env.get('gpu') or env['processor']}{only}\n\n"
                 f"{env['date']}, commit "
                 f"{env['commit']}, torch {env.get('torch')}, jax {env.get('jax')}; {wall:.0f} s.\n\n"
                 + "\n".join(f"- {c.line()}" for c in checks) + "\n")

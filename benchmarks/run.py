@@ -96,6 +96,7 @@ class Suite:
     impls: tuple[str, ...] | None = None  # only these implementations (--impls); None: all
     name: str = ""
     peak_tflops: float | None = None  # --peak-tflops: the device's peak, where rosetta/flops.py has none
+    tasks: tuple[str, ...] = ("train", "forward", "decode")  # --tasks: only these measurements
 
 
 SUITES = {
@@ -365,10 +366,14 @@ def measure_group(suite: Suite, preset_name: str, dtype: str) -> list[dict]:
     peer, cfg, params = make_peer(preset(preset_name, max_len=max(128, size.decode_len + size.margin + 1)))
     batches = training_batches(cfg, preset_name, size)
     impls = train_impls(suite, preset_name, dtype)
-    found = bench_training(cfg, params, batches, dtype, suite, impls, device)
-    found += bench_harness(cfg, preset_name, size, dtype, suite, impls, device)
-    found += bench_forward(cfg, params, peer, size, dtype, suite, device)
-    found += bench_decoding(cfg, params, peer, size, dtype, suite, device)
+    found = []
+    if "train" in suite.tasks:
+        found += bench_training(cfg, params, batches, dtype, suite, impls, device)
+        found += bench_harness(cfg, preset_name, size, dtype, suite, impls, device)
+    if "forward" in suite.tasks:
+        found += bench_forward(cfg, params, peer, size, dtype, suite, device)
+    if "decode" in suite.tasks:
+        found += bench_decoding(cfg, params, peer, size, dtype, suite, device)
     peak = (suite.peak_tflops * 1e12 if suite.peak_tflops is not None
             else peak_flops(torch.cuda.get_device_name(0) if device == "cuda" else "cpu", dtype))
     real_flops = sum(batch_work(cfg, b)["flops"] for b in batches) / len(batches)
@@ -432,10 +437,12 @@ def device_name() -> str:
     return torch.cuda.get_device_name(0) if torch.cuda.is_available() else "cpu"
 
 
-def results_name(suite_name: str) -> str:
-    """<suite>_<device>_<date>: what a run writes, as .json, .md and .png."""
+def results_name(suite_name: str, tasks: tuple[str, ...] = Suite.tasks) -> str:
+    """<suite>_<device>_<date>: what a run writes, as .json, .md and .png; a run of some tasks only
+    is <suite>-<tasks>_..., which the docs' tables (benchmarks/report.py: <suite>_*) do not take."""
     device = re.sub(r"[^A-Za-z0-9]+", "-", device_name()).strip("-").lower()
-    return f"{suite_name}_{device}_{dt.date.today().isoformat()}"
+    part = "" if set(tasks) == set(Suite.tasks) else "-" + "-".join(tasks)
+    return f"{suite_name}{part}_{device}_{dt.date.today().isoformat()}"
 
 
 def main(argv: list[str] | None = None) -> None:
@@ -448,6 +455,8 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--impls", nargs="+", choices=IMPL_ORDER,
                         help="only these implementations (training rows, and the `(rosetta train)` rows of "
                              "those the suite runs so); forward and decoding keep theirs")
+    parser.add_argument("--tasks", nargs="+", choices=Suite.tasks, default=list(Suite.tasks),
+                        help="only these measurements (default: all)")
     parser.add_argument("--peak-tflops", type=real, default=None,
                         help="the device's peak TFLOP/s in the run's dtype, for MFU (default: "
                              "rosetta/flops.py's table of known GPUs)")
@@ -460,9 +469,9 @@ def main(argv: list[str] | None = None) -> None:
         parser.error(f"--peak-tflops must be a positive number, got {args.peak_tflops:g}")
     started = time.perf_counter()
     suite = replace(select(SUITES[args.suite], args.presets, args.dtypes, args.impls),
-                    peak_tflops=args.peak_tflops)
+                    peak_tflops=args.peak_tflops, tasks=tuple(t for t in Suite.tasks if t in args.tasks))
     out_dir = args.out_dir or RESULTS
-    name = results_name(args.suite)
+    name = results_name(args.suite, suite.tasks)
     if not args.no_write and (out_dir / f"{name}.json").exists() and not args.overwrite:
         parser.error(f"{out_dir / name}.json already exists: pass --overwrite to replace it, or "
                      "--out-dir to write elsewhere")
@@ -472,6 +481,8 @@ def main(argv: list[str] | None = None) -> None:
         partial.parent.mkdir(parents=True, exist_ok=True)
     measured, device = run(suite, partial)
     settings = {"steps per repeat": suite.steps, "warm-up calls": suite.warmup}
+    if suite.tasks != Suite.tasks:
+        settings["tasks"] = " ".join(suite.tasks)
     if os.environ.get("XLA_FLAGS"):
         settings["XLA_FLAGS"] = os.environ["XLA_FLAGS"]
     if device != "cpu":

@@ -26,9 +26,7 @@ def attention(q: jax.Array, k: jax.Array, v: jax.Array, mask: jax.Array, dropout
     dtype, maybe) are cast to the queries' type."""
     k, v = k.astype(q.dtype), v.astype(q.dtype)
     dropout_off = dropout.rate == 0 or dropout.deterministic
-    # Not on CPU: there XLA's dot_product_attention (transposed to BTNH and back) measured
-    # ~12% slower per `small` training step than the explicit path (docs/benchmarks.md).
-    if not weights and dropout_off and jax.default_backend() != "cpu":
+    if not weights and dropout_off and fused_kernels(q.dtype):
         return fused_attention(q, k, v, mask), None
     # The explicit path: its probabilities are recorded, or dropped out (the fused call has
     # no attention dropout), or the CPU. Scores and softmax in float32 at least (float64 stays
@@ -41,6 +39,15 @@ def attention(q: jax.Array, k: jax.Array, v: jax.Array, mask: jax.Array, dropout
     probabilities = jax.nn.softmax(scores, axis=-1)
     y = dropout(probabilities, rngs=rngs).astype(q.dtype) @ v  # (B, h, Tq, dh)
     return y.transpose(0, 2, 1, 3), probabilities if weights else None
+
+
+def fused_kernels(dtype) -> bool:
+    """Whether attention takes jax.nn.dot_product_attention (fused_attention) for `dtype`: on GPUs,
+    not on the CPU, where XLA's implementation (transposed to BTNH and back) measured ~12% slower per
+    `small` training step than the explicit path (docs/benchmarks.md). Not for float64: XLA's
+    implementation takes its softmax in float32 (a 1.4e-7 error on float64 inputs, where the
+    float64 contract is 1e-12; seen on an H100 by benchmarks/gpu_check.py)."""
+    return jax.default_backend() != "cpu" and dtype != jnp.float64
 
 
 def fused_attention(q: jax.Array, k: jax.Array, v: jax.Array, mask: jax.Array) -> jax.Array:

@@ -250,6 +250,28 @@ def test_compile_cache_off_keeps_nothing(tmp_path, monkeypatch):
     assert Run(compile_cache=str(tmp_path / "mine")).compile_cache_dir() == tmp_path / "mine"
 
 
+# -- The GPU's attention path, run on the CPU -----------------------------------------------------
+
+@pytest.mark.parametrize("dtype", ["float64", "float32"])
+def test_jax_attention_as_on_a_gpu_keeps_the_parity_bounds(dtype, monkeypatch):
+    """jax_impl/ops.py's attention as a GPU runs it (JAX reporting a 'gpu' backend), here: the logits
+    within the contract's bound of the float64 NumPy reference. An H100 found float64 at 6.0e-8
+    (bound 1e-12): XLA's dot_product_attention takes its softmax in float32."""
+    import jax
+
+    from rosetta.parity import TOLERANCES, parity_report
+
+    cfg = preset("tiny", **NO_DROPOUT)
+    monkeypatch.setattr(jax, "default_backend", lambda: "gpu")
+    jax.clear_caches()  # no program traced on the CPU's path is reused
+    try:
+        rows = [r for r in parity_report(cfg, init_params(cfg, seed=0), ["jax"]) if r.dtype == dtype]
+    finally:
+        jax.clear_caches()
+    assert len(rows) == 1 and rows[0].finite
+    assert rows[0].relative_error <= TOLERANCES[("jax", dtype)], rows[0]
+
+
 # -- Item 7: the GPU check, on the CPU ------------------------------------------------------------
 
 def test_gpu_check_passes_on_the_cpu(tmp_path, capsys):

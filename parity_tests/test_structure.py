@@ -188,6 +188,7 @@ TORCH_ONLY: dict[str, dict[str, str]] = {
 }
 JAX_ONLY: dict[str, dict[str, str]] = {
     "ops": {
+        "fused_kernels": "when attention takes jax.nn.dot_product_attention; torch's SDPA is inline",
         "fused_attention": "jax.nn.dot_product_attention and its choice of kernel; torch's SDPA is inline",
         "project": "the output projection's custom_vjp: XLA's CPU autodiff of a tied kernel transposes",
         "_project_forward": "the same",
