@@ -65,7 +65,10 @@ def tf32_mode():
             return ga, gb
 
     def sdpa(q, k, v, attn_mask=None, dropout_p=0.0, is_causal=False, scale=None, **_):
-        scores = Product.apply(q, k.transpose(-2, -1)) / q.shape[-1] ** 0.5 + attn_mask
+        scores = Product.apply(q, k.transpose(-2, -1)) / q.shape[-1] ** 0.5
+        if attn_mask is not None:  # as SDPA reads a mask: a boolean one's False is -inf, a float one is added
+            scores = scores.masked_fill(~attn_mask, -torch.inf) if attn_mask.dtype == torch.bool \
+                else scores + attn_mask
         return Product.apply(scores.softmax(-1), v)
 
     table = {F.linear: lambda x, w, b=None: Product.apply(x, w.t()) + (0 if b is None else b),

@@ -125,11 +125,11 @@ def topk_stable(x: torch.Tensor, k: int) -> tuple[torch.Tensor, torch.Tensor]:
         values, index = torch.sort(x, dim=-1, descending=True, stable=True)
         return values[..., :k], index[..., :k]
     if k >= x.shape[-1]:
-        return _topk_by_keys(x, x.shape[-1], torch.arange(x.shape[-1], device=x.device))
+        return _topk_by_keys(x, x.shape[-1], torch.arange(x.shape[-1], device=x.device), x.shape[-1])
     values, index = torch.topk(x, k + 1, dim=-1)
     if bool((values[..., k - 1] == values[..., k]).any()) or bool(values.isnan().any()):
-        return _topk_by_keys(x, k, torch.arange(x.shape[-1], device=x.device))
-    order = _topk_by_keys(values[..., :k], k, index[..., :k])[1]
+        return _topk_by_keys(x, k, torch.arange(x.shape[-1], device=x.device), x.shape[-1])
+    order = _topk_by_keys(values[..., :k], k, index[..., :k], x.shape[-1])[1]
     return values.gather(-1, order), index.gather(-1, order)
 
 
@@ -139,17 +139,20 @@ def topk_exact(x: torch.Tensor, k: int) -> tuple[torch.Tensor, torch.Tensor]:
     if x.dtype != torch.float32:
         values, index = torch.sort(x, dim=-1, descending=True, stable=True)
         return values[..., :k], index[..., :k]
-    return _topk_by_keys(x, k, torch.arange(x.shape[-1], device=x.device))
+    return _topk_by_keys(x, k, torch.arange(x.shape[-1], device=x.device), x.shape[-1])
 
 
-def _topk_by_keys(x: torch.Tensor, k: int, position: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+def _topk_by_keys(x: torch.Tensor, k: int, position: torch.Tensor,
+                  span: int) -> tuple[torch.Tensor, torch.Tensor]:
     """The k largest of float32 `x` along the last axis, ties to the lower `position` (the
-    element's index in its row; `position` broadcasts against x), through torch.topk on unique
-    int64 keys: the float's bits made order-preserving in the high half, the complemented
-    position in the low half. Returns the values and the indices into x's last axis."""
+    element's index in its row, 0 <= position < span; it broadcasts against x), through torch.topk
+    on unique int64 keys: the float's bits made order-preserving in the high half, the position
+    complemented to span - 1 in the low half. Returns the values and the indices into x's last axis."""
     bits = (x + 0.0).view(torch.int32)  # + 0.0 turns -0.0 into 0.0: equal values, equal keys
     ordered = torch.where(bits < 0, bits ^ 0x7FFFFFFF, bits).to(torch.int64)  # float order as ints
-    index = torch.topk(ordered * 2**32 + ((2**32 - 1) - position), k, dim=-1).indices
+    # span - 1, not 2**32 - 1: Inductor folds the constant into Triton's int32 index arithmetic,
+    # which refused 4294967295 (beam-4 decoding of `base` on an H200, torch 2.11).
+    index = torch.topk(ordered * 2**32 + ((span - 1) - position), k, dim=-1).indices
     return x.gather(-1, index), index
 
 

@@ -47,12 +47,14 @@ def attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Ten
     if explicit:
         y = cpu_dropout(probabilities, dropout).to(q.dtype) @ v
     else:
-        # An additive mask holding the dtype's most negative finite value (SPEC §2), not a
-        # boolean one: SDPA turns boolean masks into -inf, and a row whose keys are all masked
-        # then gives NaN or zeros instead of uniform weights (PITFALLS 4). Fused kernels
-        # (memory-efficient, cuDNN) take additive masks too.
-        bias = torch.zeros((), dtype=q.dtype, device=q.device).masked_fill(~mask, torch.finfo(q.dtype).min)
-        y = F.scaled_dot_product_attention(q, k, v, attn_mask=bias, dropout_p=dropout)  # (B, h, Tq, dh)
+        # SPEC §2: a query with no key left gets uniform weights, i.e. the mean of the values. SDPA's
+        # kernels need not give it (-inf for a boolean mask; on an H100 even a finite additive mask
+        # gave another answer: PITFALLS 4), so such a row attends to every key and its output is
+        # replaced below, whatever kernel ran (as jax_impl/ops.py's fused_attention). Its gradient
+        # to q and k is then exactly zero, as uniform weights' is.
+        no_key = ~mask.any(dim=-1, keepdim=True)  # (B, h or 1, Tq, 1)
+        y = F.scaled_dot_product_attention(q, k, v, attn_mask=mask | no_key, dropout_p=dropout)  # B,h,Tq,dh
+        y = torch.where(no_key, v.mean(dim=-2, keepdim=True), y)
     return y.transpose(1, 2), probabilities if weights else None
 
 
