@@ -313,9 +313,8 @@ def bench_decoding(cfg, params, peer, size: Size, dtype: str, suite: Suite, devi
                     sentences_per_s=len(src) / t["median_s"],
                 )
             )
-    if dtype != "float32":
+    if dtype != "float32":  # the peer: greedy (nn.Transformer has no beam), float32, to the longest limit
         return rows
-    # The peer: greedy only (nn.Transformer has no beam search), to the longest limit; float32.
     peer.to(device).eval()
     src_t = torch.from_numpy(src).to(device)
     length = size.decode_len + size.margin
