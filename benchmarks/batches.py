@@ -31,18 +31,17 @@ import argparse
 import datetime as dt
 import os
 import time
-from pathlib import Path
 
 os.environ.setdefault("XLA_PYTHON_CLIENT_PREALLOCATE", "false")  # as benchmarks/run.py
 
 import numpy as np
 import torch
 
-from benchmarks.common import RESULTS, build_trainer, environment, write_results
+from benchmarks.common import RESULTS, build_trainer, environment, given_path, parser, write_results
 from benchmarks.peer import make_peer
 from benchmarks.run import device_name
 from rosetta import preset
-from rosetta.cli_args import positive_int
+from rosetta.cli_args import nonempty_path, positive_int
 from rosetta.config import PRESETS
 from rosetta.flops import mfu, peak_flops
 from rosetta.harness.batching import BatchIterator
@@ -112,7 +111,8 @@ def measure_passes(fns: dict, repeats: int) -> dict[str, list[float]]:
     return times
 
 
-def run(args: argparse.Namespace) -> dict:
+def run(args: argparse.Namespace, pairs: dict[str, list]) -> dict:
+    """Every (distribution, batching) of `args` timed on `pairs[distribution]` (length_pairs)."""
     device = "cuda" if torch.cuda.is_available() else "cpu"
     if device == "cuda":
         torch.set_float32_matmul_precision("high")  # TF32, as JAX's default (benchmarks/run.py)
@@ -120,10 +120,9 @@ def run(args: argparse.Namespace) -> dict:
     peak = peak_flops(device_name(), args.dtype)
     rows = []
     for distribution in args.distributions:
-        pairs = length_pairs(distribution, cfg.src_vocab_size, args.data_dir)
         for batching in args.batchings:
             pack_length = min(PACK_LENGTH[distribution], cfg.max_len) if batching == "packed" else None
-            batches = sample_batches(pairs, cfg, args.max_tokens, pack_length, args.batches)
+            batches = sample_batches(pairs[distribution], cfg, args.max_tokens, pack_length, args.batches)
             flops = sum(batch_work(cfg, b)["flops"] for b in batches)
             real = sum(b.num_tgt_tokens for b in batches)
             slots = sum(b.labels.size for b in batches)
@@ -173,30 +172,34 @@ def markdown(result: dict) -> str:
 
 
 def main(argv: list[str] | None = None) -> None:
-    parser = argparse.ArgumentParser(description=__doc__,
-                                     formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--preset", default="small", choices=sorted(PRESETS))
-    parser.add_argument("--dtype", default="float32", choices=("float32", "bfloat16"))
-    parser.add_argument("--max-tokens", type=positive_int, default=4096, help="tokens a batch (default 4096)")
-    parser.add_argument("--batches", type=positive_int, default=3, help="batches a (distribution, batching)")
-    parser.add_argument("--repeats", type=positive_int, default=3, help="timed passes over them")
-    parser.add_argument("--distributions", nargs="+", choices=DISTRIBUTIONS, default=list(DISTRIBUTIONS))
-    parser.add_argument("--batchings", nargs="+", choices=BATCHINGS, default=list(BATCHINGS))
-    parser.add_argument("--data-dir", help="Multi30k directory (default: the harness's)")
-    parser.add_argument("--out-dir", type=Path, default=RESULTS)
-    parser.add_argument("--no-write", action="store_true", help="print the table only")
-    args = parser.parse_args(argv)
+    cli = parser(__file__, __doc__)
+    cli.add_argument("--preset", default="small", choices=sorted(PRESETS))
+    cli.add_argument("--dtype", default="float32", choices=("float32", "bfloat16"))
+    cli.add_argument("--max-tokens", type=positive_int, default=4096, help="tokens a batch (default 4096)")
+    cli.add_argument("--batches", type=positive_int, default=3, help="batches a (distribution, batching)")
+    cli.add_argument("--repeats", type=positive_int, default=3, help="timed passes over them")
+    cli.add_argument("--distributions", nargs="+", choices=DISTRIBUTIONS, default=list(DISTRIBUTIONS))
+    cli.add_argument("--batchings", nargs="+", choices=BATCHINGS, default=list(BATCHINGS))
+    cli.add_argument("--data-dir", type=nonempty_path, help="Multi30k directory (default: the harness's)")
+    cli.add_argument("--out-dir", type=given_path, default=RESULTS)
+    cli.add_argument("--no-write", action="store_true", help="print the table only")
+    args = cli.parse_args(argv)
+    device = "".join(c if c.isalnum() else "-" for c in device_name().lower()).strip("-")
+    name = f"batches_{args.preset}_{args.dtype}_{device}_{dt.date.today().isoformat()}"
+    if not args.no_write:  # the files it writes, and the data it reads, before the first measurement
+        cli.check_out_dir(args.out_dir, [f"{name}.json", f"{name}.md"])
+    with cli.refusing("--data-dir" if args.data_dir else None):
+        vocab = preset(args.preset).src_vocab_size
+        pairs = {d: length_pairs(d, vocab, args.data_dir) for d in args.distributions}
     started = time.perf_counter()
     env = environment()
-    result = run(args)
+    result = run(args, pairs)
     result |= {"environment": env, "wall_s": time.perf_counter() - started,
                "settings": f"{args.max_tokens} tokens per batch, {args.batches} batches, packed rows of "
                            + ", ".join(f"{n} ({d})" for d, n in PACK_LENGTH.items())}
     text = markdown(result)
     print(text)
     if not args.no_write:
-        device = "".join(c if c.isalnum() else "-" for c in result["device"].lower()).strip("-")
-        name = f"batches_{args.preset}_{args.dtype}_{device}_{dt.date.today().isoformat()}"
         print("wrote", *write_results(name, result, text, args.out_dir))
 
 

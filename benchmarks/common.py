@@ -5,6 +5,8 @@ the settings `rosetta train` passes (rosetta/harness/loop.py), stepped by the ha
 
 from __future__ import annotations
 
+import argparse
+import contextlib
 import datetime as dt
 import gc
 import json
@@ -13,17 +15,58 @@ import platform
 import statistics
 import subprocess
 import time
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Iterable, Iterator, Sequence
 from pathlib import Path
-from typing import Any
+from typing import Any, NoReturn
 
 from rosetta.backends import get_trainer
+from rosetta.cli_args import nonempty_path
 from rosetta.config import ModelConfig
-from rosetta.files import atomic_write_bytes
+from rosetta.errors import RosettaError
+from rosetta.files import atomic_write_bytes, check_writable
 from rosetta.harness.stepping import Stepper, cycle
 from rosetta.training import Batch, TrainConfig
 
 RESULTS = Path(__file__).parent / "results"
+
+
+class Parser(argparse.ArgumentParser):
+    """A benchmark's command line. Every refusal is one line, `benchmarks.NAME: error: ...`, exit
+    status 2, as `rosetta`'s are; and each benchmark makes them before its first measurement: its
+    flags through rosetta/cli_args.py's types, its output files through `check_out_dir`."""
+
+    def error(self, message: str) -> NoReturn:
+        self.exit(2, f"{self.prog.removeprefix('python -m ')}: error: {message}\n")
+
+    def check_out_dir(self, out_dir: Path, names: Iterable[str], flag: str | None = "--out-dir") -> Path:
+        """`out_dir`, once each file the benchmark will write there can be written (rosetta.files:
+        check_writable: not a file or a directory in the way, a folder a file can be created in);
+        else one line naming `flag` (None: a folder no flag names, such as docs/)."""
+        for name in names:
+            try:
+                check_writable(out_dir / name)
+            except RosettaError as e:
+                self.error(f"argument {flag}: {e}" if flag else str(e))
+        return out_dir
+
+    @contextlib.contextmanager
+    def refusing(self, flag: str | None = None) -> Iterator[None]:
+        """Bad input found while setting up (a data directory, a suite's presets): one line, exit 2."""
+        try:
+            yield
+        except RosettaError as e:
+            self.error(f"argument {flag}: {e}" if flag else str(e))
+
+
+def given_path(text: str) -> Path:
+    """A path flag's value (--out-dir, a results file): "" is refused, not read as the current directory."""
+    return Path(nonempty_path(text))
+
+
+def parser(script: str, description: str | None) -> Parser:
+    """The Parser of benchmarks/<script>.py (`script`: its __file__), named as it is run."""
+    return Parser(prog=f"python -m benchmarks.{Path(script).stem}", description=description,
+                  formatter_class=argparse.RawDescriptionHelpFormatter)
 
 
 def environment() -> dict:

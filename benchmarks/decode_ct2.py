@@ -20,7 +20,6 @@ core count is the thread count). Nothing else should run meanwhile.
 
 from __future__ import annotations
 
-import argparse
 import datetime as dt
 import json
 import statistics
@@ -30,12 +29,13 @@ from pathlib import Path
 
 import numpy as np
 
-from benchmarks.common import RESULTS, environment, write_results
+from benchmarks.common import RESULTS, environment, given_path, parser, write_results
 from rosetta import from_params, init_params
 from rosetta.cli_args import positive_int
 from rosetta.files import atomic_write_bytes
 from rosetta.interop.convert import convert
 from rosetta.interop.marian import config_from_marian, write_marian
+from rosetta.json_input import read_json
 
 BASE = {"vocab_size": 32000, "d_model": 512, "encoder_layers": 6, "decoder_layers": 6,
         "encoder_attention_heads": 8, "decoder_attention_heads": 8, "encoder_ffn_dim": 2048,
@@ -95,7 +95,7 @@ def _run(quick: bool, rounds: int, threads: int, batch: int, src_len: int, tgt_l
     work = Path(tempfile.mkdtemp(prefix="decode-ct2-"))
     cfg, params = marian_model(QUICK if quick else BASE, work / "marian")
     convert(work / "marian", work / "ct2", to_format="ctranslate2")
-    vocab = json.loads((work / "marian" / "vocab.json").read_text())
+    vocab = read_json(work / "marian" / "vocab.json", "a vocabulary")
     pieces = sorted(vocab, key=vocab.get)
     rng = np.random.default_rng(0)
     src = np.concatenate([rng.integers(2, cfg.src_vocab_size - 1, (batch, src_len - 1)),
@@ -161,14 +161,16 @@ def markdown(result: dict, env: dict) -> str:
 
 
 def main(argv: list[str] | None = None) -> None:
-    parser = argparse.ArgumentParser(description=__doc__,
-                                     formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--quick", action="store_true", help="a small model, one round (nothing written)")
-    parser.add_argument("--rounds", type=positive_int, default=3)
-    parser.add_argument("--threads", type=positive_int, default=2)
-    parser.add_argument("--out-dir", type=Path, default=RESULTS)
-    parser.add_argument("--no-write", action="store_true", help="print only")
-    args = parser.parse_args(argv)
+    cli = parser(__file__, __doc__)
+    cli.add_argument("--quick", action="store_true", help="a small model, one round (nothing written)")
+    cli.add_argument("--rounds", type=positive_int, default=3)
+    cli.add_argument("--threads", type=positive_int, default=2)
+    cli.add_argument("--out-dir", type=given_path, default=RESULTS)
+    cli.add_argument("--no-write", action="store_true", help="print only")
+    args = cli.parse_args(argv)
+    name = f"decode_ct2_cpu_{dt.date.today().isoformat()}"
+    if not args.no_write and not args.quick:  # before the minutes of measuring
+        cli.check_out_dir(args.out_dir, [f"{name}.json", f"{name}.md"])
     import ctranslate2
 
     env = {**environment(), "ctranslate2": ctranslate2.__version__}
@@ -176,8 +178,7 @@ def main(argv: list[str] | None = None) -> None:
     text = markdown(result, env)
     print(text)
     if not args.no_write and not args.quick:
-        paths = write_results(f"decode_ct2_cpu_{dt.date.today().isoformat()}", {"environment": env, **result},
-                              text, args.out_dir)
+        paths = write_results(name, {"environment": env, **result}, text, args.out_dir)
         print("wrote", *paths)
 
 

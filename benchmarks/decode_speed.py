@@ -10,13 +10,13 @@ identical, so every row emits the same tokens; tokens/s counts emitted tokens (e
 
 from __future__ import annotations
 
-import argparse
 import datetime as dt
 
 import numpy as np
 
-from benchmarks.common import environment, time_it, write_results
+from benchmarks.common import RESULTS, environment, parser, time_it, write_results
 from rosetta import from_params, init_params, preset
+from rosetta.cli_args import positive_int
 from rosetta.parity import random_batch
 
 
@@ -61,18 +61,20 @@ def markdown(result: dict, env: dict) -> str:
     return "\n".join(lines) + "\n"
 
 
-def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__)
-    parser.add_argument("--quick", action="store_true")
-    parser.add_argument("--repeats", type=int, default=3)
-    parser.add_argument("--no-write", action="store_true", help="print only")
-    args = parser.parse_args()
+def main(argv: list[str] | None = None) -> None:
+    cli = parser(__file__, __doc__)
+    cli.add_argument("--quick", action="store_true")
+    cli.add_argument("--repeats", type=positive_int, default=3)
+    cli.add_argument("--no-write", action="store_true", help="print only")
+    args = cli.parse_args(argv)
+    name = f"decode_cpu_{dt.date.today().isoformat()}"
+    if not args.no_write and not args.quick:  # benchmarks/results, before any measurement
+        cli.check_out_dir(RESULTS, [f"{name}.json", f"{name}.md"], flag=None)
     env = environment()
     result = run(args.quick, args.repeats)
     text = markdown(result, env)
     print(text)
     if not args.no_write and not args.quick:
-        name = f"decode_cpu_{dt.date.today().isoformat()}"
         paths = write_results(name, {"environment": env, **result}, text)
         print("wrote", *paths)
 

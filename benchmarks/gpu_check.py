@@ -22,7 +22,6 @@ What it checks, each against an independent reference (the float64 NumPy model, 
 
 from __future__ import annotations
 
-import argparse
 import datetime as dt
 import json
 import math
@@ -32,19 +31,17 @@ import tempfile
 import time
 from collections.abc import Callable
 from dataclasses import asdict, dataclass, replace
-from pathlib import Path
 
 import numpy as np
 
 os.environ.setdefault("XLA_PYTHON_CLIENT_PREALLOCATE", "false")  # PyTorch runs in this process too
 
-from benchmarks.common import RESULTS, environment, write_results
+from benchmarks.common import RESULTS, environment, given_path, parser, write_results
 from numpy_ref import model as reference
 from rosetta import init_params, preset
 from rosetta.backends import from_params, get_backend, get_trainer
-from rosetta.cli_args import positive_int, real
+from rosetta.cli_args import positive_int, positive_real
 from rosetta.config import PRESETS, ModelConfig
-from rosetta.files import check_writable
 from rosetta.harness.batching import BatchIterator
 from rosetta.harness.loop import train
 from rosetta.harness.run_config import RunConfig
@@ -278,29 +275,29 @@ def harness_checks(checks: list[Check], preset_name: str, device: str, dtype: st
 
 
 def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(description=__doc__,
-                                     formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--preset", default="base", choices=sorted(PRESETS))
-    parser.add_argument("--device", default=None,
-                        help="torch's device (default: cuda if there is one, else cpu)")
-    parser.add_argument("--out-dir", type=Path, default=RESULTS)
-    parser.add_argument("--no-write", action="store_true", help="print the lines only")
-    parser.add_argument("--seed", type=positive_int, default=1)
-    parser.add_argument("--only", nargs="+", choices=GROUPS, default=list(GROUPS),
-                        help="only these groups of checks (default: all; the results file names them)")
-    parser.add_argument("--peak-tflops", type=real, default=None,
-                        help="the GPU's peak TFLOP/s in bfloat16, for the harness's MFU (default: "
-                             "rosetta/flops.py's table of known GPUs)")
-    args = parser.parse_args(argv)
-    if args.peak_tflops is not None and args.peak_tflops <= 0:
-        parser.error(f"--peak-tflops must be a positive number, got {args.peak_tflops:g}")
+    cli = parser(__file__, __doc__)
+    cli.add_argument("--preset", default="base", choices=sorted(PRESETS))
+    cli.add_argument("--device", default=None,
+                     help="torch's device (default: cuda if there is one, else cpu)")
+    cli.add_argument("--out-dir", type=given_path, default=RESULTS)
+    cli.add_argument("--no-write", action="store_true", help="print the lines only")
+    cli.add_argument("--seed", type=positive_int, default=1)
+    cli.add_argument("--only", nargs="+", choices=GROUPS, default=list(GROUPS),
+                     help="only these groups of checks (default: all; the results file names them)")
+    cli.add_argument("--peak-tflops", type=positive_real, default=None,
+                     help="the GPU's peak TFLOP/s in bfloat16, for the harness's MFU (default: "
+                          "rosetta/flops.py's table of known GPUs)")
+    args = cli.parse_args(argv)
     import torch
 
     device = args.device or ("cuda" if torch.cuda.is_available() else "cpu")
-    if not args.no_write:
-        check_writable(args.out_dir / "gpu_check.json")  # the folder, refused before any check runs
     started = time.perf_counter()
     env = environment()
+    name = re.sub(r"[^a-z0-9]+", "-", (env.get("gpu") or "cpu").lower()).strip("-")
+    # "gpu-check", not "gpu_": benchmarks/report.py takes gpu_*.json for the GPU suite's results.
+    name = f"gpu-check_{name}_{dt.date.today().isoformat()}"
+    if not args.no_write:  # the files, refused before any check runs
+        cli.check_out_dir(args.out_dir, [f"{name}.json", f"{name}.md"])
     cfg = preset(args.preset, **NO_DROPOUT)
     params = init_params(cfg, seed=args.seed)
     gpu = device == "cuda"
@@ -321,9 +318,6 @@ def main(argv: list[str] | None = None) -> int:
     wall = time.perf_counter() - started
     print(f"{len(checks) - len(failed)} of {len(checks)} checks passed in {wall:.0f} s", flush=True)
     if not args.no_write:
-        name = re.sub(r"[^a-z0-9]+", "-", (env.get("gpu") or "cpu").lower()).strip("-")
-        # "gpu-check", not "gpu_": benchmarks/report.py takes gpu_*.json for the GPU suite's results.
-        name = f"gpu-check_{name}_{dt.date.today().isoformat()}"
         result = {"environment": env, "preset": args.preset, "device": device, "wall_s": wall,
                   "groups": [g for g in GROUPS if g in args.only],
                   "checks": [asdict(c) for c in checks], "passed": not failed}

@@ -15,9 +15,7 @@ a mistake can hide under the logit tolerance and still steer training.
 
 from __future__ import annotations
 
-import argparse
 import datetime as dt
-import json
 import re
 import time
 from collections.abc import Callable, Mapping
@@ -26,8 +24,10 @@ from typing import NamedTuple
 
 import numpy as np
 
-from benchmarks.common import RESULTS, environment, replace_block, write_results
+from benchmarks.common import RESULTS, environment, parser, replace_block, write_results
 from rosetta.config import ModelConfig, preset
+from rosetta.errors import RosettaError
+from rosetta.json_input import field, read_json
 from rosetta.params import init_params
 from rosetta.parity import TOLERANCES, random_batch, relative_error, target_positions
 
@@ -310,12 +310,11 @@ def newest(results: Path = RESULTS) -> Path | None:
 
 
 def load(path: Path) -> dict:
-    try:
-        result = json.loads(Path(path).read_text())
-    except (OSError, UnicodeDecodeError, json.JSONDecodeError) as e:
-        raise SystemExit(f"{path}: cannot read a pitfalls results file ({e})") from None
-    missing = [k for k in ("environment", "settings", "rows", "wall_s") if not isinstance(result, dict)
-               or k not in result]
+    try:  # the one JSON reader: bounded, typed (rosetta/json_input.py)
+        result = read_json(path, "a pitfalls results file", nonfinite=True, schema={"rows": field("array")})
+    except RosettaError as e:
+        raise SystemExit(str(e)) from None
+    missing = [k for k in ("environment", "settings", "rows", "wall_s") if k not in result]
     if missing:
         raise SystemExit(f"{path}: not a benchmarks/pitfalls.py results file (missing {', '.join(missing)})")
     return result
@@ -335,17 +334,18 @@ def update_page(page: Path = PAGE, results: Path = RESULTS) -> None:
 
 
 def main(argv: list[str] | None = None) -> None:
-    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    parser.add_argument("--docs", action="store_true", help="only re-render docs/pitfalls.md's block")
-    parser.add_argument("--no-gradient", action="store_true", help="skip the PyTorch gradient column")
-    args = parser.parse_args(argv)
-    if args.docs:  # the newest results file's Markdown twin is re-rendered too
-        path = newest()
-        if path is None:
-            raise SystemExit(f"no pitfalls_<date>.json in {RESULTS}: run `python -m benchmarks.pitfalls`")
-        result, name = load(path), path.stem
-    else:
-        result, name = run(gradient=not args.no_gradient), f"pitfalls_{dt.date.today().isoformat()}"
+    cli = parser(__file__, __doc__.split("\n\n")[0])
+    cli.add_argument("--docs", action="store_true", help="only re-render docs/pitfalls.md's block")
+    cli.add_argument("--no-gradient", action="store_true", help="skip the PyTorch gradient column")
+    args = cli.parse_args(argv)
+    path = newest() if args.docs else None
+    if args.docs and path is None:
+        cli.error(f"no pitfalls_<date>.json in {RESULTS}: run `python -m benchmarks.pitfalls`")
+    name = path.stem if path else f"pitfalls_{dt.date.today().isoformat()}"
+    # What it writes, before it measures: the results, and the page's block.
+    cli.check_out_dir(RESULTS, [f"{name}.json", f"{name}.md"], flag=None)
+    cli.check_out_dir(PAGE.parent, [PAGE.name], flag=None)
+    result = load(path) if path else run(gradient=not args.no_gradient)
     json_path, _ = write_results(name, result, "# Measured porting pitfalls\n\n" + markdown(result))
     print(f"wrote {json_path} and {json_path.with_suffix('.md')}")
     update_page()

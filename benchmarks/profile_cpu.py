@@ -17,7 +17,6 @@ the profiler (the wall time shown). Run it alone.
 
 from __future__ import annotations
 
-import argparse
 import datetime as dt
 import os
 import re
@@ -30,7 +29,7 @@ from pathlib import Path
 import numpy as np
 import torch
 
-from benchmarks.common import RESULTS, environment, write_results
+from benchmarks.common import RESULTS, environment, given_path, parser, write_results
 from rosetta.cli_args import positive_int
 
 KINDS = ("output projection matmuls (over V)", "layer matmuls", "attention matmuls",
@@ -193,18 +192,20 @@ def table(title: str, wall: float, kinds: Counter) -> str:
 
 
 def main(argv: list[str] | None = None) -> None:
-    parser = argparse.ArgumentParser(description=__doc__,
-                                     formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--what", choices=("train", "decode", "both"), default="both")
-    parser.add_argument("--threads", type=positive_int, default=2,
-                        help="torch threads (XLA takes every core)")
-    parser.add_argument("--out-dir", type=Path, default=RESULTS)
-    parser.add_argument("--no-write", action="store_true", help="print only")
-    parser.add_argument("--quick", action="store_true", help="tiny models (the smoke test); nothing written")
-    args = parser.parse_args(argv)
+    cli = parser(__file__, __doc__)
+    cli.add_argument("--what", choices=("train", "decode", "both"), default="both")
+    cli.add_argument("--threads", type=positive_int, default=2,
+                     help="torch threads (XLA takes every core)")
+    cli.add_argument("--out-dir", type=given_path, default=RESULTS)
+    cli.add_argument("--no-write", action="store_true", help="print only")
+    cli.add_argument("--quick", action="store_true", help="tiny models (the smoke test); nothing written")
+    args = cli.parse_args(argv)
+    name = f"profile_cpu_{dt.date.today().isoformat()}"
+    if not args.no_write and not args.quick:  # before the minutes of profiling
+        cli.check_out_dir(args.out_dir, [f"{name}.json", f"{name}.md"])
     if "jax" in sys.modules:  # XLA reads XLA_FLAGS once, when JAX starts; JAX is imported only below
-        parser.error("JAX is already imported in this process: run `python -m benchmarks.profile_cpu` "
-                     "on its own")
+        cli.error("JAX is already imported in this process: run `python -m benchmarks.profile_cpu` "
+                  "on its own")
     hlo_dir = Path(tempfile.mkdtemp(prefix="profile-cpu-hlo-"))  # the optimized HLO, for the thunk names
     flags = f"--xla_dump_to={hlo_dir} --xla_dump_hlo_as_text"
     os.environ["XLA_FLAGS"] = f"{os.environ.get('XLA_FLAGS', '')} {flags}"
@@ -226,8 +227,7 @@ def main(argv: list[str] | None = None) -> None:
             print(parts[-1], flush=True)
     text = "\n".join(parts)
     if not args.no_write and not args.quick:
-        print("wrote", *write_results(f"profile_cpu_{dt.date.today().isoformat()}", result, text,
-                                          args.out_dir))
+        print("wrote", *write_results(name, result, text, args.out_dir))
 
 
 if __name__ == "__main__":

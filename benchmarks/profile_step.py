@@ -13,15 +13,13 @@ On a CPU the profiler records operators instead of kernels (most land in "other"
 
 from __future__ import annotations
 
-import argparse
-
 import jax
 import jax.numpy as jnp
 import numpy as np
 import torch
 from torch.profiler import ProfilerActivity, profile
 
-from benchmarks.common import build_trainer, environment, release, time_training
+from benchmarks.common import build_trainer, environment, parser, release, time_training
 from benchmarks.peer import make_peer
 from benchmarks.run import SUITES, measure, training_batches
 from jax_impl import train as jax_train
@@ -112,16 +110,15 @@ def loss_timings(cfg, size, dtype: str, device: str, steps: int) -> str:
 
 
 def main(argv: list[str] | None = None) -> None:
-    parser = argparse.ArgumentParser(description=__doc__,
-                                     formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--preset", default="base", choices=sorted(SUITES["gpu"].presets))
-    parser.add_argument("--dtype", default="bfloat16", choices=("bfloat16", "float32"))
-    parser.add_argument("--device", default="cuda", choices=("cuda", "cpu"))
-    parser.add_argument("--steps", type=positive_int, default=5)
-    parser.add_argument("--no-loss", action="store_true", help="leave out the loss-alone timings")
-    args = parser.parse_args(argv)
+    cli = parser(__file__, __doc__)
+    cli.add_argument("--preset", default="base", choices=sorted(SUITES["gpu"].presets))
+    cli.add_argument("--dtype", default="bfloat16", choices=("bfloat16", "float32"))
+    cli.add_argument("--device", default="cuda", choices=("cuda", "cpu"))
+    cli.add_argument("--steps", type=positive_int, default=5)
+    cli.add_argument("--no-loss", action="store_true", help="leave out the loss-alone timings")
+    args = cli.parse_args(argv)
     if args.device == "cuda" and not torch.cuda.is_available():
-        raise SystemExit("profile_step: no CUDA device here (--device cpu runs the same code on the CPU)")
+        cli.error("argument --device: no CUDA device here (--device cpu runs the same code on the CPU)")
     env = environment()
     size = SUITES["gpu"].presets[args.preset]
     _, cfg, params = make_peer(preset(args.preset, max_len=128))

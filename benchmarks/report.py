@@ -11,15 +11,15 @@ README) is refreshed on request only (a test checks that it matches the newest r
 
 from __future__ import annotations
 
-import argparse
 import io
-import json
 import os
 import re
 from pathlib import Path
 
-from benchmarks.common import HARNESS, IMPL_ORDER, RESULTS, replace_block
+from benchmarks.common import HARNESS, IMPL_ORDER, RESULTS, given_path, parser, replace_block
+from rosetta.errors import RosettaError
 from rosetta.files import atomic_write_bytes
+from rosetta.json_input import field, read_json
 
 ROOT = Path(__file__).parent.parent
 BENCHMARK_DOC = ROOT / "docs" / "benchmarks.md"  # the page that shows the newest tables
@@ -88,12 +88,12 @@ def tables(result: dict) -> str:
 
 def load(path: Path) -> dict:
     """A results JSON written by benchmarks/run.py, or a clear error naming what is wrong."""
-    try:
-        result = json.loads(Path(path).read_text())
-    except (OSError, UnicodeDecodeError, json.JSONDecodeError) as e:
-        raise SystemExit(f"{path}: cannot read a results file ({e})") from None
+    try:  # the one JSON reader: bounded, typed (rosetta/json_input.py)
+        result = read_json(path, "a results file", nonfinite=True, schema={"rows": field("array")})
+    except RosettaError as e:
+        raise SystemExit(str(e)) from None
     keys = ("environment", "suite", "device", "rows", "sizes")
-    missing = [k for k in keys if not isinstance(result, dict) or k not in result] or (
+    missing = [k for k in keys if k not in result] or (
         [] if result["rows"] else ["rows (empty)"])
     if missing:
         raise SystemExit(f"{path}: not a benchmarks/run.py results file (missing {', '.join(missing)})")
@@ -200,13 +200,17 @@ def update_readme(readme: Path = BENCHMARK_DOC, results: Path = RESULTS) -> None
 
 
 def main(argv: list[str] | None = None) -> None:
-    parser = argparse.ArgumentParser(description=__doc__,
-                                     formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("results", nargs="*", type=Path, help="results JSON files to re-render")
-    parser.add_argument("--docs", "--readme", dest="docs", action="store_true",
-                        help=f"refresh the benchmark tables in {BENCHMARK_DOC.relative_to(ROOT)} "
-                             "(--readme: the same, the flag's older name)")
-    args = parser.parse_args(argv)
+    cli = parser(__file__, __doc__)
+    cli.add_argument("results", nargs="*", type=given_path, help="results JSON files to re-render")
+    cli.add_argument("--docs", "--readme", dest="docs", action="store_true",
+                     help=f"refresh the benchmark tables in {BENCHMARK_DOC.relative_to(ROOT)} "
+                          "(--readme: the same, the flag's older name)")
+    args = cli.parse_args(argv)
+    for path in args.results:  # every file it writes, before the first is written
+        cli.check_out_dir(path.parent, [path.with_suffix(".md").name, path.with_suffix(".png").name],
+                          flag="results")
+    if args.docs:
+        cli.check_out_dir(BENCHMARK_DOC.parent, [BENCHMARK_DOC.name], flag=None)
     for path in args.results:
         result = load(path)
         atomic_write_bytes(path.with_suffix(".md"), markdown(result).encode())

@@ -24,7 +24,6 @@ benchmarks/results/<suite>_<device>_<date>.{json,md,png}, with the commit, versi
 
 from __future__ import annotations
 
-import argparse
 import datetime as dt
 import json
 import multiprocessing
@@ -52,6 +51,8 @@ from benchmarks.common import (
     TRAINERS,
     build_trainer,
     environment,
+    given_path,
+    parser,
     release,
     time_training,
     write_results,
@@ -60,7 +61,8 @@ from benchmarks.peer import make_peer
 from benchmarks.report import markdown, plot
 from jax_impl.backend import Model as JaxModel
 from rosetta import from_params, preset
-from rosetta.cli_args import real
+from rosetta.cli_args import positive_real
+from rosetta.errors import RosettaError
 from rosetta.files import atomic_write_bytes
 from rosetta.flops import forward_flops, mfu, peak_flops, training_flops
 from rosetta.harness.batching import BatchIterator
@@ -80,8 +82,6 @@ class Size:
     decode_batch: int
     decode_len: int  # source length; the search may emit up to decode_len + margin tokens
     margin: int
-
-
 
 
 @dataclass(frozen=True)
@@ -426,7 +426,8 @@ def select(suite: Suite, presets: list[str] | None, dtypes: list[str] | None,
                                                                               "--dtypes")):
         unknown = sorted(set(given or ()) - set(known))
         if unknown:
-            raise SystemExit(f"{flag} {' '.join(unknown)}: suite {suite.name} has {', '.join(known)}")
+            raise RosettaError(f"argument {flag}: {' '.join(unknown)}: suite {suite.name} has "
+                               f"{', '.join(known)}")
     return replace(suite, presets={k: v for k, v in suite.presets.items() if presets is None or k in presets},
                    dtypes=tuple(d for d in suite.dtypes if dtypes is None or d in dtypes),
                    impls=None if impls is None else tuple(impls))
@@ -445,45 +446,43 @@ def results_name(suite_name: str, tasks: tuple[str, ...] = Suite.tasks) -> str:
 
 
 def main(argv: list[str] | None = None) -> None:
-    parser = argparse.ArgumentParser(
-        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
-    )
-    parser.add_argument("--suite", choices=sorted(SUITES), default="cpu")
-    parser.add_argument("--presets", nargs="+", help="only these presets of the suite")
-    parser.add_argument("--dtypes", nargs="+", help="only these dtypes of the suite")
-    parser.add_argument("--impls", nargs="+", choices=IMPL_ORDER,
-                        help="only these implementations (training rows, and the `(rosetta train)` rows of "
-                             "those the suite runs so); forward and decoding keep theirs")
-    parser.add_argument("--tasks", nargs="+", choices=Suite.tasks, default=list(Suite.tasks),
-                        help="only these measurements (default: all)")
-    parser.add_argument("--peak-tflops", type=real, default=None,
-                        help="the device's peak TFLOP/s in the run's dtype, for MFU (default: "
-                             "rosetta/flops.py's table of known GPUs)")
-    parser.add_argument("--no-write", action="store_true", help="print the table only")
-    parser.add_argument("--out-dir", type=Path, default=None, help="default: benchmarks/results")
-    parser.add_argument("--overwrite", action="store_true",
-                        help="replace today's results file of this suite and device")
-    args = parser.parse_args(argv)
-    if args.peak_tflops is not None and args.peak_tflops <= 0:
-        parser.error(f"--peak-tflops must be a positive number, got {args.peak_tflops:g}")
+    cli = parser(__file__, __doc__)
+    cli.add_argument("--suite", choices=sorted(SUITES), default="cpu")
+    cli.add_argument("--presets", nargs="+", help="only these presets of the suite")
+    cli.add_argument("--dtypes", nargs="+", help="only these dtypes of the suite")
+    cli.add_argument("--impls", nargs="+", choices=IMPL_ORDER,
+                     help="only these implementations (training rows, and the `(rosetta train)` rows of "
+                          "those the suite runs so); forward and decoding keep theirs")
+    cli.add_argument("--tasks", nargs="+", choices=Suite.tasks, default=list(Suite.tasks),
+                     help="only these measurements (default: all)")
+    cli.add_argument("--peak-tflops", type=positive_real, default=None,
+                     help="the device's peak TFLOP/s in the run's dtype, for MFU (default: "
+                          "rosetta/flops.py's table of known GPUs)")
+    cli.add_argument("--no-write", action="store_true", help="print the table only")
+    cli.add_argument("--out-dir", type=given_path, default=None, help="default: benchmarks/results")
+    cli.add_argument("--overwrite", action="store_true",
+                     help="replace today's results file of this suite and device")
+    args = cli.parse_args(argv)
     started = time.perf_counter()
-    suite = replace(select(SUITES[args.suite], args.presets, args.dtypes, args.impls),
-                    peak_tflops=args.peak_tflops, tasks=tuple(t for t in Suite.tasks if t in args.tasks))
+    with cli.refusing():
+        suite = replace(select(SUITES[args.suite], args.presets, args.dtypes, args.impls),
+                        peak_tflops=args.peak_tflops, tasks=tuple(t for t in Suite.tasks if t in args.tasks))
     out_dir = args.out_dir or RESULTS
     name = results_name(args.suite, suite.tasks)
     if not args.no_write and (out_dir / f"{name}.json").exists() and not args.overwrite:
-        parser.error(f"{out_dir / name}.json already exists: pass --overwrite to replace it, or "
-                     "--out-dir to write elsewhere")
+        cli.error(f"{out_dir / name}.json already exists: pass --overwrite to replace it, or "
+                  "--out-dir to write elsewhere")
+    if not args.no_write:  # every file the run writes, before its first measurement
+        cli.check_out_dir(out_dir, [f"{name}.json", f"{name}.md", f"{name}.png",
+                                    f"{args.suite}.partial.json"])
     env = environment()
     partial = None if args.no_write else out_dir / f"{args.suite}.partial.json"
     if partial is not None:
         partial.parent.mkdir(parents=True, exist_ok=True)
     measured, device = run(suite, partial)
-    settings = {"steps per repeat": suite.steps, "warm-up calls": suite.warmup}
-    if suite.tasks != Suite.tasks:
-        settings["tasks"] = " ".join(suite.tasks)
-    if os.environ.get("XLA_FLAGS"):
-        settings["XLA_FLAGS"] = os.environ["XLA_FLAGS"]
+    settings = {"steps per repeat": suite.steps, "warm-up calls": suite.warmup,
+                **({"tasks": " ".join(suite.tasks)} if suite.tasks != Suite.tasks else {}),
+                **({"XLA_FLAGS": os.environ["XLA_FLAGS"]} if os.environ.get("XLA_FLAGS") else {})}
     if device != "cpu":
         settings["float32 matmuls"] = "TF32 in both frameworks"
     # The run's seconds (all but the imports' few): each suite must stay under 10 minutes.

@@ -56,8 +56,11 @@ from pathlib import Path
 
 import numpy as np
 
-from benchmarks.common import RESULTS, environment, write_results
+from benchmarks.common import RESULTS, Parser, environment, given_path, parser, write_results
+from rosetta.cli_args import non_negative_int, positive_int, positive_real
 from rosetta.config import preset
+from rosetta.errors import RosettaError
+from rosetta.json_input import read_json
 from rosetta.training import Batch
 
 ROOT = Path(__file__).parent.parent
@@ -264,7 +267,10 @@ def run_one(args: argparse.Namespace, framework: str, workers: int, gpus: int) -
             print(tail, file=sys.stderr)
             return {"framework": framework, "workers": workers, "status": "not measured",
                     "reason": f"the run failed (exit code {done.returncode}): {tail[-300:].strip()}"}
-        row = json.loads(result.read_text())
+        try:  # the worker's own file, read as any other: bounded (rosetta/json_input.py)
+            row = read_json(result, "a worker's result", nonfinite=True)
+        except RosettaError as e:
+            return {"framework": framework, "workers": workers, "status": "not measured", "reason": str(e)}
     row["process_wall_s"] = wall
     return row
 
@@ -359,48 +365,45 @@ def run(args: argparse.Namespace) -> dict:
             "wall_s": time.perf_counter() - started}
 
 
-def parse(argv: list[str] | None) -> tuple[argparse.ArgumentParser, argparse.Namespace]:
-    parser = argparse.ArgumentParser(description=__doc__,
-                                     formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--framework", nargs="+", choices=FRAMEWORKS, default=list(FRAMEWORKS))
-    parser.add_argument("--workers", nargs="+", type=int, default=[1, 2], help="the Ns to measure")
-    parser.add_argument("--preset", choices=PRESET_NAMES, default="small")
-    parser.add_argument("--dtype", choices=("float32", "bfloat16"), default="float32")
-    budget = parser.add_mutually_exclusive_group()
-    budget.add_argument("--per-worker-tokens", type=int, default=4096,
+def parse(argv: list[str] | None) -> tuple[Parser, argparse.Namespace]:
+    cli = parser(__file__, __doc__)
+    cli.add_argument("--framework", nargs="+", choices=FRAMEWORKS, default=list(FRAMEWORKS))
+    cli.add_argument("--workers", nargs="+", type=positive_int, default=[1, 2], help="the Ns to measure")
+    cli.add_argument("--preset", choices=PRESET_NAMES, default="small")
+    cli.add_argument("--dtype", choices=("float32", "bfloat16"), default="float32")
+    budget = cli.add_mutually_exclusive_group()
+    budget.add_argument("--per-worker-tokens", type=positive_int, default=4096,
                         help="weak scaling (the default): a global batch of N x this many tokens")
-    budget.add_argument("--max-tokens", type=int, default=None,
+    budget.add_argument("--max-tokens", type=positive_int, default=None,
                         help="strong scaling: this global batch at every N (the same batches)")
-    parser.add_argument("--buckets", nargs="+", type=int, default=list(BUCKETS),
-                        help="batch lengths (default: the harness's up to the longest pair); each one "
-                             "in use is one more compilation for JAX, so one bucket (48) is quickest")
-    parser.add_argument("--steps", type=int, default=10, help="timed steps")
-    parser.add_argument("--warmup-steps", type=int, default=3)
-    parser.add_argument("--out-dir", type=Path, default=None, help="default: benchmarks/results")
-    parser.add_argument("--overwrite", action="store_true", help="replace today's results file")
-    parser.add_argument("--no-write", action="store_true", help="print the table only")
-    parser.add_argument("--timeout", type=float, default=1800, help="seconds per measurement")
-    parser.add_argument("--worker", action="store_true", help=argparse.SUPPRESS)
-    parser.add_argument("--result", type=Path, default=None, help=argparse.SUPPRESS)
-    args = parser.parse_args(argv)
-    if any(n < 1 for n in args.workers) or len(set(args.workers)) != len(args.workers):
-        parser.error("--workers takes distinct integers >= 1")
-    if args.steps < 1 or args.warmup_steps < 0:
-        parser.error("--steps must be >= 1 and --warmup-steps >= 0")
-    if sorted(set(args.buckets)) != args.buckets or args.buckets[0] < 1 or args.buckets[-1] < MAX_LEN + 1:
-        parser.error(f"--buckets takes increasing lengths, the last at least {MAX_LEN + 1} "
-                     "(the longest pair)")
+    cli.add_argument("--buckets", nargs="+", type=positive_int, default=list(BUCKETS),
+                     help="batch lengths (default: the harness's up to the longest pair); each one "
+                          "in use is one more compilation for JAX, so one bucket (48) is quickest")
+    cli.add_argument("--steps", type=positive_int, default=10, help="timed steps")
+    cli.add_argument("--warmup-steps", type=non_negative_int, default=3)
+    cli.add_argument("--out-dir", type=given_path, default=None, help="default: benchmarks/results")
+    cli.add_argument("--overwrite", action="store_true", help="replace today's results file")
+    cli.add_argument("--no-write", action="store_true", help="print the table only")
+    cli.add_argument("--timeout", type=positive_real, default=1800, help="seconds per measurement")
+    cli.add_argument("--worker", action="store_true", help=argparse.SUPPRESS)
+    cli.add_argument("--result", type=Path, default=None, help=argparse.SUPPRESS)
+    args = cli.parse_args(argv)
+    if len(set(args.workers)) != len(args.workers):
+        cli.error("argument --workers: takes distinct integers >= 1")
+    if sorted(set(args.buckets)) != args.buckets or args.buckets[-1] < MAX_LEN + 1:
+        cli.error(f"--buckets takes increasing lengths, the last at least {MAX_LEN + 1} "
+                  "(the longest pair)")
     if args.buckets[-1] > preset(args.preset).max_len:
-        parser.error(f"--buckets: {args.buckets[-1]} is longer than preset {args.preset}'s max_len")
+        cli.error(f"--buckets: {args.buckets[-1]} is longer than preset {args.preset}'s max_len")
     if (args.max_tokens if args.max_tokens is not None else args.per_worker_tokens) < args.buckets[-1]:
-        parser.error(f"a token budget must be at least {args.buckets[-1]} (the longest batch shape)")
+        cli.error(f"a token budget must be at least {args.buckets[-1]} (the longest batch shape)")
     if args.worker and (len(args.framework) != 1 or len(args.workers) != 1 or args.result is None):
-        parser.error("--worker measures one framework at one N into --result")
-    return parser, args
+        cli.error("--worker measures one framework at one N into --result")
+    return cli, args
 
 
 def main(argv: list[str] | None = None) -> None:
-    parser, args = parse(argv)
+    cli, args = parse(argv)
     if args.worker:
         row = measure(args)
         if row is not None:
@@ -409,12 +412,13 @@ def main(argv: list[str] | None = None) -> None:
     out_dir = args.out_dir or RESULTS
     name = results_name(device_name())
     if not args.no_write and (out_dir / f"{name}.json").exists() and not args.overwrite:
-        parser.error(f"{out_dir / name}.json already exists: pass --overwrite to replace it, or --out-dir")
+        cli.error(f"{out_dir / name}.json already exists: pass --overwrite to replace it, or --out-dir")
+    if not args.no_write:  # before the first measurement
+        cli.check_out_dir(out_dir, [f"{name}.json", f"{name}.md"])
     result = run(args)
     text = markdown(result)
     print(text)
     if not args.no_write:
-        out_dir.mkdir(parents=True, exist_ok=True)
         print("wrote", *write_results(name, result, text, out_dir))
 
 

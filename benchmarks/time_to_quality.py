@@ -16,19 +16,21 @@ goes to benchmarks/results/ttq_<device>_<date>.{json,md}, with the machine and t
 
 from __future__ import annotations
 
-import argparse
 import datetime as dt
-import json
 import subprocess
 import sys
 import time
 from pathlib import Path
 
-from benchmarks.common import RESULTS, environment, write_results
-from rosetta.cli_args import non_negative_real
+from benchmarks.common import RESULTS, environment, given_path, parser, write_results
+from rosetta.cli_args import nonempty_path, positive_real, real_type
+from rosetta.errors import RosettaError
+from rosetta.harness.report import RUN_SCHEMA
+from rosetta.json_input import read_json
 
 SPLITS = ("test_2016_flickr", "test_2017_flickr")
 SEARCH = ["--beam", "4", "--alpha", "0.6"]
+BLEU = real_type(0.0, 100.0)  # a --bleu-at threshold: sacreBLEU scores lie in [0, 100]
 
 
 def rosetta(*args: str) -> None:
@@ -49,21 +51,18 @@ def train_and_evaluate(out: Path, backends: list[str], budget: float, data_dir: 
             rosetta("evaluate", str(run), "--split", split, *SEARCH, "--backend", "torch", *data,
                     "--out", str(run / f"eval_last_{split}.json"))
             if (run / "averaged.safetensors").is_file():  # a bare checkpoint: the run's pair given
-                pair = json.loads((run / "run.json").read_text(encoding="utf-8"))["args"]["pair"]
+                pair = _read_json(run / "run.json", "run settings", RUN_SCHEMA)["args"]["pair"]
                 rosetta("evaluate", str(run / "averaged.safetensors"),
                         "--tokenizer", str(run / "tokenizer.json"), "--pair", pair, "--split", split,
                         *SEARCH, "--backend", "torch", *data, "--out", str(run / f"eval_avg_{split}.json"))
 
 
-def _read_json(path: Path, what: str) -> dict:
+def _read_json(path: Path, what: str, schema: dict | None = None) -> dict:
     """A run's JSON file; a corrupt one stops the table with one line naming it."""
-    try:
-        data = json.loads(path.read_text(encoding="utf-8"))
-        if not isinstance(data, dict):
-            raise ValueError("not a JSON object")
-        return data
-    except (OSError, UnicodeDecodeError, ValueError) as e:
-        raise SystemExit(f"{path}: cannot read this {what}: {e}") from None
+    try:  # the one JSON reader: bounded, and run.json's fields typed (rosetta/json_input.py)
+        return read_json(path, f"a {what} file", nonfinite=True, schema=schema)
+    except RosettaError as e:
+        raise SystemExit(str(e)) from None
 
 
 def _bleu(path: Path) -> dict | None:
@@ -135,34 +134,38 @@ def markdown(result: dict) -> str:
 
 
 def main(argv: list[str] | None = None) -> None:
-    parser = argparse.ArgumentParser(description=__doc__,
-                                     formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--out", type=Path, required=True, help="the run directory")
-    parser.add_argument("--train", action="store_true", help="train and evaluate first (else tabulate only)")
-    parser.add_argument("--budget", type=non_negative_real, default=25.0, help="minutes each (default 25)")
-    parser.add_argument("--backends", nargs="+", default=["torch", "peer"], choices=("torch", "jax", "peer"))
-    parser.add_argument("--bleu-at", nargs="+", type=non_negative_real, default=[25.0, 30.0, 35.0],
-                        help="validation BLEU thresholds of the table (default 25 30 35)")
-    parser.add_argument("--data-dir", help="Multi30k directory (default: the harness's)")
-    parser.add_argument("--results-dir", type=Path, default=RESULTS)
-    args = parser.parse_args(argv)
-    if args.budget == 0:
-        parser.error("argument --budget: must be more than 0 minutes")
+    cli = parser(__file__, __doc__)
+    cli.add_argument("--out", type=given_path, required=True, help="the run directory")
+    cli.add_argument("--train", action="store_true", help="train and evaluate first (else tabulate only)")
+    cli.add_argument("--budget", type=positive_real, default=25.0, help="minutes each (default 25)")
+    cli.add_argument("--backends", nargs="+", default=["torch", "peer"], choices=("torch", "jax", "peer"))
+    cli.add_argument("--bleu-at", nargs="+", type=BLEU, default=[25.0, 30.0, 35.0],
+                     help="validation BLEU thresholds of the table (default 25 30 35)")
+    cli.add_argument("--data-dir", type=nonempty_path, help="Multi30k directory (default: the harness's)")
+    cli.add_argument("--results-dir", type=given_path, default=RESULTS)
+    args = cli.parse_args(argv)
     env = environment()  # before training: the commit the run is made from
+    device = "".join(c if c.isalnum() else "-" for c in (env.get("gpu") or "cpu").lower()).strip("-")
+    name = f"ttq_{device}_{dt.date.today().isoformat()}"
+    cli.check_out_dir(args.results_dir, [f"{name}.json", f"{name}.md"], flag="--results-dir")
+    if args.train:  # what training writes and reads, before its minutes
+        cli.check_out_dir(args.out, [f"{b}/run.json" for b in args.backends], flag="--out")
+        from rosetta.harness.data import resolve_data_dir
+
+        with cli.refusing("--data-dir" if args.data_dir else None):
+            resolve_data_dir(args.data_dir)
     started = time.perf_counter()
     if args.train:
         train_and_evaluate(args.out, args.backends, args.budget, args.data_dir)
     result = table(args.out, args.bleu_at) | {"environment": env}
     run_path = next(args.out.glob("*/run.json"), None)
-    run_json = _read_json(run_path, "run settings") if run_path else {}
+    run_json = _read_json(run_path, "run settings", RUN_SCHEMA) if run_path else {}
     budget = (run_json.get("args") or {}).get("time_budget")
     result["settings"] = f"recipe multi30k, --time-budget {budget} min per backend"
     if args.train:
         result["wall_s"] = time.perf_counter() - started
     text = markdown(result)
     print(text)
-    device = "".join(c if c.isalnum() else "-" for c in (env.get("gpu") or "cpu").lower()).strip("-")
-    name = f"ttq_{device}_{dt.date.today().isoformat()}"
     print("wrote", *write_results(name, result, text, args.results_dir))
 
 

@@ -24,20 +24,23 @@ from jax.sharding import Mesh, NamedSharding
 from jax.sharding import PartitionSpec as P
 
 from jax_impl import compilation  # noqa: F401 - sets XLA's flags before JAX starts its backends
+from rosetta.device import check_device, parse_device
 from rosetta.distributed import LaunchEnv
 from rosetta.errors import RosettaError
 
 
 def local_device(name: str | None) -> jax.Device:
-    """'cpu', 'gpu', 'cuda' or 'cuda:1' (torch's spelling) -> that JAX device of this process;
-    None: the default."""
-    if not name:
+    """'cpu', 'gpu', 'cuda' or 'cuda:1' (torch's spelling) -> that JAX device of this process,
+    checked by rosetta/device.py's one parser against the devices JAX sees; None: the default."""
+    if name is None:
         return jax.local_devices()[0]
-    platform, _, index = name.partition(":")
+    platform = parse_device(name).platform
     try:
-        return jax.local_devices(backend=platform)[int(index or 0)]
-    except (RuntimeError, ValueError, IndexError) as e:
-        raise RosettaError(f"JAX has no device {name!r} here ({e})") from None
+        present = jax.local_devices(backend=platform)
+    except RuntimeError:  # no such platform here (a GPU on a CPU-only machine)
+        present = []
+    gpus, cpus = (len(present), 1) if platform == "gpu" else (0, len(present))
+    return present[check_device(name, gpus, cpus).index or 0]
 
 
 def init_distributed(env: LaunchEnv) -> None:

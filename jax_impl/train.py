@@ -43,7 +43,7 @@ from jax_impl.loss import chunked_loss, cross_entropy, generator_params
 from jax_impl.model import Transformer
 from rosetta.checkpoint import check_params
 from rosetta.config import ModelConfig
-from rosetta.device import cpu_name, max_rss_bytes
+from rosetta.device import cpu_name, max_rss_bytes, parse_device
 from rosetta.distributed import LaunchEnv, launch_env, split_rows
 from rosetta.inputs import Packing
 from rosetta.params import Params, canonical_dtype, param_shapes
@@ -315,9 +315,10 @@ class Trainer:
         """The first device a trainer built with `device=name` in the launch `env` takes ('cpu:0',
         'gpu:1'), checked as the constructor checks it: a RosettaError if JAX has no such device here.
         Under a launcher JAX may not look at its devices before the processes join (init_distributed),
-        so there `name` comes back as given (None: 'default'), checked when the trainer is built."""
+        so there `name` comes back as given (None: 'default'), its spelling checked (rosetta/device.py)
+        and its devices when the trainer is built."""
         if env.distributed:
-            return name or "default"
+            return "default" if name is None else parse_device(name).name
         device = local_device(name)
         return f"{device.platform}:{jax.local_devices(backend=device.platform).index(device)}"
 

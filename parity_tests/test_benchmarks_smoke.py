@@ -95,7 +95,7 @@ def test_runner_refuses_to_overwrite_results(tmp_path, capsys):
     assert sorted(p.name for p in tmp_path.iterdir()) == [existing.name]
 
 
-@pytest.mark.parametrize("content, message", [(None, "cannot read"), ("garbage", "cannot read"),
+@pytest.mark.parametrize("content, message", [(None, "cannot read"), ("garbage", "not valid JSON"),
                                               ('{"rows": []}', "missing environment")])
 def test_report_names_a_bad_results_file(tmp_path, content, message):
     path = tmp_path / "results.json"

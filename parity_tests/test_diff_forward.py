@@ -10,6 +10,7 @@ we perturbed for where a difference must first show.
 from __future__ import annotations
 
 import json
+from pathlib import Path
 
 import numpy as np
 import pytest
@@ -427,15 +428,41 @@ def load_tiny(path):
     (None, "no such dump file"),
     (b"not a zip", "not a readable .npz dump"),
     ("npy", "not a readable .npz dump"),
+    ("dir", "x.npz: a directory, not an .npz dump file"),
+    ("fifo", "x.npz: not a regular file, not an .npz dump file"),  # never opened: opening one blocks
 ])
 def test_unreadable_dumps_are_refused(tmp_path, checkpoint, content, message, capsys):
+    import os
+
     path = tmp_path / "x.npz"
     if content == "npy":
         with open(path, "wb") as f:
             np.save(f, np.zeros(3))
+    elif content == "dir":
+        path.mkdir()
+    elif content == "fifo":
+        os.mkfifo(path)
     elif content is not None:
         path.write_bytes(content)
     with pytest.raises(CheckpointError, match=message):
         read_dump(path)
+    capsys.readouterr()
     assert main(["diff", str(path), str(checkpoint)]) == 2
-    assert message in capsys.readouterr().err
+    err = capsys.readouterr().err
+    assert err.startswith("rosetta: error:") and len(err.strip().splitlines()) == 1 and message in err, err
+
+
+@pytest.mark.skipif(not Path("/proc/self").is_dir(), reason="Linux's /proc: no file can be created there")
+@pytest.mark.parametrize("flag", ["--json", "--plot"])
+def test_an_output_no_file_can_be_created_at_is_refused_before_the_diff(checkpoint, flag, capsys):
+    """Issue 39: `diff A B --diagnose --json /proc/x.json` compared, diagnosed, then died on the
+    temporary file; now argparse refuses it first, naming the flag, the path and the folder."""
+    import time
+
+    capsys.readouterr()
+    start = time.perf_counter()
+    assert main(["diff", str(checkpoint), str(checkpoint), "--diagnose", flag, "/proc/x.out"]) == 2
+    err = capsys.readouterr().err
+    assert err == (f"rosetta: error: argument {flag}: cannot write /proc/x.out: a file cannot be created in "
+                   f"/proc (No such file or directory)\n"), err
+    assert time.perf_counter() - start < 5  # before any model is run (argparse)

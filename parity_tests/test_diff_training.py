@@ -13,6 +13,7 @@ import json
 import math
 import shutil
 import sys
+from pathlib import Path
 
 import numpy as np
 import pytest
@@ -393,7 +394,7 @@ def _endless_line(path):
 
 
 BAD_TRACES = {
-    "nested header": (_nested_header, "trace.json: not readable JSON (RecursionError)"),
+    "nested header": (_nested_header, "trace.json: JSON refused: nested too deeply"),
     "endless line": (_endless_line, "line 1 is longer than any step record of this model"),
     "truncated line": (_cut_last_line, "is cut off: the trace is truncated"),
     "NaN loss": (_nan_loss, "step 2's loss is nan: the run had diverged there"),
@@ -439,6 +440,20 @@ def test_traces_of_other_models_and_a_model_are_refused(case, reference, tmp_pat
     for flags in (["--batch", "random"], ["--ids"], ["--seed", "3"], ["--src", "5 6"]):
         assert main(["diff", str(reference["plain"]), str(reference["plain"]), *flags]) == 2
         assert f"{flags[0]} chooses the batch of a forward diff" in capsys.readouterr().err
+
+
+@pytest.mark.skipif(not Path("/proc/self").is_dir(), reason="Linux's /proc: no file can be created there")
+def test_an_output_no_file_can_be_created_at_is_refused_before_the_traces_are_read(reference, capsys):
+    """Issue 39: `diff A B --diagnose --json /proc/x.json` replayed the traces, then died on the
+    temporary file (FileNotFoundError); now refused first, one line naming the flag and the folder."""
+    import time
+
+    start = time.perf_counter()
+    a, b = str(reference["plain"]), str(reference["clipped"])
+    assert_refused(["diff", a, b, "--diagnose", "--json", "/proc/x.json"],
+                   "argument --json: cannot write /proc/x.json: a file cannot be created in /proc (No such "
+                   "file or directory)", capsys)
+    assert time.perf_counter() - start < 5  # argparse's refusal: no trace read, nothing replayed
 
 
 def test_the_writer_refuses_what_the_reader_would(case, tmp_path):

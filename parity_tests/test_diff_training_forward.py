@@ -196,6 +196,20 @@ def test_a_dump_of_another_batch_is_refused_in_one_line(runs, tmp_path, capsys):
         read_trace(bad).forward(1)
 
 
+def test_a_dump_that_is_a_directory_is_refused_not_read_as_no_dump(runs, tmp_path, capsys):
+    """Issue 39: a forward_000001.npz that is a folder read as "no dump" without a word."""
+    bad = tmp_path / "bad"
+    shutil.copytree(runs["unscaled"], bad)
+    (bad / "forward_000001.npz").unlink()
+    (bad / "forward_000001.npz").mkdir()
+    assert_refused(["diff", str(bad), str(runs["reference"])],
+                   f"{bad / 'forward_000001.npz'}: a directory, not an .npz dump file", capsys)
+    with pytest.raises(CheckpointError, match="forward_000001.npz: a directory, not an .npz dump file"):
+        read_trace(bad).forward(1)
+    (bad / "forward_000002.npz").unlink()  # absent: no dump, as before
+    assert read_trace(bad).forward(2) is None
+
+
 def test_the_writer_refuses_a_dump_it_cannot_place(case, tmp_path):
     cfg, params, batches = case
     b1, b2 = batches[:2]

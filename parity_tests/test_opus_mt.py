@@ -176,8 +176,9 @@ def test_broken_directory_is_one_line(opus_mt_dir, tmp_path, problem, capsys, mo
 
 def test_search_defaults_read_generation_config_as_transformers_does(tmp_path):
     """generation_config.json -> our search: GenerationConfig's defaults for absent fields
-    (greedy, length_penalty 1.0, max_length 20), [pad] and [eos] dropped from the bans as HF drops
-    [eos], a note for each setting our search does not have; multi-token bad words refused."""
+    (greedy, length_penalty 1.0, 20 new tokens: transformers 5's default max_length counts them
+    after the start token), [pad] and [eos] dropped from the bans as HF drops [eos], a note for each
+    setting our search does not have; multi-token bad words refused."""
     from rosetta import preset
     from rosetta.errors import ConfigError
     from rosetta.interop.marian_files import search_defaults
@@ -187,12 +188,15 @@ def test_search_defaults_read_generation_config_as_transformers_does(tmp_path):
     (tmp_path / "generation_config.json").write_text("{}")
     settings, notes = search_defaults(tmp_path, cfg)
     assert (settings["beam"], settings["alpha"], settings["max_new_tokens"], settings["length_rule"]) == \
-        (1, 1.0, 19, "hf") and notes == []
+        (1, 1.0, 20, "hf")
+    # generate reads the special tokens from this file alone: without them it neither stops nor starts
+    assert [n.split(": ")[1].split(" ")[0] for n in notes] == ["eos_token_id", "neither", "bad_words_ids"]
     (tmp_path / "generation_config.json").write_text(json.dumps(
         {"num_beams": 5, "length_penalty": 0.6, "max_length": 40, "bad_words_ids": [[0], [2], [7]],
-         "renormalize_logits": True, "forced_eos_token_id": 2, "do_sample": True, "no_repeat_ngram_size": 3}))
+         "renormalize_logits": True, "forced_eos_token_id": 2, "do_sample": True, "no_repeat_ngram_size": 3,
+         "decoder_start_token_id": 1, "eos_token_id": 2}))
     settings, notes = search_defaults(tmp_path, cfg)
-    assert settings == {"beam": 5, "alpha": 0.6, "length_rule": "hf", "margin": 40, "max_new_tokens": 39,
+    assert settings == {"beam": 5, "alpha": 0.6, "length_rule": "hf", "margin": 39, "max_new_tokens": 39,
                         "banned": (7,), "renormalize": True, "forced_eos": True}
     assert [n.split(": ")[1].split("=")[0] for n in notes] == ["do_sample", "no_repeat_ngram_size"]
     (tmp_path / "generation_config.json").write_text(json.dumps({"bad_words_ids": [[5, 6]]}))

@@ -68,6 +68,10 @@ BAD_PATHS = {
     "under a file, deeper": ("m.safetensors/a/x.safetensors", "cannot write {path}: m.safetensors is a file, "
                                                               "not a directory"),
 }
+if Path("/proc/self").is_dir():  # Linux's /proc: no file can be created there, even by root (issue 39)
+    BAD_PATHS["in a folder no file can be created in"] = (
+        "/proc/x.safetensors",
+        "cannot write {path}: a file cannot be created in /proc (No such file or directory)")
 
 
 @pytest.mark.parametrize("bad", sorted(BAD_PATHS))

@@ -120,5 +120,5 @@ def test_bad_results_file_is_named(tmp_path):
     with pytest.raises(SystemExit, match="missing environment"):
         pitfalls.load(bad)
     bad.write_text("garbage")
-    with pytest.raises(SystemExit, match="cannot read"):
+    with pytest.raises(SystemExit, match="not valid JSON"):
         pitfalls.page_block(tmp_path)

@@ -125,7 +125,7 @@ def cmd_generate(args: argparse.Namespace) -> int:
     from rosetta.backends import from_params
 
     opened = _open(args.checkpoint)
-    model = from_params(opened.config, opened.params, args.backend, args.dtype)
+    model = from_params(opened.decoding_config, opened.params, args.backend, args.dtype)
     search = _generate_kwargs(search_settings(args, opened.search))
     beam = search.pop("beam")
     cfg = model.config
@@ -178,7 +178,7 @@ def cmd_translate(args: argparse.Namespace) -> int:
     if args.run and args.tokenizer:
         raise RosettaError("--tokenizer goes with --checkpoint; a run directory holds its own")
     opened = _open(args.run or args.checkpoint, args.tokenizer)
-    model = from_params(opened.config, opened.params, args.backend, args.dtype)
+    model = from_params(opened.decoding_config, opened.params, args.backend, args.dtype)
     search = search_settings(args, opened.search)
     lines = _stdin_lines()
     for line in translate_lines(model, opened.tokenizer, lines, batch_size=args.batch_size,
@@ -210,6 +210,8 @@ def cmd_convert(args: argparse.Namespace) -> int:
         fmt_in = "rosetta"
     done = convert(src, args.dst, fmt_in, args.to_format, parse_overrides(args.set), overwrite=args.overwrite,
                    tokenizer=tokenizer)
+    for note in done.notes:  # what the written model does not carry: said, as `translate` says it
+        print(f"rosetta: note: {note}", file=sys.stderr)
     print(f"wrote {done.path} ({done.to_format}) from {src} ({done.from_format})")
     if done.companions:
         names = ", ".join(sorted(p.name for p in done.companions))

@@ -11,6 +11,7 @@ import math
 import re
 from collections.abc import Callable
 
+from rosetta import json_input
 from rosetta.errors import RosettaError
 from rosetta.files import check_writable
 from rosetta.generation import ALPHA_MAX, LENGTH_RULES
@@ -31,12 +32,15 @@ def integer_type(minimum: int | None = None) -> Callable[[str], int]:
     return parse
 
 
-def real_type(minimum: float | None = None, maximum: float | None = None) -> Callable[[str], float]:
+def real_type(minimum: float | None = None, maximum: float | None = None,
+              above: float | None = None) -> Callable[[str], float]:
+    """A finite number within [minimum, maximum], and more than `above` (a bound it may not equal)."""
     def parse(text: str) -> float:
         value = float(text) if _REAL.fullmatch(text) else math.nan
         if not math.isfinite(value) or (minimum is not None and value < minimum) \
-                or (maximum is not None and value > maximum):
+                or (maximum is not None and value > maximum) or (above is not None and value <= above):
             bound = "" if minimum is None else f" >= {minimum:g}"
+            bound += "" if above is None else f" > {above:g}"
             bound += "" if maximum is None else f" and <= {maximum:g}"
             raise argparse.ArgumentTypeError(f"must be a finite number{bound}, got {text!r}")
         return value
@@ -79,7 +83,9 @@ def parse_overrides(pairs: list[str]) -> dict:
             raise RosettaError(f"--set takes field=value, got {pair!r}")
         key, text = pair.split("=", 1)
         try:
-            out[key] = json.loads(text)
+            out[key] = json_input.loads(text)
+        except json_input.JSONRefused as e:  # JSON past the reader's bounds: NaN, 1e400, 401 digits, deep
+            raise RosettaError(f"--set {key}: {e}") from None
         except json.JSONDecodeError:
             out[key] = text
     return out
@@ -89,6 +95,7 @@ positive_int = integer_type(minimum=1)
 non_negative_int = integer_type(minimum=0)
 integer = integer_type()  # `train` checks the range itself (rosetta/harness/run_config.py: check_run)
 non_negative_real = real_type(minimum=0.0)
+positive_real = real_type(above=0.0)  # a time, a rate, a peak: 0 means nothing, not "no limit"
 real = real_type()  # `train` checks the range itself, as for `integer`
 
 
@@ -112,8 +119,8 @@ def add_search_args(p: argparse.ArgumentParser, beam: int) -> None:
                    help=f"length penalty exponent (Wu et al. 2016), 0 to {ALPHA_MAX:g} (default: "
                         f"generation_config.json's length_penalty, else 0.6)")
     p.add_argument("--margin", type=non_negative_int,
-                   help="max output length = source length + margin (default: generation_config.json's "
-                        "max_length, else 50)")
+                   help="max output length = source length + margin (default: the new tokens "
+                        "generation_config.json allows, else 50)")
     p.add_argument("--batch-size", type=positive_int, default=32, help="sentences decoded at once")
     p.add_argument("--length-rule", choices=LENGTH_RULES,
                    help="beam score: wu = log P / ((5 + n) / 6)^alpha (Wu et al. 2016); hf = Hugging Face "

@@ -8,12 +8,13 @@ from __future__ import annotations
 
 import dataclasses
 import json
-import math
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+from rosetta import json_input
 from rosetta.errors import ConfigError, RosettaError
+from rosetta.json_input import JSONRefused
 
 ACTIVATIONS = ("relu", "gelu", "gelu_tanh", "silu")
 POSITIONAL_ENCODINGS = ("sinusoidal_interleaved", "sinusoidal_concat", "sinusoidal_concat_t2t")
@@ -121,40 +122,10 @@ class ModelConfig:
         return dataclasses.replace(self, **changes)
 
 
-class JSONRefused(ValueError):
-    """Text that Python's json module would accept but that a strict reader must not."""
-
-
-def _unique_keys(pairs: list[tuple[str, Any]]) -> dict[str, Any]:
-    # Python keeps the last of duplicate keys; another reader may keep the first. A config that
-    # means different things to different readers is refused.
-    obj: dict[str, Any] = {}
-    for key, value in pairs:
-        if key in obj:
-            raise JSONRefused(f"duplicate key {key!r}")
-        obj[key] = value
-    return obj
-
-
-def _no_constant(name: str) -> Any:
-    raise JSONRefused(f"{name} is not a JSON number")
-
-
-def _finite_float(text: str) -> float:
-    value = float(text)
-    if not math.isfinite(value):  # 1e400 parses as infinity
-        raise JSONRefused(f"number {text} is out of range")
-    return value
-
-
 def strict_json_loads(text: str) -> Any:
-    """json.loads without Python's extensions: duplicate keys, NaN, Infinity and numbers that
-    overflow to infinity are refused. Raises ValueError (JSONRefused or JSONDecodeError)."""
-    try:
-        return json.loads(text, object_pairs_hook=_unique_keys, parse_constant=_no_constant,
-                          parse_float=_finite_float)
-    except RecursionError:
-        raise JSONRefused("nested too deeply") from None
+    """json.loads within the bounds of rosetta/json_input.py (depth, integer digits, finite numbers,
+    no duplicate keys, no NaN or Infinity). Raises ValueError (JSONRefused or JSONDecodeError)."""
+    return json_input.loads(text)
 
 
 def parse_json(text: str, what: str) -> Any:
@@ -162,23 +133,15 @@ def parse_json(text: str, what: str) -> Any:
         return strict_json_loads(text)
     except JSONRefused as e:
         raise ConfigError(f"{what} JSON refused: {e}") from None
-    except ValueError as e:  # JSONDecodeError, or an integer too long to convert
+    except ValueError as e:  # JSONDecodeError
         raise ConfigError(f"{what} is not valid JSON: {e}") from None
 
 
-def read_json_object(path: Path, what: str, error: type[RosettaError] = ConfigError) -> dict[str, Any]:
-    """The JSON object in the file `path` (`what` it is, for the message), or `error` naming the file."""
-    try:
-        data = parse_json(path.read_bytes().decode("utf-8"), str(path))
-    except OSError as e:
-        raise error(f"{path}: cannot read: {e.strerror or e}") from None
-    except UnicodeDecodeError as e:
-        raise error(f"{path}: not UTF-8 text: {e}") from None
-    except ConfigError as e:  # not JSON, duplicate keys
-        raise error(str(e)) from None
-    if not isinstance(data, dict):
-        raise error(f"{path}: {what} must be a JSON object, got {type(data).__name__}")
-    return data
+def read_json_object(path: Path, what: str, error: type[RosettaError] = ConfigError, *,
+                     limit: int = json_input.DEFAULT_LIMIT) -> dict[str, Any]:
+    """The JSON object in the file `path` (`what` it is, for the message), at most `limit` bytes, or
+    `error` naming the file (rosetta/json_input.py: read_json, with a schema where one is needed)."""
+    return json_input.read_json(path, what, limit=limit, error=error)
 
 
 def strict_from_dict(cls: type, data: Any, what: str, required: tuple[str, ...] = ()) -> Any:

@@ -86,8 +86,9 @@ def _create_temporary(path: Path) -> tuple[int, Path]:
 
 def check_writable(path: str | os.PathLike) -> Path:
     """`path` as a file that can be written, or a RosettaError naming it: an empty name, a
-    directory in its place, or a file where one of its parent directories should be (the
-    IsADirectoryError, FileExistsError or NotADirectoryError a write would end in)."""
+    directory in its place, a file where one of its parent directories should be (the
+    IsADirectoryError, FileExistsError or NotADirectoryError a write would end in), or a nearest
+    existing folder in which no file can be created (/proc, /sys, a read-only mount)."""
     if not str(path):
         raise RosettaError("cannot write a file with an empty name")
     path = Path(path)
@@ -98,8 +99,21 @@ def check_writable(path: str | os.PathLike) -> Path:
             if not parent.is_dir():
                 what = "a file" if parent.exists() else "a broken symlink"
                 raise RosettaError(f"cannot write {path}: {parent} is {what}, not a directory")
+            _probe(parent, path)
             break
     return path
+
+
+def _probe(folder: Path, path: Path) -> None:
+    """Create and remove in `folder` the temporary a write of `path` would create: the one test that
+    holds (os.access says yes to root on /proc and /sys); a probe left by a crash is a stale temporary."""
+    try:
+        fd, tmp = _create_temporary(folder / path.name)
+    except OSError as e:
+        raise RosettaError(f"cannot write {path}: a file cannot be created in {folder} "
+                           f"({e.strerror or type(e).__name__})") from None
+    os.close(fd)
+    tmp.unlink(missing_ok=True)
 
 
 def atomic_write(path: str | os.PathLike, write: Callable[[BinaryIO], object]) -> None:

@@ -1,16 +1,20 @@
 """What every backend's search shares (the algorithm itself is documented in numpy_ref/decode.py,
 the oracle): the result type, the "impossible" score, the length penalty, the constraints on what
-a search emits, the output limits and the stripping of eos and padding.
+a search emits, the output limits and the stripping of eos and padding; and the one check of
+Hugging Face's generation settings (`check_generation_config`).
 """
 
 from __future__ import annotations
 
+import os
+from collections.abc import Mapping
 from dataclasses import dataclass
+from typing import Any, NoReturn
 
 import numpy as np
 
 from rosetta.config import ModelConfig
-from rosetta.errors import InputError, RosettaError
+from rosetta.errors import ConfigError, InputError, RosettaError
 from rosetta.inputs import check_int, check_real
 
 NEG = -1e9  # "impossible" score: finite, so NEG - NEG is 0, not NaN
@@ -129,3 +133,177 @@ def strip(cfg: ModelConfig, tokens: np.ndarray) -> list[list[int]]:
         row = row[: row.index(cfg.eos_id)] if cfg.eos_id in row else row
         out.append([tok for tok in row if tok != cfg.pad_id])
     return out
+
+
+# -- generation_config.json: Hugging Face's search settings, checked once --------------------------
+# The one validator of the settings a Marian directory (or a checkpoint's sidecar) carries:
+# `convert` (every --to), `translate`, `generate` and `evaluate` all call it, so what one refuses
+# all refuse, before anything is written. Semantics are transformers 5's generate
+# (generation/utils.py: _prepare_generated_length, _prepare_special_tokens, _get_logits_processor),
+# compared with MarianMTModel.generate in parity_tests/test_generation_settings.py.
+
+HF_NEW_TOKENS = 20  # GenerationConfig's max_length default: generate then adds 20 tokens to its input
+# Fields rosetta's search honours as generate does (or notes where it cannot: eos lists, other ids).
+HONOURED = ("num_beams", "length_penalty", "max_length", "max_new_tokens", "bad_words_ids", "suppress_tokens",
+            "renormalize_logits", "forced_eos_token_id", "eos_token_id", "decoder_start_token_id",
+            "bos_token_id", "pad_token_id")
+# Fields the search does not do, with the value that means "off": a note names each one set.
+UNSUPPORTED = {"do_sample": False, "early_stopping": False, "min_length": 0, "min_new_tokens": None,
+               "no_repeat_ngram_size": 0, "encoder_no_repeat_ngram_size": 0, "repetition_penalty": 1.0,
+               "encoder_repetition_penalty": 1.0, "exponential_decay_length_penalty": None,
+               "begin_suppress_tokens": None, "sequence_bias": None, "forced_bos_token_id": None,
+               "guidance_scale": 1.0, "watermarking_config": None, "token_healing": False, "max_time": None,
+               "stop_strings": None, "num_return_sequences": 1, "num_beam_groups": 1,
+               "diversity_penalty": 0.0, "penalty_alpha": None, "dola_layers": None, "constraints": None,
+               "force_words_ids": None}
+# Sampling's settings: generate applies them only with do_sample, whose note covers them.
+SAMPLING = frozenset({"temperature", "top_k", "top_p", "min_p", "top_h", "typical_p", "epsilon_cutoff",
+                      "eta_cutoff"})
+# Fields that change no token generate returns for a Marian model: how it runs (cache, compilation,
+# memory), what it returns besides the tokens, speculative decoding (it needs an assistant model or
+# prediction heads a Marian directory has none of), metadata; remove_invalid_values acts on
+# non-finite logits only, which every search here refuses (check_scores).
+WITHOUT_EFFECT = frozenset({
+    "use_cache", "cache_implementation", "cache_config", "max_cache_len", "low_memory", "compile_config",
+    "disable_compile", "prefill_chunk_size", "continuous_batching_config", "output_attentions",
+    "output_hidden_states", "output_scores", "output_logits", "return_dict_in_generate", "is_assistant",
+    "num_assistant_tokens", "num_assistant_tokens_schedule", "assistant_confidence_threshold",
+    "prompt_lookup_num_tokens", "max_matching_ngram_size", "assistant_early_exit", "assistant_lookbehind",
+    "target_lookbehind", "assistant_ensemble_weight", "speculation_type", "use_mtp", "remove_invalid_values",
+    "transformers_version", "_from_model_config"})
+
+
+@dataclass(frozen=True)
+class GenerationSettings:
+    """A generation_config.json as rosetta's search runs it (`check_generation_config`).
+
+    max_new_tokens: tokens after the start token, eos included (generate's max_length - 1, or its
+    max_new_tokens). decoder_start: the token the decoder starts from (generate's
+    decoder_start_token_id, else bos_token_id). notes: one line each for what is not done."""
+
+    source: str  # the file, for messages
+    beam: int
+    alpha: float
+    max_new_tokens: int
+    banned: tuple[int, ...]
+    renormalize: bool
+    forced_eos: bool
+    decoder_start: int
+    notes: tuple[str, ...] = ()
+
+    def search(self) -> dict[str, Any]:
+        """rosetta/cli_args.py's search_settings keys: Hugging Face's beam rule, and a margin that
+        never binds before max_new_tokens (every source holds a token), as generate's one limit."""
+        return {"beam": self.beam, "alpha": self.alpha, "length_rule": "hf", "margin": self.max_new_tokens,
+                "max_new_tokens": self.max_new_tokens, "banned": self.banned,
+                "renormalize": self.renormalize, "forced_eos": self.forced_eos}
+
+
+def _shown(value: object) -> str:
+    """repr, cut: a hostile file's value may be megabytes long (or an int too long to print)."""
+    try:
+        text = repr(value)
+    except (ValueError, RecursionError):
+        return "a value too large to show"
+    return text if len(text) <= 60 else text[:57] + "..."
+
+
+def check_generation_config(gen: Mapping[str, Any], cfg: ModelConfig,
+                            source: str | os.PathLike) -> GenerationSettings:
+    """generation_config.json's object `gen` (as read) for the model `cfg`: the settings, or a
+    ConfigError naming `source` and the field. Absent or null fields take GenerationConfig's
+    defaults (greedy, length_penalty 1.0, 20 new tokens within the position table)."""
+    where, vocab, notes = str(source), cfg.tgt_vocab_size, []
+    in_vocab = f"in [0, {vocab}) (the target vocabulary)"
+
+    def fail(field: str, rule: str, value: object) -> NoReturn:
+        raise ConfigError(f"{where}: {field} must be {rule}, got {_shown(value)}")
+
+    def is_id(value: object) -> bool:
+        return not isinstance(value, bool) and isinstance(value, int) and 0 <= value < vocab
+
+    def integer(field: str, minimum: int, rule: str = "") -> int | None:
+        value = gen.get(field)
+        if value is not None and (isinstance(value, bool) or not isinstance(value, int) or value < minimum
+                                  or (field == "num_beams" and value > vocab)):
+            fail(field, f"an integer >= {minimum}{rule}", value)
+        return value
+
+    def token_ids(field: str, many: bool = False, empty: bool = False) -> tuple[int, ...] | None:
+        value = gen.get(field)
+        if value is None or (empty and value == []):
+            return None
+        items = value if many and isinstance(value, list) and value else [value]
+        if not all(map(is_id, items)):
+            fail(field, f"a token id {in_vocab}" + (", or a list of them" if many else ""), value)
+        return tuple(items)
+
+    beam = integer("num_beams", 1, f" and <= {vocab} (the target vocabulary: each step scores num_beams x "
+                                   f"vocabulary candidates)") or 1
+    max_length = integer("max_length", 2, " (it counts the decoder start token)")
+    max_new = integer("max_new_tokens", 1)
+    penalty = gen.get("length_penalty")
+    try:
+        alpha = check_alpha(1.0 if penalty is None else penalty, "length_penalty")
+    except InputError as e:
+        raise ConfigError(f"{where}: {e}") from None
+    renormalize = gen.get("renormalize_logits")
+    if renormalize is not None and not isinstance(renormalize, bool):
+        fail("renormalize_logits", "true or false", renormalize)
+    eos, forced = token_ids("eos_token_id", many=True), token_ids("forced_eos_token_id", many=True)
+    start, bos = token_ids("decoder_start_token_id"), token_ids("bos_token_id")
+    token_ids("pad_token_id")  # generate fills finished rows with it: no token of a translation
+    words, suppressed = gen.get("bad_words_ids"), token_ids("suppress_tokens", many=True, empty=True) or ()
+    if words is not None and not (isinstance(words, list) and all(isinstance(w, list) and w for w in words)):
+        fail("bad_words_ids", "a list of non-empty token id lists", words)
+    for entry in words or []:
+        if not all(map(is_id, entry)):
+            fail(f"bad_words_ids entry {_shown(entry)}", f"token ids {in_vocab}", entry)
+        if len(entry) > 1:
+            raise ConfigError(f"{where}: bad_words_ids entry {_shown(entry)}: rosetta's search bans single "
+                              f"tokens only (generate bans a sequence's last token after the rest)")
+
+    # Length: max_new_tokens wins over max_length; without either, 20 new tokens (the total capped
+    # at max_position_embeddings, our max_len), as _prepare_generated_length says.
+    if max_new is not None:
+        new, field = max_new, "max_new_tokens"
+    elif max_length is not None:
+        new, field = max_length - 1, "max_length"
+    else:
+        new, field = max(1, min(HF_NEW_TOKENS, cfg.max_len - 1)), ""
+    if new > cfg.max_len:
+        notes.append(f"{where}: {field} allows {_shown(new)} new tokens, more than the model's max_len "
+                     f"({cfg.max_len}): rosetta's search stops there (generate fails past its positions)")
+        new = cfg.max_len  # what the search does anyway; a margin of 10^50 would overflow int64
+    # Stops and the start: generate reads them from this file only, not from config.json.
+    if eos is None:
+        notes.append(f"{where}: eos_token_id is not set: generate then stops only at the length limit; "
+                     f"rosetta's search stops at the model's eos ({cfg.eos_id}) too")
+    elif set(eos) != {cfg.eos_id}:
+        notes.append(f"{where}: eos_token_id={_shown(gen['eos_token_id'])}: generate stops at "
+                     f"{', '.join(map(str, eos))}; rosetta's search stops at the model's eos "
+                     f"({cfg.eos_id}) only")
+    if start is None and bos is None:
+        notes.append(f"{where}: neither decoder_start_token_id nor bos_token_id is set (generate refuses "
+                     f"to start); rosetta's search starts from the model's bos_id ({cfg.bos_id})")
+    decoder_start = (start or bos or (cfg.bos_id,))[0]
+    forced_eos = forced is not None and set(forced) == {cfg.eos_id}
+    if forced is not None and not forced_eos:
+        notes.append(f"{where}: forced_eos_token_id={_shown(gen['forced_eos_token_id'])} is not the "
+                     f"model's eos ({cfg.eos_id}): generate forces it at the length limit; rosetta's search "
+                     f"does not")
+    # Bans: NoBadWords drops [eos] entries; SuppressTokens bans whatever it names. Pad is always out.
+    banned = {entry[0] for entry in words or []} - set(eos or ()) | set(suppressed)
+    if cfg.eos_id in banned:
+        field = "suppress_tokens" if cfg.eos_id in suppressed else "bad_words_ids"
+        notes.append(f"{where}: {field} holds the model's eos ({cfg.eos_id}): generate never emits it; "
+                     f"rosetta's search does not ban eos (it would end no sentence)")
+    if cfg.pad_id not in banned:
+        notes.append(f"{where}: bad_words_ids does not hold pad ({cfg.pad_id}): generate may emit it; "
+                     f"rosetta's search never does")
+    for name, off in UNSUPPORTED.items():
+        value = gen.get(name)
+        if value is not None and value != off and value not in ([], {}):
+            notes.append(f"{where}: {name}={_shown(value)} is not part of rosetta's search; ignored")
+    return GenerationSettings(where, beam, alpha, new, tuple(sorted(banned - {cfg.pad_id, cfg.eos_id})),
+                              bool(renormalize), forced_eos, decoder_start, tuple(notes))

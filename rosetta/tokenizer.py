@@ -27,6 +27,7 @@ from collections.abc import Iterable, Sequence
 from pathlib import Path
 from typing import Any, Protocol, runtime_checkable
 
+from rosetta import json_input
 from rosetta.config import ModelConfig, read_json_object
 from rosetta.errors import TokenizerError
 from rosetta.files import atomic_write_bytes
@@ -123,8 +124,11 @@ class Tokenizer:
         path = Path(path)
         if not path.is_file():
             raise TokenizerError(f"tokenizer file {str(path)!r} does not exist")
+        # The one JSON reader's bounds first (size, depth, numbers), then the library parses the text.
+        raw = json_input.read_bytes(path, json_input.DEFAULT_LIMIT, "a tokenizer file", TokenizerError)
+        json_input.decode(raw, str(path), error=TokenizerError)
         try:
-            backend = _hf().Tokenizer.from_file(str(path))
+            backend = _hf().Tokenizer.from_str(raw.decode("utf-8"))
         except Exception as e:  # the Rust side raises plain Exception on bad JSON
             raise TokenizerError(f"cannot read tokenizer file {str(path)!r}: {e}") from None
         return cls(backend)
@@ -217,6 +221,13 @@ class Tokenizer:
 
 SOURCE_SPM, TARGET_SPM = "source.spm", "target.spm"
 VOCAB, TARGET_VOCAB, TOKENIZER_CONFIG = "vocab.json", "target_vocab.json", "tokenizer_config.json"
+# The fields of tokenizer_config.json read here, typed: "false" as a string would read as true, and an
+# AddedToken object as its Python repr.
+TOKENIZER_CONFIG_SCHEMA = {
+    "separate_vocabs": json_input.field("boolean"),
+    "clean_up_tokenization_spaces": json_input.field("boolean"),
+    **{f"{role}_token": json_input.field("string", "null") for role in ("eos", "unk", "pad")},
+}
 MARIAN_TOKENIZER_FILES = (SOURCE_SPM, TARGET_SPM, VOCAB, TARGET_VOCAB, TOKENIZER_CONFIG)
 SPIECE_UNDERLINE = "\u2581"
 
@@ -264,8 +275,8 @@ class SentencePieceTokenizer:
     def __init__(self, directory: str | os.PathLike[str]) -> None:
         self.directory = Path(directory)
         config_path = self.directory / TOKENIZER_CONFIG
-        config = (read_json_object(config_path, "the tokenizer config", TokenizerError)
-                  if config_path.is_file() else {})
+        config = (json_input.read_json(config_path, "the tokenizer config", schema=TOKENIZER_CONFIG_SCHEMA,
+                                       error=TokenizerError) if config_path.is_file() else {})
         self.separate_vocabs = bool(config.get("separate_vocabs", False))
         self.clean_up_spaces = bool(config.get("clean_up_tokenization_spaces", False))
         self.special = {role: str(config.get(f"{role}_token") or default)

@@ -235,7 +235,7 @@ class Trainer(Protocol):
         """The device a trainer built with `device=name` in the launch `env` would take, checked by
         the framework as the constructor checks it (rosetta train's preflight, before anything is
         written): a RosettaError of one line if this machine lacks it. JAX under a launcher cannot
-        look before the processes join: it returns `name` unchecked."""
+        look before the processes join: it checks the name's spelling only (rosetta/device.py)."""
 
     @property
     def step_count(self) -> int:

@@ -11,6 +11,7 @@ import numpy as np
 import torch
 
 from rosetta.backends import BackendModel
+from rosetta.device import check_device
 from rosetta.errors import RosettaError
 from rosetta.generation import NO_CONSTRAINTS, Constraints
 from rosetta.params import Params
@@ -68,8 +69,13 @@ def autocast_context(device: torch.device, dtype: torch.dtype | None) -> context
     return torch.autocast(device.type, dtype=dtype) if dtype is not None else contextlib.nullcontext()
 
 
-def default_device() -> str:
-    return "cuda" if torch.cuda.is_available() else "cpu"
+def default_device(name: str | None = None) -> str:
+    """torch's name of the device --device `name` picks (rosetta/device.py's one parser, checked
+    against the GPUs torch sees here); None: CUDA if available, else the CPU."""
+    device = check_device(name, torch.cuda.device_count() if torch.cuda.is_available() else 0)
+    if device is None:
+        return "cuda" if torch.cuda.is_available() else "cpu"
+    return device.torch
 
 
 class Model(BackendModel):
@@ -79,7 +85,7 @@ class Model(BackendModel):
     def __init__(self, cfg, params, dtype=None, device: str | None = None, compile: bool | None = None):
         """`compile`: the search step compiled once (torch_impl/decode.py; CUDA graphs on GPUs); None:
         on CUDA devices only, True: on a CPU too (tests), False: eager."""
-        self.device = torch.device(device or default_device())
+        self.device = torch.device(default_device(device))
         self.compile = self.device.type == "cuda" if compile is None else bool(compile)
         super().__init__(cfg, params, dtype)
 

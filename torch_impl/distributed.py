@@ -30,14 +30,10 @@ from torch_impl.model import Transformer
 
 
 def local_device(name: str | None, env: LaunchEnv | None = None) -> torch.device:
-    """'cpu', 'cuda' or 'cuda:1' -> that torch device, checked; None: CUDA if available, else CPU.
-    Under a launcher a bare 'cuda' means this process's own GPU, cuda:LOCAL_RANK."""
-    try:
-        device = torch.device(name or default_device())
-    except RuntimeError as e:
-        raise RosettaError(f"torch has no device {name!r}: {e}") from None
-    if device.type == "cuda" and not torch.cuda.is_available():
-        raise RosettaError(f"torch has no device {name!r} here (no CUDA)")
+    """'cpu', 'cuda' (or 'gpu') or 'cuda:1' -> that torch device, checked (torch_impl/backend.py's
+    default_device); None: CUDA if available, else CPU. Under a launcher a bare 'cuda' means this
+    process's own GPU, cuda:LOCAL_RANK."""
+    device = torch.device(default_device(name))
     if device.type == "cuda" and device.index is None and env is not None and env.distributed:
         device = torch.device("cuda", env.local_rank)
     return device

@@ -177,7 +177,7 @@ def cmd_evaluate(args: argparse.Namespace) -> int:
     for note in opened.notes:
         print(f"rosetta: note: {note}", file=sys.stderr)
     pair = ev.run_pair(run_record, args.pair)
-    model = from_params(opened.config, opened.params, args.backend, args.dtype)
+    model = from_params(opened.decoding_config, opened.params, args.backend, args.dtype)
     search = search_settings(args, opened.search)
     start = time.perf_counter()
     result = ev.evaluate_split(model, opened.tokenizer, args.split, pair, args.data_dir, args.limit,

@@ -31,6 +31,7 @@ from rosetta.files import atomic_write_bytes
 from rosetta.harness.average import resolve_checkpoints, write_average
 from rosetta.harness.batching import Batch, restore_order
 from rosetta.harness.out_dir import os_errors
+from rosetta.harness.report import RUN_SCHEMA, read_json
 from rosetta.harness.tasks import TaskData
 from rosetta.harness.translate import translate_lines
 from rosetta.tokenizer import TextTokenizer
@@ -165,10 +166,7 @@ def resolve_model(path: str | os.PathLike[str], tokenizer: str | os.PathLike[str
     run_record = None
     run_json = checkpoint.parent.parent.parent / "run.json"  # <run>/checkpoints/step-N/model.safetensors
     if checkpoint.parent.parent.name == "checkpoints" and run_json.is_file():
-        try:
-            run_record = json.loads(run_json.read_text(encoding="utf-8"))
-        except (OSError, ValueError) as e:
-            raise RosettaError(f"{run_json}: cannot read the run's settings: {e}") from None
+        run_record = read_json(run_json, RUN_SCHEMA)
     return checkpoint, tokenizer_path, run_record
 
 

@@ -20,6 +20,7 @@ import contextlib
 import json
 import logging
 import shutil
+from collections.abc import Callable
 from functools import partial
 from pathlib import Path
 from typing import Any
@@ -44,7 +45,6 @@ from rosetta.harness.report import (
     read_log,
     summarize,
     write_combined_report,
-    write_log,
     write_plot,
 )
 from rosetta.harness.resume import Checkpoints
@@ -92,6 +92,10 @@ class _Run:
         self.totals: dict[str, float] | None = {"step_time_s": 0.0, "compile_s": 0.0, "compiles": 0,
                                                 "src_tokens": 0, "tgt_tokens": 0}
         self.stopped = "steps"  # or "time_budget", "target_bleu": what ended the loop (_loop)
+        # A resumed checkpoint whose evaluation never finished (it failed, or the run was killed
+        # between the two): _loop evaluates it first. Known to process 0, which reads the log.
+        self.unevaluated = False
+        self.averaged_at: int | None = None  # the resumed step, if its --average-last record is logged
 
     # -- start or resume -------------------------------------------------------------------
     def _trainer(self, params: dict) -> Trainer:
@@ -112,27 +116,17 @@ class _Run:
                   "model_config": self.cfg.to_dict(), "train_config": self.train_cfg.to_dict(),
                   "args": self.run.to_dict(), **_parallel_facts(trainer)}
         if self.main:
-            with os_errors(self.dir, "write the run directory"):
-                self.dir.mkdir(parents=True, exist_ok=True)
-                atomic_write_bytes(self.dir / "run.json", json.dumps(record, indent=2).encode("utf-8"))
-                if self.task.tokenizer is not None:
-                    self.task.tokenizer.save(self.dir / "tokenizer.json")
-                write_log(self.log_path, [])
+            self.checkpoints.begin(record, self.log_path)
         return trainer
 
     def _continue(self, trainer: Trainer, state: dict[str, Any], ckpt_dir: Path) -> Trainer:
         """A resumed run picks up the checkpoint's batch position, clock and totals; the log's
         records after its step go (they are redone)."""
         self.iterator.load_state_dict(state["data"])
-        if state.get("world_size", 1) != trainer.world_size:
-            log.warning("%s: resuming a run saved with %s data-parallel workers on %d: the global batches "
-                        "and so the updates are the same (up to rounding in the reductions); dropout masks "
-                        "are drawn differently from an uninterrupted run", self.backend,
-                        state.get("world_size", 1), trainer.world_size)
         if self.main:
-            with os_errors(self.log_path, "write"):
-                kept = [r for r in read_log(self.log_path) if r.get("step", 0) <= state["step"]]
-                write_log(self.log_path, kept)
+            done = self.checkpoints.trim_log(self.log_path, state["step"])
+            self.unevaluated = self._evaluates(state["step"]) and "eval" not in done
+            self.averaged_at = state["step"] if "eval_average" in done else None
         self.elapsed0 = float(state.get("elapsed_s", 0.0))
         self.totals = state.get("totals")
         log.info("%s: resumed from %s (step %d)", self.backend, ckpt_dir, state["step"])
@@ -145,6 +139,10 @@ class _Run:
             "dtype": self.run.dtype, "data": data_state, "elapsed_s": elapsed, "totals": self.totals,
             "world_size": trainer.world_size, "train_config": self.train_cfg.to_dict(),
             "run": self.run.to_dict()}, self.run.keep)
+
+    def _evaluates(self, step: int) -> bool:
+        """Whether step `step` is evaluated: --eval-every's cadence, and the last step."""
+        return step >= self.total_steps or bool(self.run.eval_every and step % self.run.eval_every == 0)
 
     # -- the loop --------------------------------------------------------------------------
     def train(self) -> dict[str, Any] | None:
@@ -175,7 +173,8 @@ class _Run:
 
     def _loop(self, trainer: Trainer, log_file: Any, progress: Any) -> None:
         """Steps until `total_steps`: log, evaluate and checkpoint on their cadences and at the end.
-        An evaluation at step s is logged before checkpoint s, so a resume never repeats it.
+        Checkpoint s is written before the evaluation at step s, so an evaluation that fails loses
+        no training; a resume evaluates a checkpoint whose evaluation is not in the log, then goes on.
         `log_file` None: a process other than 0, which trains and evaluates but writes nothing."""
         run = self.run
         peak = peak_flops(trainer.device_name, run.dtype, run.peak_tflops)
@@ -186,7 +185,23 @@ class _Run:
                 log_file.write(json.dumps(record) + "\n")
                 log_file.flush()
 
+        def evaluate(step: int, rescue: Callable[[], Any] | None = None) -> str | None:
+            """The evaluation at `step`, logged; "target_bleu" or "time_budget" if the run stops here.
+            `rescue`: the checkpoint of this step, written if the evaluation fails and none was."""
+            with self.checkpoints.kept_on_failure(step, "evaluation", trainer, rescue):
+                result = validation(trainer, self.task, self.loss_batches, self.gen_batches, self.num_gen,
+                                    run.beam, run.alpha, run.max_len_margin)
+            emit({"kind": "eval", "backend": self.backend, "step": step, **result,
+                  "tgt_tokens_total": (self.totals or {}).get("tgt_tokens"), "elapsed_s": budget.elapsed()})
+            if run.target_bleu is not None and trainer.any_process(result["bleu"] >= run.target_bleu):
+                return "target_bleu"  # stop at the first evaluation at the target
+            # An evaluation that crossed the budget: its step is the last (checkpointed), not one
+            # more step and a second evaluation of nearly the same weights.
+            return "time_budget" if budget.spent() else None
+
         stop = None  # why the loop ends before total_steps: "time_budget" or "target_bleu"
+        if trainer.step_count and trainer.any_process(self.unevaluated):  # resumed; the same on every process
+            stop = evaluate(trainer.step_count)
         tracer = None if run.trace is None else Tracer(  # --trace N (rosetta/diff); process 0 writes
             self.dir / "trace" if log_file else None, self.cfg, run.trace, dict(self.train_cfg.to_dict(),
             accumulate=trainer.accumulate), f"rosetta {self.backend} trainer", trainer)
@@ -214,24 +229,21 @@ class _Run:
                 if logged:
                     emit(record | {"epoch": stepped.epoch, "elapsed_s": budget.elapsed()})
                 progress.set_postfix(loss=f"{record['loss']:.3f}", tok_s=f"{record['tgt_tokens_per_s']:,.0f}")
-            if evaluated:
-                result = validation(trainer, self.task, self.loss_batches, self.gen_batches, self.num_gen,
-                                    run.beam, run.alpha, run.max_len_margin)
-                emit({"kind": "eval", "backend": self.backend, "step": step, **result,
-                      "tgt_tokens_total": (self.totals or {}).get("tgt_tokens"),
-                      "elapsed_s": budget.elapsed()})
-                if run.target_bleu is not None and trainer.any_process(result["bleu"] >= run.target_bleu):
-                    stop, last = stop or "target_bleu", True  # stop at the first evaluation at the target
-                elif stop is None and budget.spent():
-                    # This evaluation crossed the budget: the step is the last (checkpointed below),
-                    # not one more step and a second evaluation of nearly the same weights.
-                    stop, last = "time_budget", True
-            if saved or last:
+            if saved or last:  # before the evaluation: one that fails leaves this step resumable
                 self.save(trainer, budget.elapsed(), stepper.data_state)
-        if run.average_last and self.main:
-            emit({"kind": "eval_average", "backend": self.backend, "step": trainer.step_count,
-                  **averaged(self.dir, run.average_last, BACKENDS[self.backend].decoder, run.dtype, self.task,
-                             self.gen_batches, self.num_gen, run.beam, run.alpha, run.max_len_margin)})
+            if evaluated:
+                ended = evaluate(step, None if saved or last else
+                                 partial(self.save, trainer, budget.elapsed(), stepper.data_state))
+                if ended is not None and not (saved or last):  # the evaluation made this step the last
+                    self.save(trainer, budget.elapsed(), stepper.data_state)
+                stop = stop or ended
+        if run.average_last and self.main and trainer.step_count != self.averaged_at:
+            what = "averaged checkpoints' evaluation"
+            with self.checkpoints.kept_on_failure(trainer.step_count, what, trainer):
+                result = averaged(self.dir, run.average_last, BACKENDS[self.backend].decoder, run.dtype,
+                                  self.task, self.gen_batches, self.num_gen, run.beam, run.alpha,
+                                  run.max_len_margin)
+            emit({"kind": "eval_average", "backend": self.backend, "step": trainer.step_count, **result})
         if stop is not None:
             log.info("%s: stopped at step %d of %d (%s); --resume continues the run", self.backend,
                      trainer.step_count, self.total_steps,
@@ -245,12 +257,8 @@ class _Run:
         not)."""
         stretch = stepper.flush()
         self.checkpoints.refuse_diverged(stretch.last)
-        if self.totals is None:
-            return stretch
-        for key, value in (("step_time_s", stretch.seconds), ("compile_s", stretch.compile_s),
-                           ("compiles", stretch.compiles), ("src_tokens", stretch.work["src_tokens"]),
-                           ("tgt_tokens", stretch.work["tgt_tokens"])):
-            self.totals[key] = self.totals.get(key, 0) + value
+        if self.totals is not None:
+            stretch.add_to(self.totals)
         return stretch
 
 

@@ -11,7 +11,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING
 
 from rosetta.errors import RosettaError
-from rosetta.harness.report import check_overwritable, read_json, written_by_rosetta
+from rosetta.harness.report import RUN_SCHEMA, check_overwritable, read_json, written_by_rosetta
 from rosetta.harness.run_dir import foreign_checkpoint_entries
 
 if TYPE_CHECKING:
@@ -79,7 +79,7 @@ def check_out_dirs(run: RunConfig) -> list[Path]:
                 found = sorted(p.parent.name for p in out.glob("*/run.json"))
                 raise RosettaError(f"--resume: {run_dir} holds no run to resume (runs in {out}: "
                                    f"{', '.join(found) or 'none'})")
-            saved = read_json(run_dir / "run.json")
+            saved = read_json(run_dir / "run.json", RUN_SCHEMA)
             if saved.get("backend") != backend:
                 raise RosettaError(f"--resume: {run_dir} was trained with backend {saved.get('backend')!r}, "
                                    f"not {backend!r}")

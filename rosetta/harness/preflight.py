@@ -44,12 +44,10 @@ def check_backends(run: RunConfig, env: LaunchEnv) -> None:
 
 
 def _check_device(run: RunConfig, env: LaunchEnv) -> None:
-    """Refuse a --device this machine lacks before `out` is touched: each trainer's own parser of the
-    name (`Trainer.resolve_device`, the one its constructor calls), reached through the registry."""
+    """Refuse a --device this machine lacks before `out` is touched: each trainer's check of the name
+    (`Trainer.resolve_device`, the one its constructor makes: rosetta/device.py's parser against the
+    devices its framework sees), reached through the registry. Its evaluation decodes there too."""
     if run.device is None:
         return
     for backend in run.backends:
-        try:
-            get_trainer(backend).resolve_device(run.device, env)
-        except RosettaError as e:
-            raise RosettaError(f"--device {run.device}: {e}") from None
+        get_trainer(backend).resolve_device(run.device, env)  # one line naming --device

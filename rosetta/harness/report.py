@@ -20,6 +20,7 @@ from collections.abc import Iterable, Mapping, Sequence
 from pathlib import Path
 from typing import Any
 
+from rosetta import json_input
 from rosetta.errors import RosettaError
 from rosetta.files import atomic_write_bytes
 
@@ -30,6 +31,16 @@ SUMMARY_FORMAT = "rosetta-summary/1"
 SUMMARY_FOOTER = "Written by `rosetta train` (rosetta-summary/1); the next run in this directory rewrites it."
 PLOT_SOFTWARE = "rosetta-transformer (rosetta-plot/1)"
 PNG_SIGNATURE = b"\x89PNG\r\n\x1a\n"
+# Bounds on the run files read back (rosetta/json_input.py): a run writes a few kB of settings and
+# results, and one log line of ~200 bytes per logged step.
+RUN_FILE_LIMIT = 16 * 2**20
+LOG_LINE_LIMIT, LOG_LIMIT = 2**20, 2**30
+# run.json's fields that its readers use (`rosetta evaluate`, `--resume`), typed.
+RUN_SCHEMA = {
+    "backend": json_input.field("string"), "identity": json_input.field("object"),
+    "args": json_input.field("object", fields={"task": json_input.field("string", "null"),
+                                               "pair": json_input.field("string", "null")}),
+}
 
 
 def _png_text(path: Path) -> dict[str, str]:
@@ -52,10 +63,9 @@ def _png_text(path: Path) -> dict[str, str]:
 
 def _json_object(path: Path) -> dict[str, Any]:
     try:
-        data = json.loads(path.read_text(encoding="utf-8"))
-    except (OSError, UnicodeDecodeError, json.JSONDecodeError):
+        return read_json(path)
+    except RosettaError:  # not ours, then: the caller asks only whether rosetta wrote it
         return {}
-    return data if isinstance(data, dict) else {}
 
 
 def written_by_rosetta(path: Path) -> bool:
@@ -87,26 +97,25 @@ def check_overwritable(path: Path) -> None:
 
 
 def read_log(path: Path) -> list[Record]:
-    """The records of a log.jsonl; a torn last line (a killed writer) is skipped."""
+    """The records of a log.jsonl, through the one JSON reader (rosetta/json_input.py: each line
+    bounded); a torn last line (a killed writer) is skipped, any other bad line refused naming it."""
     if not path.is_file():
         return []
     records = []
-    for line in path.read_text(encoding="utf-8").splitlines():
-        try:
-            record = json.loads(line)
-        except json.JSONDecodeError:
-            continue
-        if isinstance(record, dict):
-            records.append(record)
+    for number, record in json_input.read_json_lines(path, LOG_LINE_LIMIT, "a log record", error=RosettaError,
+                                                     nonfinite=True, cut_off=None, file_limit=LOG_LIMIT):
+        if not isinstance(record, dict):
+            raise RosettaError(f"{path}: line {number}: not a log record (a JSON object)")
+        records.append(record)
     return records
 
 
-def read_json(path: Path) -> dict[str, Any]:
-    """A JSON file the harness wrote (state.json, result.json, summary.json), or one line naming it."""
-    try:
-        return json.loads(path.read_text(encoding="utf-8"))
-    except (OSError, json.JSONDecodeError) as e:
-        raise RosettaError(f"cannot read {path}: {e}") from None
+def read_json(path: Path, schema: Mapping[str, json_input.Field] | None = None) -> dict[str, Any]:
+    """A JSON object the harness wrote (state.json, result.json, summary.json, run.json), through the
+    one JSON reader (bounded; a diverged run's NaN reads as NaN), its fields checked against
+    `schema`; or one line naming the file."""
+    return json_input.read_json(path, "a run file", limit=RUN_FILE_LIMIT, schema=schema, error=RosettaError,
+                                nonfinite=True)
 
 
 def write_log(path: Path, records: Iterable[Record]) -> None:

@@ -9,8 +9,10 @@ newest earlier checkpoint that is intact and how to resume from that one.
 
 from __future__ import annotations
 
+import contextlib
 import json
-from collections.abc import Callable
+import logging
+from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any
 
@@ -21,7 +23,7 @@ from rosetta.config import ModelConfig
 from rosetta.errors import CheckpointError, RosettaError
 from rosetta.files import atomic_write_bytes
 from rosetta.harness.out_dir import os_errors
-from rosetta.harness.report import read_json
+from rosetta.harness.report import read_json, read_log, write_log
 from rosetta.harness.run_dir import (
     check_checkpoint_dir,
     checkpoint_name,
@@ -35,6 +37,7 @@ from rosetta.tokenizer import TextTokenizer
 from rosetta.training import Trainer
 
 CHECKPOINT_FORMAT = "rosetta-train-checkpoint/1"  # state.json's
+log = logging.getLogger(__name__)
 
 
 class DivergedError(RosettaError):
@@ -64,7 +67,44 @@ class Checkpoints:
                             f"gradient norm {bad['grad_norm']}): stopped without saving that step; {kept} (a "
                             f"lower --lr-factor, a longer --warmup or --clip-norm may help)")
 
+    @contextlib.contextmanager
+    def kept_on_failure(self, step: int, what: str, trainer: Trainer,
+                        rescue: Callable[[], Any] | None = None) -> Iterator[None]:
+        """An evaluation that fails, whatever raised, as one line naming the checkpoint the run keeps
+        and how to finish (--resume evaluates it again; translate reads it). The last step's checkpoint
+        is written before its evaluation; another step's, `rescue`, when its evaluation fails (in one
+        process only: in a launch, saving is a collective the other processes may not join)."""
+        try:
+            yield
+        except Exception as e:  # noqa: BLE001 - any failure of decoding or scoring: the trained steps stay
+            if rescue is not None and trainer.num_processes == 1:
+                with contextlib.suppress(Exception):  # the evaluation's error is the one to report
+                    rescue()
+            kept = latest_checkpoint(self.root, check=False)
+            where = (f"the run is kept at {kept}: --resume goes on from there"
+                     if kept is not None else "no checkpoint was written yet")
+            first = str(e).strip().splitlines()[0] if str(e).strip() else "no message"
+            raise RosettaError(f"{self.backend}: the {what} at step {step} failed ({type(e).__name__}: "
+                               f"{first}); {where}") from e
+
+    def begin(self, record: dict[str, Any], log_path: Path) -> None:
+        """A new run's directory: run.json (`record`), a text task's tokenizer.json, an empty log."""
+        with os_errors(self.run_dir, "write the run directory"):
+            self.run_dir.mkdir(parents=True, exist_ok=True)
+            atomic_write_bytes(self.run_dir / "run.json", json.dumps(record, indent=2).encode("utf-8"))
+            if self.tokenizer is not None:
+                self.tokenizer.save(self.run_dir / "tokenizer.json")
+            write_log(log_path, [])
+
     # -- resume ----------------------------------------------------------------------------
+    def trim_log(self, log_path: Path, step: int) -> set[str]:
+        """The run's log cut back to checkpoint `step` (later records are redone by the resumed run);
+        the kinds of record it keeps at that step ("eval", "eval_average": what need not be redone)."""
+        with os_errors(log_path, "write"):
+            kept = [r for r in read_log(log_path) if r.get("step", 0) <= step]
+            write_log(log_path, kept)
+        return {r.get("kind") for r in kept if r.get("step") == step}
+
     def resume(self, build: Callable[[dict], Trainer]) -> tuple[Trainer, dict[str, Any], Path] | None:
         """The trainer `build(params)` makes from the newest checkpoint, its state restored, the
         checkpoint's state.json and its directory; None when there is none yet (leftover
@@ -89,6 +129,11 @@ class Checkpoints:
                                       f"state.json {state['step']}")
         except RosettaError as e:
             raise self._unusable(ckpt_dir, e) from None
+        if state.get("world_size", 1) != trainer.world_size:
+            log.warning("%s: resuming a run saved with %s data-parallel workers on %d: the global batches "
+                        "and so the updates are the same (up to rounding in the reductions); dropout masks "
+                        "are drawn differently from an uninterrupted run", self.backend,
+                        state.get("world_size", 1), trainer.world_size)
         return trainer, state, ckpt_dir
 
     def _read(self, ckpt_dir: Path) -> tuple[dict[str, Any], Checkpoint, dict[str, np.ndarray]]:

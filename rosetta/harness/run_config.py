@@ -15,7 +15,7 @@ from typing import Any
 
 from rosetta.backends import check_trainable
 from rosetta.config import PRESETS, preset
-from rosetta.device import cache_dir
+from rosetta.device import cache_dir, parse_device
 from rosetta.errors import RosettaError
 from rosetta.generation import check_alpha
 from rosetta.harness.tasks import check_task, parse_pair
@@ -98,7 +98,8 @@ class RunConfig:
                          "exactly (--trace, docs/training_diff.md); each backend's table: docs/backends.md",
                          "optimizer")
     device: str | None = setting(
-        None, "framework device, e.g. cpu or cuda (default: the framework's)", "optimizer")
+        None, "cpu, cuda or gpu (the same), cuda:N or gpu:N, in every backend (default: the framework's)",
+        "optimizer")
     warmup: int = setting(4000, "warmup steps of eq. 3", "optimizer")
     lr_factor: float = setting(1.0, "factor on eq. 3's learning rate", "optimizer")
     label_smoothing: float = setting(0.1, "label smoothing (§5.4)", "optimizer")
@@ -215,6 +216,8 @@ def check_run(run: RunConfig) -> None:
         raise RosettaError(f"--peak-tflops must be positive, got {run.peak_tflops!r}")
     for name in ("accumulate", "nproc"):
         _positive(name, getattr(run, name))
+    if run.device is not None:
+        parse_device(run.device)  # the spelling here; the devices present in preflight.py, per backend
     _positive("devices", run.devices, optional=True)
     _positive("trace", run.trace, minimum=0, optional=True)
     if run.trace is not None and run.shard:

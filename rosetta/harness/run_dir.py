@@ -23,7 +23,6 @@ from __future__ import annotations
 
 import contextlib
 import fcntl
-import json
 import os
 import re
 import shutil
@@ -32,6 +31,7 @@ from pathlib import Path
 
 import safetensors
 
+from rosetta import json_input
 from rosetta.errors import CheckpointError, RosettaError
 from rosetta.files import atomic_write_bytes
 
@@ -39,6 +39,7 @@ LATEST = "latest"
 TEMP_PREFIX = ".tmp-"
 LOCK = ".rosetta.lock"
 _NAME = re.compile(r"^step-(\d{8,})$")
+STATE_LIMIT = 16 * 2**20  # bytes of a state.json read at most (a run writes a few kB)
 
 
 def checkpoint_name(step: int) -> str:
@@ -108,8 +109,9 @@ def _recorded_steps(ckpt_dir: Path) -> dict[str, object]:
     reading it later gives its own error."""
     found: dict[str, object] = {}
     try:
-        found["state.json"] = json.loads((ckpt_dir / "state.json").read_text(encoding="utf-8")).get("step")
-    except (OSError, ValueError, AttributeError):
+        found["state.json"] = json_input.read_json(ckpt_dir / "state.json", "a checkpoint's state",
+                                                   limit=STATE_LIMIT, nonfinite=True).get("step")
+    except RosettaError:
         pass
     try:
         with safetensors.safe_open(str(ckpt_dir / "model.safetensors"), framework="numpy") as f:

@@ -48,6 +48,13 @@ class Stretch:
     def step_seconds(self) -> float:
         return self.seconds / max(self.steps, 1)
 
+    def add_to(self, totals: dict[str, float]) -> None:
+        """Add this stretch to a run's running totals (its checkpoints keep them, for a resume)."""
+        for key, value in (("step_time_s", self.seconds), ("compile_s", self.compile_s),
+                           ("compiles", self.compiles), ("src_tokens", self.work["src_tokens"]),
+                           ("tgt_tokens", self.work["tgt_tokens"])):
+            totals[key] = totals.get(key, 0) + value
+
 
 class Stepper:
     """`trainer.step` over `batches`, one batch prepared ahead. `batches` is an iterator of Batch;

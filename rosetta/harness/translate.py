@@ -15,6 +15,7 @@ As in training (rosetta/harness/batching.py), every source gets eos appended.
 
 from __future__ import annotations
 
+import dataclasses
 import os
 from collections.abc import Sequence
 from dataclasses import dataclass, field
@@ -68,8 +69,8 @@ def resolve_run(path: str | os.PathLike[str]) -> tuple[Path, Path | None]:
 @dataclass
 class OpenedModel:
     """A model as `open_model` found it: weights, tokenizer (None: lines are ids), the search
-    settings of its generation_config.json ({} without one) and notes on what it asks that our
-    search does not do."""
+    settings of its generation_config.json ({} without one), notes on what it asks that our
+    search does not do, and the decoder's start token it names."""
 
     path: Path  # the checkpoint file or model directory read
     config: ModelConfig
@@ -78,6 +79,15 @@ class OpenedModel:
     search: dict[str, Any] = field(default_factory=dict)
     notes: list[str] = field(default_factory=list)
     run_dir: Path | None = None  # the training run it belongs to, if any
+    decoder_start: int | None = None  # generation_config.json's decoder start token, if it has one
+
+    @property
+    def decoding_config(self) -> ModelConfig:
+        """The config to build the model that searches: Hugging Face's generate starts the decoder
+        from generation_config.json's decoder_start_token_id, which may not be config.json's."""
+        if self.decoder_start is None or self.decoder_start == self.config.bos_id:
+            return self.config
+        return dataclasses.replace(self.config, bos_id=self.decoder_start)
 
 
 def open_model(path: str | os.PathLike[str], tokenizer: str | os.PathLike[str] | None = None) -> OpenedModel:
@@ -86,7 +96,7 @@ def open_model(path: str | os.PathLike[str], tokenizer: str | os.PathLike[str] |
     directory (resolve_run). `tokenizer` (a tokenizer.json or a folder of Marian's files) replaces
     the one found; it must fit the model either way."""
     from rosetta.interop.convert import is_marian_like, read_model
-    from rosetta.interop.marian_files import companion_dir, search_defaults
+    from rosetta.interop.marian_files import companion_dir, read_generation_settings
 
     path, run_dir = Path(path), None
     if is_marian_like(path):
@@ -107,9 +117,11 @@ def open_model(path: str | os.PathLike[str], tokenizer: str | os.PathLike[str] |
         found = load_tokenizer(companions) if companions.is_file() else find_tokenizer(companions)
     if found is not None:
         found.check_fits(cfg)
-    has_settings = companions is not None and companions.is_dir()
-    search, notes = search_defaults(companions, cfg) if has_settings else ({}, [])
-    return OpenedModel(weights, cfg, params, found, search, notes, run_dir)
+    settings = read_generation_settings(companions, cfg) if companions is not None else None
+    if settings is None:
+        return OpenedModel(weights, cfg, params, found, run_dir=run_dir)
+    return OpenedModel(weights, cfg, params, found, settings.search(), list(settings.notes), run_dir,
+                       settings.decoder_start)
 
 
 def encode_line(line: str, number: int, tokenizer: TextTokenizer | None, cfg: ModelConfig) -> list[int]:

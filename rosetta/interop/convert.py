@@ -14,7 +14,6 @@ before anything is written.
 
 from __future__ import annotations
 
-import json
 import os
 from collections.abc import Mapping
 from pathlib import Path
@@ -53,13 +52,7 @@ def _check_marian_config(path: Path) -> None:
     """A Marian-like directory's config.json must be JSON saying model_type "marian"; a
     ConfigError naming the file otherwise (not the weights file beside it)."""
     config = path / marian.CONFIG_FILE
-    try:
-        hf = json.loads(config.read_bytes().decode("utf-8"))
-    except OSError as e:
-        raise CheckpointError(f"{config}: cannot read: {e.strerror or e}") from None
-    except (UnicodeDecodeError, json.JSONDecodeError) as e:  # empty, truncated, not text
-        raise ConfigError(f"{config}: not valid JSON: {e}") from None
-    model_type = hf.get("model_type") if isinstance(hf, dict) else None
+    model_type = marian.read_config(path).get("model_type")
     if model_type != "marian":
         raise ConfigError(f"{config}: model_type is {model_type!r}, not 'marian' (rosetta reads Hugging Face "
                           f"MarianMTModel directories only)")
@@ -163,6 +156,7 @@ class Converted(NamedTuple):
     path: Path
     config: ModelConfig
     companions: list[Path]  # the tokenizer and generation config files written with the model
+    notes: tuple[str, ...] = ()  # what the written model does not carry or do, one line each
 
 
 def convert(src: str | os.PathLike, dst: str | os.PathLike, from_format: str | None = None,
@@ -191,12 +185,21 @@ def convert(src: str | os.PathLike, dst: str | os.PathLike, from_format: str | N
                           f"empty folder")
     cfg, params = read_model(src, fmt_in, overrides)
     companions = tokenizer if tokenizer is not None else marian_files.companion_dir(src)
-    if companions is not None:
-        marian_files.check_companions(companions, cfg)
+    # What `translate` would refuse of the tokenizer and generation_config.json, refused first.
+    settings = marian_files.check_companions(companions, cfg) if companions is not None else None
+    notes = list(settings.notes) if settings is not None else []
+    if fmt_out == "marian" and not marian_files.has_tokenizer(companions):
+        notes.append(f"{src}: no tokenizer goes with the model (a Marian directory's own files, a checkpoint "
+                     f"file's NAME.tokenizer/ folder), so {dst} gets none; MarianTokenizer needs one, and "
+                     f"`rosetta translate` its --tokenizer")
+    if fmt_out == "ctranslate2" and settings is not None:
+        from rosetta.interop.ctranslate2 import search_note
+
+        notes.append(search_note(settings, cfg))
     path = write_model(dst, cfg, params, fmt_out, companions)
     written = ([] if fmt_out == "ctranslate2"
                else marian_files.copy_companions(companions, cfg, path, fmt_out))
-    return Converted(fmt_in, fmt_out, path, cfg, written)
+    return Converted(fmt_in, fmt_out, path, cfg, written, tuple(notes))
 
 
 def read_nn_transformer(*args: Any, **kwargs: Any) -> tuple[ModelConfig, Params]:

@@ -42,6 +42,7 @@ import numpy as np
 from rosetta.checkpoint import check_params
 from rosetta.config import ModelConfig
 from rosetta.errors import CheckpointError, ConfigError
+from rosetta.generation import GenerationSettings
 from rosetta.interop import marian, marian_files
 from rosetta.params import embedding_names
 from rosetta.tokenizer import TOKENIZER_CONFIG, VOCAB, SentencePieceTokenizer, Tokenizer, find_tokenizer
@@ -109,6 +110,22 @@ def check_ctranslate2(cfg: ModelConfig, params: Mapping[str, Any],
                           f"(max |x| {np.abs(row).max():.3g}): CTranslate2 starts the decoder from a zero "
                           f"vector (start_from_zero_embedding), so it would translate differently; opus-mt "
                           f"models start from {PAD_TOKEN}, whose row is zero")
+
+
+def search_note(settings: GenerationSettings, cfg: ModelConfig) -> str:
+    """One line: what generation_config.json asks, as translate_batch's arguments. CTranslate2's
+    model directory holds no search settings, and its converter reads none (docs/ctranslate2.md)."""
+    # Hugging Face forces eos into the last place; CTranslate2 forces nothing (docs/ctranslate2.md).
+    length = settings.max_new_tokens - 1 if settings.forced_eos else settings.max_new_tokens
+    parts = [f"beam_size={settings.beam}", f"length_penalty={settings.alpha:g}",
+             f"max_decoding_length={length}"]
+    if settings.banned:
+        parts.append(f"suppress_sequences with the pieces of ids {', '.join(map(str, settings.banned))}")
+    start = ("" if settings.decoder_start == cfg.bos_id else
+             f"; its decoder_start_token_id {settings.decoder_start} is not config.json's ({cfg.bos_id}), "
+             f"and CTranslate2 starts from a zero vector")
+    return (f"{settings.source}: a CTranslate2 model holds no search settings: give translate_batch "
+            f"{', '.join(parts)}{start} (docs/ctranslate2.md)")
 
 
 def _converter() -> Any:

@@ -48,9 +48,10 @@ from typing import Any
 import numpy as np
 
 from rosetta.checkpoint import DTYPES, check_params
-from rosetta.config import ModelConfig, parse_json
-from rosetta.errors import CheckpointError, ConfigError
+from rosetta.config import LIMITS, ModelConfig
+from rosetta.errors import CheckpointError, ConfigError, RosettaError
 from rosetta.files import atomic_write_bytes
+from rosetta.json_input import Field, check_schema, field, read_json
 from rosetta.params import Params, embedding_names, param_shapes
 from rosetta.positional import positional_encoding
 
@@ -71,6 +72,23 @@ DEFAULTS: dict[str, Any] = {
 # Hugging Face activation names (activations.py ACT2CLS) -> ours; "gelu" is the exact erf form.
 ACTIVATIONS_IN = {"relu": "relu", "gelu": "gelu", "gelu_new": "gelu_tanh", "gelu_pytorch_tanh": "gelu_tanh",
                   "swish": "silu", "silu": "silu"}
+# The JSON type of each field read from config.json (rosetta/json_input.py checks them first): null
+# only where MarianConfig gives null a meaning (decoder_vocab_size: "as vocab_size"); a null elsewhere
+# would silently become a default, and `scale_embedding: "yes"` would read as true.
+CONFIG_SCHEMA: dict[str, Field] = {
+    "model_type": field("string"), "decoder_vocab_size": field("integer", "null"),
+    "activation_function": field("string", choices=tuple(ACTIVATIONS_IN)),
+    **{name: field("integer") for name in (
+        "vocab_size", "max_position_embeddings", "encoder_layers", "encoder_ffn_dim",
+        "encoder_attention_heads", "decoder_layers", "decoder_ffn_dim", "decoder_attention_heads", "d_model",
+        "decoder_start_token_id", "pad_token_id", "eos_token_id")},
+    **{name: field("number") for name in ("dropout", "attention_dropout", "activation_dropout")},
+    **{name: field("boolean") for name in (
+        "scale_embedding", "share_encoder_decoder_embeddings", "tie_word_embeddings")},
+}
+CONFIG_LIMIT = 2**20  # bytes of config.json read at most: a Marian config takes about 1.5 kB
+INDEX_SCHEMA = {"weight_map": field("object", required=True)}
+INDEX_LIMIT = 64 * 2**20  # bytes of the shard index: a name and a file per tensor, ~100 bytes each
 ACTIVATIONS_OUT = {"relu": "relu", "gelu": "gelu", "gelu_tanh": "gelu_new", "silu": "swish"}
 # (share_encoder_decoder_embeddings, tie_word_embeddings) <-> share_embeddings
 SHARING = {(True, True): "all", (True, False): "src_tgt", (False, True): "decoder", (False, False): "none"}
@@ -105,22 +123,20 @@ def module_map(cfg: ModelConfig) -> dict[str, tuple[str, str]]:
 
 # -- Marian -> ours ---------------------------------------------------------------------------
 
-def config_from_marian(hf: Mapping[str, Any], **overrides: Any) -> ModelConfig:
-    """Our config for a Marian `config.json` (MarianConfig's defaults for absent fields)."""
+def config_from_marian(hf: Mapping[str, Any], *, source: str = CONFIG_FILE, **overrides: Any) -> ModelConfig:
+    """Our config for a Marian `config.json` (MarianConfig's defaults for absent fields), its fields'
+    types checked first; `source` names the file in the messages."""
+    check_schema(hf, CONFIG_SCHEMA, source)
     if hf.get("model_type", "marian") != "marian":
-        raise ConfigError(f"config.json: model_type {hf.get('model_type')!r} is not 'marian'")
+        raise ConfigError(f"{source}: model_type {hf.get('model_type')!r} is not 'marian'")
     c = {**DEFAULTS, **{k: v for k, v in hf.items() if k in DEFAULTS and v is not None}}
     for mine, theirs in (("encoder_attention_heads", "decoder_attention_heads"),
                          ("encoder_ffn_dim", "decoder_ffn_dim")):
         if c[mine] != c[theirs]:
-            raise ConfigError(f"config.json: {mine}={c[mine]} differs from {theirs}={c[theirs]}; one "
+            raise ConfigError(f"{source}: {mine}={c[mine]} differs from {theirs}={c[theirs]}; one "
                               f"value serves both stacks here (num_heads, d_ff)")
-    if c["activation_function"] not in ACTIVATIONS_IN:
-        raise ConfigError(f"config.json: activation_function {c['activation_function']!r} is not one of "
-                          f"{', '.join(ACTIVATIONS_IN)}")
-    if not isinstance(c["eos_token_id"], int) or isinstance(c["eos_token_id"], bool):
-        raise ConfigError(f"config.json: eos_token_id must be one integer, got {c['eos_token_id']!r}")
-    share = SHARING[(bool(c["share_encoder_decoder_embeddings"]), bool(c["tie_word_embeddings"]))]
+    share = SHARING[(c["share_encoder_decoder_embeddings"], c["tie_word_embeddings"])]
+    _check_decoder_vocab(c["decoder_vocab_size"], c["vocab_size"], share, source)
     own_vocab = c["decoder_vocab_size"] or c["vocab_size"]
     tgt_vocab = c["vocab_size"] if share in ("all", "src_tgt") else own_vocab
     fields = dict(
@@ -135,6 +151,20 @@ def config_from_marian(hf: Mapping[str, Any], **overrides: Any) -> ModelConfig:
         pad_id=c["pad_token_id"], bos_id=c["decoder_start_token_id"], eos_id=c["eos_token_id"],
     )
     return ModelConfig.from_dict({**fields, **overrides})
+
+
+def _check_decoder_vocab(size: int | None, vocab_size: int, share: str, source: str) -> None:
+    """decoder_vocab_size within our bound and, with one table for both sides, the table's size:
+    MarianMTModel builds the decoder's table and its loss with it even then."""
+    if size is None:
+        return
+    bound = LIMITS["tgt_vocab_size"]
+    if not 1 <= size <= bound:
+        raise ConfigError(f"{source}: decoder_vocab_size must be in [1, {bound:,}] (a bound that keeps "
+                          f"untrusted files from exhausting memory), got {size:,}")
+    if share in ("all", "src_tgt") and size != vocab_size:
+        raise ConfigError(f"{source}: decoder_vocab_size {size:,} must equal vocab_size {vocab_size:,} "
+                          f"when share_encoder_decoder_embeddings is true (one table serves both sides)")
 
 
 def _tensor_names(cfg: ModelConfig) -> dict[str, tuple[int, ...]]:
@@ -218,8 +248,8 @@ def _read_weights(directory: Path, cfg: ModelConfig) -> dict[str, np.ndarray]:
     if (directory / WEIGHTS_FILE).is_file():
         return read_safetensors(directory / WEIGHTS_FILE, "Marian weights")[1]
     if (directory / INDEX_FILE).is_file():
-        index = parse_json((directory / INDEX_FILE).read_text(encoding="utf-8"), str(directory / INDEX_FILE))
-        shards = sorted(set((index.get("weight_map") or {}).values())) if isinstance(index, dict) else []
+        index = read_json(directory / INDEX_FILE, "a shard index", limit=INDEX_LIMIT, schema=INDEX_SCHEMA)
+        shards = sorted(set(index["weight_map"].values()))
         if not shards or any(Path(s).name != s for s in shards):
             raise CheckpointError(f"{directory / INDEX_FILE}: no weight_map of shard file names")
         tensors: dict[str, np.ndarray] = {}
@@ -255,10 +285,7 @@ def read_marian(path: str | os.PathLike, **overrides: Any) -> tuple[ModelConfig,
     directory = Path(path)
     if not (directory / CONFIG_FILE).is_file():
         raise CheckpointError(f"{directory}: not a Marian directory (no {CONFIG_FILE})")
-    hf = parse_json((directory / CONFIG_FILE).read_text(encoding="utf-8"), str(directory / CONFIG_FILE))
-    if not isinstance(hf, dict):
-        raise ConfigError(f"{directory / CONFIG_FILE}: must be a JSON object")
-    cfg = config_from_marian(hf, **overrides)
+    cfg = config_from_marian(read_config(directory), source=str(directory / CONFIG_FILE), **overrides)
     tensors = _read_weights(directory, cfg)
     if (cfg.share_embeddings == "src_tgt" and "share_embeddings" not in overrides
             and _separate_tables(tensors)):
@@ -279,12 +306,17 @@ def _separate_tables(tensors: Mapping[str, np.ndarray]) -> bool:
     return not (np.array_equal(enc, dec) and np.array_equal(enc, shared))
 
 
+def read_config(directory: str | os.PathLike) -> dict[str, Any]:
+    """The JSON object of `directory`'s config.json, read within rosetta/json_input.py's bounds (its
+    fields are checked by config_from_marian); a ConfigError naming the file otherwise."""
+    return read_json(Path(directory) / CONFIG_FILE, "a model config", limit=CONFIG_LIMIT)
+
+
 def is_marian(path: str | os.PathLike) -> bool:
     """A directory whose config.json says model_type "marian" (never raises)."""
     try:
-        hf = json.loads((Path(path) / CONFIG_FILE).read_text(encoding="utf-8"))
-        return hf.get("model_type") == "marian"
-    except (OSError, ValueError, AttributeError, UnicodeDecodeError):
+        return read_config(path).get("model_type") == "marian"
+    except RosettaError:
         return False
 
 

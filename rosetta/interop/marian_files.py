@@ -20,8 +20,9 @@ from pathlib import Path
 from typing import Any
 
 from rosetta.config import ModelConfig, read_json_object
-from rosetta.errors import CheckpointError, ConfigError
+from rosetta.errors import CheckpointError
 from rosetta.files import atomic_write_bytes
+from rosetta.generation import GenerationSettings, check_generation_config
 from rosetta.tokenizer import MARIAN_TOKENIZER_FILES, find_tokenizer, is_marian_tokenizer_dir
 
 GENERATION_CONFIG = "generation_config.json"
@@ -84,28 +85,31 @@ def copy_companions(source: str | os.PathLike | None, cfg: ModelConfig, dest: st
     return [folder / name for name in files]
 
 
-def check_companions(source: str | os.PathLike, cfg: ModelConfig) -> None:
+def check_companions(source: str | os.PathLike, cfg: ModelConfig) -> GenerationSettings | None:
     """Refuse, naming the file, a tokenizer that is broken or not the model's, and a
-    generation_config.json that is not JSON: before anything is written."""
+    generation_config.json that `translate` would refuse (rosetta.generation's one check): before
+    anything is written. Returns the generation settings (None without a generation_config.json)."""
     source = Path(source)
-    if source.is_dir():
-        tokenizer = find_tokenizer(source)
-        if tokenizer is not None:
-            tokenizer.check_fits(cfg)
-        read_generation_config(source)
-    else:
+    if not source.is_dir():
         from rosetta.tokenizer import Tokenizer
 
         Tokenizer.load(source).check_fits(cfg)
+        return None
+    tokenizer = find_tokenizer(source)
+    if tokenizer is not None:
+        tokenizer.check_fits(cfg)
+    return read_generation_settings(source, cfg)
+
+
+def has_tokenizer(source: str | os.PathLike | None) -> bool:
+    """Whether `source` (what copy_companions takes) holds a tokenizer."""
+    if source is None:
+        return False
+    source = Path(source)
+    return source.is_file() or find_tokenizer(source) is not None
 
 
 # -- generation_config.json -> our search ------------------------------------------------------
-
-# Fields of Hugging Face's GenerationConfig our search does not do, with the value that means "off".
-_UNSUPPORTED = {"do_sample": False, "early_stopping": False, "num_beam_groups": 1, "no_repeat_ngram_size": 0,
-                "repetition_penalty": 1.0, "min_length": 0, "min_new_tokens": None, "diversity_penalty": 0.0,
-                "num_return_sequences": 1, "encoder_no_repeat_ngram_size": 0, "temperature": 1.0}
-
 
 def read_generation_config(directory: str | os.PathLike) -> dict[str, Any]:
     """The JSON object of `directory`'s generation_config.json ({} when there is none)."""
@@ -115,48 +119,21 @@ def read_generation_config(directory: str | os.PathLike) -> dict[str, Any]:
     return read_json_object(path, "the generation config")
 
 
+def read_generation_settings(directory: str | os.PathLike, cfg: ModelConfig) -> GenerationSettings | None:
+    """`directory`'s generation_config.json, checked for the model `cfg`
+    (rosetta.generation.check_generation_config); None when there is none."""
+    path = Path(directory) / GENERATION_CONFIG
+    if not path.is_file():
+        return None
+    return check_generation_config(read_generation_config(directory), cfg, path)
+
+
 def search_defaults(directory: str | os.PathLike, cfg: ModelConfig) -> tuple[dict[str, Any], list[str]]:
-    """Our search settings from `directory`'s generation_config.json, as Hugging Face's translation
-    pipeline reads it (GenerationConfig's defaults for absent fields: greedy, length_penalty 1.0,
-    max_length 20), and notes on what it asks that our search does not do. ({}, []) without one.
-
-    Keys: beam, alpha, length_rule ("hf": Hugging Face's beam rule), margin and max_new_tokens
-    (max_length counts the start token: at most max_length - 1 new tokens), banned (single-token
-    bad_words_ids other than pad), renormalize (renormalize_logits), forced_eos (forced_eos_token_id
-    equal to eos)."""
-    where = Path(directory) / GENERATION_CONFIG
-    if not where.is_file():
-        return {}, []
-    gen = read_generation_config(directory)
-
-    def integer(field: str, default: int, minimum: int) -> int:
-        value = gen.get(field, default)
-        value = default if value is None else value
-        if isinstance(value, bool) or not isinstance(value, int) or value < minimum:
-            raise ConfigError(f"{where}: {field} must be an integer >= {minimum}, got {value!r}")
-        return value
-
-    beam, max_length = integer("num_beams", 1, 1), integer("max_length", 20, 2)
-    alpha = gen.get("length_penalty", 1.0)
-    if isinstance(alpha, bool) or not isinstance(alpha, (int, float)):
-        raise ConfigError(f"{where}: length_penalty must be a number, got {alpha!r}")
-    banned = []
-    for words in gen.get("bad_words_ids") or []:
-        if not (isinstance(words, list) and len(words) == 1 and isinstance(words[0], int)
-                and not isinstance(words[0], bool) and 0 <= words[0] < cfg.tgt_vocab_size):
-            raise ConfigError(f"{where}: bad_words_ids entry {words!r}: only single token ids inside the "
-                              f"target vocabulary ({cfg.tgt_vocab_size}) are banned by rosetta's search")
-        if words[0] not in (cfg.pad_id, cfg.eos_id):  # pad is never emitted; HF drops [eos] as we do
-            banned.append(words[0])
-    forced = gen.get("forced_eos_token_id")
-    notes = [f"{where}: {field}={gen[field]!r} is not part of rosetta's search; ignored"
-             for field, off in _UNSUPPORTED.items() if field in gen and gen[field] not in (off, None)]
-    if forced not in (None, cfg.eos_id):
-        notes.append(f"{where}: forced_eos_token_id={forced!r} is not eos ({cfg.eos_id}); ignored")
-    settings = {"beam": beam, "alpha": float(alpha), "length_rule": "hf", "margin": max_length,
-                "max_new_tokens": max_length - 1, "banned": tuple(banned),
-                "renormalize": bool(gen.get("renormalize_logits", False)), "forced_eos": forced == cfg.eos_id}
-    return settings, notes
+    """Our search settings from `directory`'s generation_config.json, as Hugging Face's generate
+    reads it, and the notes on what it asks that our search does not do; ({}, []) without one.
+    Keys: rosetta.generation.GenerationSettings.search."""
+    settings = read_generation_settings(directory, cfg)
+    return ({}, []) if settings is None else (settings.search(), list(settings.notes))
 
 
 # -- our BPE tokenizer -> Hugging Face's fast tokenizer ----------------------------------------

@@ -271,6 +271,9 @@ def read_dump(path: str | os.PathLike, cfg: ModelConfig | None = None) -> Dump:
     file cannot make the reader allocate more than the dump it claims to be. Pickled objects are
     refused: a dump may come from anywhere."""
     path = Path(path)
+    if path.exists() and not path.is_file():  # a folder, a FIFO (opening one would block): never opened
+        kind = "a directory" if path.is_dir() else "not a regular file"
+        raise CheckpointError(f"{path}: {kind}, not an .npz dump file")
     try:
         with zipfile.ZipFile(path) as archive:
             return _read_checked(path, archive, cfg)

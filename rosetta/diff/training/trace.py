@@ -37,6 +37,7 @@ from typing import Any, NamedTuple
 
 import numpy as np
 
+from rosetta import json_input
 from rosetta.checkpoint import read_header, read_tensors, write_safetensors
 from rosetta.config import ModelConfig
 from rosetta.diff.shared.dump import Dump
@@ -60,11 +61,23 @@ from rosetta.diff.training.trace_files import (
 from rosetta.errors import CheckpointError, ConfigError, RosettaError
 from rosetta.files import atomic_write_bytes
 from rosetta.params import Params, param_shapes
+from rosetta.parity import TOLERANCES
 
 TRACE_FORMAT = "rosetta-trace/1"
 HEADER, STEPS = "trace.json", "steps.jsonl"
 HEADER_LIMIT = 16 * 2**20  # bytes of trace.json read at most
 DTYPES = ("float32", "float64")  # of the stored tensors (a bfloat16 run keeps float32 weights)
+# What a forward pass may compute in: the dtypes rosetta.parity holds a backend to.
+COMPUTE_DTYPES = tuple(sorted({dtype for _, dtype in TOLERANCES}))
+# trace.json's fields (rosetta/json_input.py checks them before any is used).
+_field = json_input.field
+HEADER_SCHEMA = {
+    "format": _field("string", required=True), "model_config": _field("object", required=True),
+    "names": _field("array", required=True), "full_steps": _field("integer", required=True),
+    "dtype": _field("string", required=True, choices=DTYPES), "writer": _field("string", "null"),
+    "compute_dtype": _field("string", "null", choices=COMPUTE_DTYPES),
+    "train_config": _field("object", "null"),
+}
 CACHED_STEPS = 2  # whole steps a reader keeps besides step 0: a step and the one before it
 
 
@@ -119,6 +132,9 @@ class TraceWriter:
             raise ConfigError(f"full_steps must be an integer >= 0, got {full_steps!r}")
         if dtype not in (None, *DTYPES):
             raise ConfigError(f"dtype must be one of {', '.join(DTYPES)} or None, got {dtype!r}")
+        if compute_dtype not in (None, *COMPUTE_DTYPES):  # the reader refuses any other
+            raise ConfigError(f"compute_dtype must be one of {', '.join(COMPUTE_DTYPES)} or None, "
+                              f"got {compute_dtype!r}")
         self.path, self.cfg, self.full_steps = Path(path), cfg, full_steps
         self.shapes = param_shapes(cfg)
         if self.path.exists() and (not self.path.is_dir() or any(self.path.iterdir())):
@@ -283,7 +299,8 @@ class Trace:
         if isinstance(k, bool) or not isinstance(k, int) or not 1 <= k <= len(self):
             raise RosettaError(f"{self.path}: no step {k!r} (steps 1..{len(self)})")
         path = self.path / forward_file(k)
-        if k > self.full_steps or not path.is_file():
+        # Absent: no dump. Anything else of that name (a folder, a dangling link) read_dump refuses by name.
+        if k > self.full_steps or not (path.exists() or path.is_symlink()):
             return None
         step = self.full(k)
         return read_forward(path, self.cfg, k, step.src, step.tgt_in)
@@ -372,35 +389,22 @@ def read_trace(path: str | os.PathLike) -> Trace:
             raise CheckpointError(f"{found}: {step_file(k)} is missing: the trace is truncated "
                                   f"(steps 0..{full} must be stored whole)")
         read_header(found / step_file(k), "trace step")
-    compute = header.get("compute_dtype")
     return Trace(found, cfg, header["names"], full, header["dtype"], header.get("train_config"),
-                 str(header.get("writer", "")), steps, compute if isinstance(compute, str) else None,
+                 str(header.get("writer") or ""), steps, header.get("compute_dtype"),
                  read_evaluations(found, len(steps)))
 
 
 def _read_header(folder: Path) -> dict[str, Any]:
     path = folder / HEADER
-    try:
-        with path.open("rb") as f:
-            raw = f.read(HEADER_LIMIT + 1)  # a config and the names: far below the limit
-        if len(raw) > HEADER_LIMIT:
-            raise CheckpointError(f"{path}: larger than {HEADER_LIMIT:,} bytes: not a trace header")
-        header = json.loads(raw.decode("utf-8"))
-    except FileNotFoundError:
+    if not path.exists():
         raise CheckpointError(f"{path} is missing: the trace is truncated (the writer stopped before "
-                              f"its first step?)") from None
-    except (OSError, UnicodeDecodeError, json.JSONDecodeError, RecursionError) as e:
-        raise CheckpointError(f"{path}: not readable JSON ({type(e).__name__})") from None
-    if not isinstance(header, dict) or header.get("format") != TRACE_FORMAT:
+                              f"its first step?)")
+    header = json_input.read_json(path, "a trace header", limit=HEADER_LIMIT, error=CheckpointError)
+    if header.get("format") != TRACE_FORMAT:
         raise CheckpointError(f"{path}: not a {TRACE_FORMAT} header")
-    n = header.get("full_steps")
-    if isinstance(n, bool) or not isinstance(n, int) or n < 0:
-        raise CheckpointError(f"{path}: full_steps must be an integer >= 0, got {n!r}")
-    if header.get("dtype") not in DTYPES:
-        raise CheckpointError(f"{path}: dtype must be one of {', '.join(DTYPES)}, "
-                              f"got {header.get('dtype')!r}")
-    if not isinstance(header.get("model_config"), dict):
-        raise CheckpointError(f"{path}: no model_config")
+    json_input.check_schema(header, HEADER_SCHEMA, str(path), CheckpointError)
+    if header["full_steps"] < 0:
+        raise CheckpointError(f"{path}: full_steps must be an integer >= 0, got {header['full_steps']!r}")
     return header
 
 

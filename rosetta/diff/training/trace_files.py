@@ -22,7 +22,6 @@ from __future__ import annotations
 
 import contextlib
 import hashlib
-import itertools
 import json
 import math
 import re
@@ -36,10 +35,13 @@ from rosetta.checkpoint import read_header, read_tensors, write_safetensors
 from rosetta.config import ModelConfig
 from rosetta.diff.shared.dump import Dump, check_stages, read_dump, write_dump
 from rosetta.errors import CheckpointError, RosettaError
+from rosetta.json_input import read_json_lines
 
 BATCH_KEYS = ("src", "tgt_in", "labels")
 EVALS = "evals.jsonl"
 EVAL_LINE_LIMIT = 1024  # bytes: a step, a sha256 and a number take ~150
+CUT_OFF = ("the trace is truncated (the writer stopped mid-line); remove that line to compare the steps "
+           "before it")
 
 
 class EvalRecord(NamedTuple):
@@ -102,32 +104,13 @@ def check_ids(path: Path, key: str, ids: np.ndarray, cfg: ModelConfig) -> np.nda
 
 
 def json_lines(path: Path, limit: int, what: str) -> Iterator[tuple[int, object]]:
-    """(line number, parsed JSON) of each line of a JSON-lines file, every line read up to `limit`
-    bytes (a hostile line is never read whole) and refused in one line when longer than `what`,
-    cut off or not JSON. FileNotFoundError passes through: the caller knows what a missing file means."""
-    try:
-        with path.open("rb") as f:
-            for number in itertools.count(1):
-                line = f.readline(limit + 1)
-                if not line:
-                    return
-                if len(line) > limit:
-                    raise CheckpointError(f"{path}: line {number} is longer than {what} ({limit:,} bytes): "
-                                          f"the trace is corrupt")
-                if not line.endswith(b"\n"):
-                    raise CheckpointError(f"{path}: line {number} is cut off: the trace is truncated (the "
-                                          f"writer stopped mid-line); remove that line to compare the steps "
-                                          f"before it")
-                try:
-                    record = json.loads(line.decode("utf-8"))
-                except (UnicodeDecodeError, json.JSONDecodeError, RecursionError):
-                    raise CheckpointError(f"{path}: line {number} is not JSON: the trace is corrupt"
-                                          ) from None
-                yield number, record
-    except FileNotFoundError:
-        raise
-    except OSError as e:
-        raise CheckpointError(f"{path}: not readable ({e.strerror or e})") from None
+    """(line number, parsed JSON) of each line of a trace's JSON-lines file, through the one JSON reader
+    (rosetta/json_input.py): every line read up to `limit` bytes and refused in one line when longer
+    than `what`, cut off, not JSON or past its bounds. NaN and Infinity read as floats: a diverged
+    step's loss (the record's check names it). FileNotFoundError passes through: the caller knows
+    what a missing file means."""
+    return read_json_lines(path, limit, what, error=CheckpointError, nonfinite=True,
+                           note=": the trace is corrupt", cut_off=CUT_OFF)
 
 
 @contextlib.contextmanager

@@ -1,0 +1,147 @@
+"""Issue 39: every benchmark refuses a bad flag, an output folder it cannot write and a data folder
+that is not there BEFORE its first measurement: one line `benchmarks.NAME: error: ...` naming the
+flag (or the file), exit status 2, nothing written. Each case runs the benchmark's `main` in this
+process with its measurement replaced by a failure, so a refusal that comes too late fails the test
+at once instead of measuring for minutes; and each must return in seconds.
+
+The expected reasons are rosetta.files.check_writable's rule written out (a file where a folder
+should be; a folder in which creating a file fails, as Linux's /proc and /sys) and the argparse
+types' ranges (rosetta/cli_args.py: finite, and within the flag's range)."""
+
+from __future__ import annotations
+
+import importlib
+import re
+import time
+from pathlib import Path
+
+import pytest
+
+from parity_tests.test_output_paths import snapshot
+
+# What each benchmark measures (or trains, or renders) first: replaced by a failure in every case.
+MEASURES = {
+    "run": ["run"], "batches": ["run"], "decode_ct2": ["run"],
+    "profile_cpu": ["train_cases", "decode_cases"], "decode_speed": ["run"],
+    "gpu_check": ["parity_checks", "training_checks", "attention_checks", "decoding_checks",
+                  "harness_checks"],
+    "scaling": ["run", "measure"], "time_to_quality": ["train_and_evaluate", "table"], "pitfalls": ["run"],
+    "report": ["load"], "profile_step": ["profile_impl", "loss_timings"],
+}
+REFUSED_WITHIN_S = 10.0  # argparse and a probe; the measurements take minutes (docs/benchmarks.md)
+PROC = Path("/proc/self").is_dir()  # Linux: a folder in which no file can be created, even by root
+FILE = "{tmp}/a_file"  # a regular file where an output folder should be
+NOT_A_FOLDER = "{tmp}/a_file/{name}: {tmp}/a_file is a file, not a directory"
+PROC_REASON = "/proc/x/{name}: a file cannot be created in /proc (No such file or directory)"
+
+# (benchmark, arguments, what the one line holds after `error: `; {tmp} the test's folder, {name}
+# the first file the benchmark would write there, up to its date).
+CASES = [
+    # Output folders (issue 39: a traceback, or a refusal after minutes of measuring).
+    ("run", ["--suite", "smoke", "--out-dir", FILE], "argument --out-dir: cannot write " + NOT_A_FOLDER),
+    ("run", ["--suite", "smoke", "--out-dir", "/proc/x"], "argument --out-dir: cannot write " + PROC_REASON),
+    ("run", ["--suite", "smoke", "--out-dir", "/sys/x"],
+     "argument --out-dir: cannot write /sys/x/{name}: a file cannot be created in /sys ({any})"),
+    ("run", ["--suite", "smoke", "--out-dir", ""],
+     "argument --out-dir: must name a file or directory, got ''"),
+    ("batches", ["--preset", "tiny", "--out-dir", FILE], "argument --out-dir: cannot write " + NOT_A_FOLDER),
+    ("decode_ct2", ["--out-dir", "/proc/x"], "argument --out-dir: cannot write " + PROC_REASON),
+    ("decode_ct2", ["--out-dir", FILE], "argument --out-dir: cannot write " + NOT_A_FOLDER),
+    ("profile_cpu", ["--out-dir", "/proc/x"], "argument --out-dir: cannot write " + PROC_REASON),
+    ("gpu_check", ["--preset", "tiny", "--device", "cpu", "--out-dir", FILE],
+     "argument --out-dir: cannot write " + NOT_A_FOLDER),
+    ("scaling", ["--preset", "tiny", "--buckets", "48", "--out-dir", "/proc/x"],
+     "argument --out-dir: cannot write " + PROC_REASON),
+    ("time_to_quality", ["--out", "{tmp}/run", "--results-dir", FILE],
+     "argument --results-dir: cannot write " + NOT_A_FOLDER),
+    ("time_to_quality", ["--out", FILE, "--train"],
+     "argument --out: cannot write {tmp}/a_file/torch/run.json: {tmp}/a_file is a file, not a directory"),
+    ("report", ["{tmp}/a_file/x.json"],
+     "argument results: cannot write {tmp}/a_file/x.md: {tmp}/a_file is a file, not a directory"),
+    # Data folders (issue 39: batches --data-dir /nonexistent, an uncaught DataError).
+    ("batches", ["--preset", "tiny", "--no-write", "--data-dir", "{tmp}/none"],
+     "argument --data-dir: Multi30k data directory '{tmp}/none' (given directory) does not exist; {any}"),
+    ("batches", ["--data-dir", ""], "argument --data-dir: must name a file or directory, got ''"),
+    ("time_to_quality", ["--out", "{tmp}/run", "--train", "--data-dir", "{tmp}/none"],
+     "argument --data-dir: Multi30k data directory '{tmp}/none' (given directory) does not exist; {any}"),
+    # Numbers: finite and in range (issue 39: scaling --timeout nan, a traceback).
+    ("scaling", ["--timeout", "nan"], "argument --timeout: must be a finite number > 0, got 'nan'"),
+    ("scaling", ["--timeout", "inf"], "argument --timeout: must be a finite number > 0, got 'inf'"),
+    ("scaling", ["--timeout", "-1"], "argument --timeout: must be a finite number > 0, got '-1'"),
+    ("scaling", ["--timeout", "0"], "argument --timeout: must be a finite number > 0, got '0'"),
+    ("scaling", ["--steps", "0"], "argument --steps: must be an integer >= 1, got '0'"),
+    ("scaling", ["--warmup-steps", "-1"], "argument --warmup-steps: must be an integer >= 0, got '-1'"),
+    ("scaling", ["--workers", "2", "2"], "argument --workers: takes distinct integers >= 1"),
+    ("scaling", ["--max-tokens", "1e9"], "argument --max-tokens: must be an integer >= 1, got '1e9'"),
+    ("run", ["--suite", "smoke", "--peak-tflops", "nan"],
+     "argument --peak-tflops: must be a finite number > 0, got 'nan'"),
+    ("run", ["--suite", "smoke", "--presets", "huge"], "argument --presets: huge: suite smoke has tiny"),
+    ("gpu_check", ["--peak-tflops", "-1"], "argument --peak-tflops: must be a finite number > 0, got '-1'"),
+    ("time_to_quality", ["--out", "{tmp}/run", "--budget", "inf"],
+     "argument --budget: must be a finite number > 0, got 'inf'"),
+    ("time_to_quality", ["--out", "{tmp}/run", "--bleu-at", "101"],
+     "argument --bleu-at: must be a finite number >= 0 and <= 100, got '101'"),
+    ("decode_speed", ["--repeats", "0"], "argument --repeats: must be an integer >= 1, got '0'"),
+    ("profile_step", ["--device", "cpu", "--steps", "nan"],
+     "argument --steps: must be an integer >= 1, got 'nan'"),
+]
+
+
+def refusal(module: str, argv: list[str], tmp_path: Path, capsys, monkeypatch) -> str:
+    """Run benchmarks.MODULE's main on `argv`; the one line it refuses with (exit status 2, returned
+    in seconds, nothing measured and nothing written in `tmp_path`)."""
+    bench = importlib.import_module(f"benchmarks.{module}")
+    for name in MEASURES[module]:
+        def measured(*args, _name=name, **kwargs):
+            raise AssertionError(f"benchmarks.{module}.{_name} ran before the refusal")
+
+        monkeypatch.setattr(bench, name, measured)
+    (tmp_path / "a_file").write_text("mine")
+    before = snapshot(tmp_path)
+    capsys.readouterr()
+    start = time.perf_counter()
+    with pytest.raises(SystemExit) as stop:
+        bench.main(argv)
+    assert time.perf_counter() - start < REFUSED_WITHIN_S
+    assert stop.value.code == 2
+    err = capsys.readouterr().err
+    assert len(err.splitlines()) == 1 and err.startswith(f"benchmarks.{module}: error: "), err
+    assert snapshot(tmp_path) == before and sorted(p.name for p in tmp_path.iterdir()) == ["a_file"]
+    return err.removeprefix(f"benchmarks.{module}: error: ").rstrip("\n")
+
+
+@pytest.mark.parametrize("module,argv,expected", CASES, ids=[f"{m} {' '.join(a)}" for m, a, _ in CASES])
+def test_a_benchmark_refuses_before_measuring(module, argv, expected, tmp_path, capsys, monkeypatch):
+    if any(a.startswith(("/proc", "/sys")) for a in argv) and not PROC:
+        pytest.skip("needs Linux's /proc and /sys")
+    tmp = str(tmp_path)
+    got = refusal(module, [a.replace("{tmp}", tmp) for a in argv], tmp_path, capsys, monkeypatch)
+    # {name}: the results file, named with the device and the date; {any}: the OS's reason, in its words.
+    pattern = re.escape(expected.replace("{tmp}", tmp))
+    pattern = pattern.replace(re.escape("{name}"), r"[\w.-]+\.json").replace(re.escape("{any}"), ".+")
+    assert re.fullmatch(pattern, got), got
+
+
+def test_default_results_folder_is_checked_too(tmp_path, capsys, monkeypatch):
+    """A benchmark without --out-dir writes benchmarks/results (and pitfalls, docs/pitfalls.md): a
+    results folder it cannot write is refused before measuring, naming the file (no flag names it)."""
+    from benchmarks import decode_speed, pitfalls
+
+    for bench in (decode_speed, pitfalls):
+        monkeypatch.setattr(bench, "RESULTS", tmp_path / "a_file")
+        got = refusal(bench.__name__.split(".")[1], [], tmp_path, capsys, monkeypatch)
+        assert got.startswith(f"cannot write {tmp_path}/a_file/") and got.endswith(
+            f".json: {tmp_path}/a_file is a file, not a directory"), got
+
+
+def test_an_output_folder_that_does_not_exist_yet_is_fine(tmp_path, capsys, monkeypatch):
+    """New folders are made when the results are written: the check refuses only what cannot be."""
+    from benchmarks import scaling
+
+    measured = {"device": "cpu", "gpus": 0, "environment": {}, "settings": {}, "rows": [], "wall_s": 0.0}
+    monkeypatch.setattr(scaling, "run", lambda args: measured)
+    monkeypatch.setattr(scaling, "markdown", lambda result: "table\n")
+    out = tmp_path / "new" / "dir"
+    scaling.main(["--preset", "tiny", "--buckets", "48", "--out-dir", str(out)])
+    assert sorted(p.suffix for p in out.iterdir()) == [".json", ".md"]
+    capsys.readouterr()
