@@ -128,6 +128,9 @@ def test_clean_pairs_agree(side, case, reference, tmp_path, capsys):
     assert record["differ"] is False and len(record["rows"]) == len(batches)
     assert "no difference at any of 5 steps (tolerance 1e-09)" in out
     assert "diagnosis: nothing to explain" in out
+    # --json holds the diagnosis whatever the verdict (it had no key when the traces agreed).
+    assert record["diagnosis"]["verdict"] == "diagnosis: nothing to explain, the traces agree"
+    assert record["diagnosis"]["explained_by"] is None and record["diagnosis"]["ranked"] == []
     last_whole = 3 if side == "jax_trainer" else 2  # the loops store 2 steps whole, our trainers 3
     assert record["outputs"]["step"] == last_whole and record["outputs"]["top1"] == 1.0
     # Equal models up to float64 rounding: KL <= δ²/2 for logits δ apart (~1e-26), plus evaluating a

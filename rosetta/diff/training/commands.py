@@ -225,7 +225,7 @@ def _diagnose(a: Trace, b: Trace, rows: list, first, tolerance: float, steps: in
                if first.over == ("batch",) else None)  # the evaluations are checked all the same
     diagnosis = diagnose_training(a, b, tolerance, steps, verdict)
     print(diagnosis.report())
-    return diagnosis if diagnosis.findings or verdict is None else None
+    return diagnosis  # --json's "diagnosis" for every verdict, those that replay nothing too
 
 
 def _write_json(args: argparse.Namespace, a: Trace, b: Trace, rows: list, tolerance: float, first, start,
@@ -243,7 +243,7 @@ def _write_json(args: argparse.Namespace, a: Trace, b: Trace, rows: list, tolera
               "low_precision_rule": rule._asdict() if rule else None}
     if diagnosis is not None:
         best = diagnosis.explained
-        record["diagnosis"] = {"refused": diagnosis.refused,
+        record["diagnosis"] = {"verdict": diagnosis.verdict, "refused": diagnosis.refused,
                                "explained_by": list(best.names) if best else None,
                                "ranked": [{"names": list(c.names), "error": _number(c.error)}
                                           for c in diagnosis.ranked]}
