@@ -137,7 +137,7 @@ ENTRIES: tuple[Entry, ...] = (
           "jax.default_matmul_precision('highest'); rosetta's parity mode sets both",
           lambda s: Variant(tf32=True), judged="size"),
     Entry("dropout_at_evaluation", "dropout left on when evaluating (no model.eval(); deterministic=False "
-          "in Flax): the evaluation loss is a random draw, above the model's",
+          "in Flax): the evaluation loss is a random draw, not the model's",
           "evaluate with dropout off: model.eval() (and back to model.train()), nnx's model.eval() or "
           "deterministic=True", lambda s: Variant(), judged="evaluation"),
     Entry("smooth_over_v_minus_1", "label smoothing spread over the V - 1 other classes",

@@ -114,7 +114,8 @@ def config_notes(a: Trace, b: Trace) -> list[str]:
         rates = [trace.cfg.dropout, trace.cfg.activation_dropout_rate, trace.cfg.attention_dropout]
         if any(rates):
             notes.append(f"{side} trains with dropout {max(rates):g}: two runs' masks differ, so their steps "
-                         f"can agree only without dropout (trace with --set dropout=0)")
+                         f"can agree only without dropout (trace both with dropout 0: `--set dropout=0` for "
+                         f"rosetta train, the model's dropout rates at 0 in a loop of your own)")
     return notes
 
 
@@ -203,7 +204,8 @@ def _update_shape(after_a: Params, after_b: Params, before: Params) -> str:
         return f"A's update is {scale:.4g} × B's: the learning rate or a step-size factor (bias correction?)"
     if rest_decay < 0.05:
         return f"A's update differs by -{decay:.3g}·θ: weight decay (decoupled, lr·λ = {decay:.3g})"
-    return "neither a scale of B's update nor a decay: the moments (β1, β2, ε) (--diagnose names it)"
+    return ("neither a scale of B's update nor a decay: the optimizer's moments (β1, β2, ε), clipping or "
+            "another rule of the update (--diagnose replays the catalogued ones)")
 
 
 def format_rows(rows: list[StepRow], tolerance: float) -> str:

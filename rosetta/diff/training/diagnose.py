@@ -174,7 +174,8 @@ def _diagnose_steps(a: Trace, b: Trace, tolerance: float, steps: int) -> Trainin
     if not own <= tolerance:
         return TrainingDiagnosis(tolerance, n, math.nan, [], refused=(
             f"the float64 replay of B does not reproduce B itself (error {own:.3e}): B trained with dropout, "
-            f"or with settings its trace does not record; trace both runs with --set dropout=0"))
+            f"or with settings its trace does not record; trace both runs with dropout 0 (`--set dropout=0` "
+            f"for rosetta train)"))
     result = TrainingDiagnosis(tolerance, n, clean_error, [])
     if clean_error <= tolerance:
         return result
