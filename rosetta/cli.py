@@ -12,6 +12,7 @@
     rosetta convert runs/de-en/torch/checkpoints/latest hf-de-en/ --to marian   # and tokenizer.json
     rosetta diff m.safetensors@torch mine.npz --diagnose   # where two implementations part, and why
     rosetta attention m.safetensors@jax --out attention.png --src "5 6 7 2" --tgt "1 8 9"
+    rosetta example opus-mt opus-mt-example/    # a small trained opus-mt-style directory, offline
 
 Exit codes (every command):
     0  success; for `parity`: every backend and dtype within its tolerance (rosetta.parity.TOLERANCES)
@@ -288,7 +289,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.set_defaults(func=cmd_convert)
 
     diff_commands.add_parsers(cmds)  # diff, attention
-    harness_commands.add_parsers(cmds)  # average, evaluate
+    harness_commands.add_parsers(cmds)  # average, evaluate, example
     return parser
 
 

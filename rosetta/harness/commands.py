@@ -1,6 +1,7 @@
 """The harness's commands: `rosetta train` (its flags generated from RunConfig's fields),
 `rosetta average` and `rosetta evaluate` (docs/evaluate.md: checkpoint averaging, paper §6.1,
-and sacreBLEU + chrF on a Multi30k split). rosetta/cli.py calls `add_train_parser(cmds)` and
+and sacreBLEU + chrF on a Multi30k split), `rosetta example opus-mt DIR` (docs/real-models.md: a
+small trained opus-mt-style directory, offline). rosetta/cli.py calls `add_train_parser(cmds)` and
 `add_parsers(cmds)` to register them; errors are rosetta errors (exit code 2).
 """
 
@@ -206,9 +207,22 @@ def cmd_evaluate(args: argparse.Namespace) -> int:
     return 0
 
 
+def cmd_example(args: argparse.Namespace) -> int:
+    """Build the example model directory (rosetta/harness/example.py); say what was written."""
+    from rosetta.harness.example import build_opus_mt_dir, check_example_args
+
+    check_example_args(args.dir, args.steps)  # before the data is read: a used DIR should not wait
+    out = build_opus_mt_dir(args.dir, separate=args.separate, steps=args.steps, seed=args.seed,
+                            data_dir=args.data_dir)
+    vocab = "separate vocabularies" if args.separate else "joint vocabulary"
+    print(f"wrote {out} (a MarianMTModel trained {args.steps} steps on Multi30k de-en, {vocab}); try:")
+    print(f'  echo "Ein Hund läuft." | rosetta translate --checkpoint {out}')
+    return 0
+
+
 def add_parsers(cmds: argparse._SubParsersAction) -> None:
-    """Register `average` and `evaluate` on rosetta/cli.py's subcommands."""
-    from rosetta.cli_args import add_search_args, nonempty_path, output_file, positive_int
+    """Register `average`, `evaluate` and `example` on rosetta/cli.py's subcommands."""
+    from rosetta.cli_args import add_search_args, non_negative_int, nonempty_path, output_file, positive_int
     from rosetta.harness.average import DEFAULT_LAST
 
     p = cmds.add_parser("average", help="average checkpoints into one (paper §6.1: the last 5)",
@@ -241,3 +255,17 @@ def add_parsers(cmds: argparse._SubParsersAction) -> None:
     p.add_argument("--out", type=output_file, required=True, metavar="FILE.json",
                    help="where to write the JSON report")
     p.set_defaults(func=cmd_evaluate)
+
+    p = cmds.add_parser("example", help="build a small trained opus-mt-style directory, offline",
+                        epilog="needs torch, transformers and sentencepiece. DIR must be new or an empty "
+                               "folder; it appears only once complete (docs/real-models.md)")
+    p.add_argument("name", choices=["opus-mt"], help="the example: opus-mt (Hugging Face MarianMTModel, "
+                                                     "SentencePiece tokenizers, German to English)")
+    p.add_argument("dir", type=nonempty_path, metavar="DIR", help="the folder to write")
+    p.add_argument("--separate", action="store_true",
+                   help="separate source and target vocabularies (target_vocab.json) instead of a joint one")
+    p.add_argument("--steps", type=positive_int, default=250, help="training steps (default 250)")
+    p.add_argument("--seed", type=non_negative_int, default=0, help="init and batch seed (default 0)")
+    p.add_argument("--data-dir", type=nonempty_path,
+                   help="Multi30k directory (default $ROSETTA_DATA_DIR or ../shared/data/multi30k)")
+    p.set_defaults(func=cmd_example)

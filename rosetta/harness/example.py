@@ -1,0 +1,203 @@
+"""`rosetta example opus-mt DIR`: a small trained directory laid out as Helsinki-NLP publishes
+opus-mt, built offline from Multi30k, for trying the Marian workflows (translate, convert,
+CTranslate2, diff against transformers) without a download. The test suite's opus-mt case is this.
+
+What it holds, as opus-mt does: `source.spm` and `target.spm` (unigram SentencePiece models,
+trained with `sentencepiece` on German and English Multi30k text); `vocab.json`, the joint
+vocabulary (`</s>` 0, `<unk>` 1, the pieces of both models, two language codes, `<pad>` last), or
+with `separate=True` `vocab.json` + `target_vocab.json` and `"separate_vocabs": true`;
+`tokenizer_config.json`; `config.json` + `model.safetensors` of a small `MarianMTModel` trained
+here for a few hundred steps (`<pad>` is the decoder start and its embedding row is zero, as in
+opus-mt, where Hugging Face's conversion appended it as a zero row: the tied output projection
+would train it, so each step sets it back); `generation_config.json` as opus-mt writes it (beam 4,
+`<pad>` banned, eos forced at max_length, logits renormalized).
+
+The model is Hugging Face's own code (transformers, torch, sentencepiece: the extras), not ours:
+the directory is what transformers writes and reads. It is built in a temporary folder beside DIR
+and renamed into place, so an interrupted build never leaves a DIR that looks complete.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import importlib
+import io
+import json
+import os
+import secrets
+import shutil
+import warnings
+from collections.abc import Iterator
+from pathlib import Path
+
+import numpy as np
+
+from rosetta.errors import RosettaError
+from rosetta.files import check_writable
+from rosetta.harness.data import DataError, read_lines, resolve_data_dir
+
+LANGUAGE_CODES = (">>en<<", ">>fr<<")  # in the joint vocabulary, as multi-target opus-mt models have
+SENTENCES = 3000  # Multi30k training pairs the model learns from
+MAX_POSITIONS = 96  # max_position_embeddings and generation max_length
+REQUIRED = ("torch", "transformers", "sentencepiece")  # what the build imports; each an extra
+
+
+def multi30k(lang: str, count: int, split: str = "train",
+             data_dir: str | os.PathLike[str] | None = None) -> list[str]:
+    """The first `count` sentences of one language of a Multi30k split (rosetta.harness.data's reader:
+    `data_dir`, else $ROSETTA_DATA_DIR, else the default directory)."""
+    path = resolve_data_dir(data_dir) / f"{split}.{lang}.gz"
+    lines = read_lines(path)
+    if len(lines) < count:
+        raise DataError(f"data file {str(path)!r} has {len(lines)} lines; the example model needs {count}")
+    return lines[:count]
+
+
+def train_spm(sentences: list[str], vocab_size: int) -> bytes:
+    """A unigram SentencePiece model of `sentences`, serialized (deterministic: one thread, no shuffle)."""
+    import sentencepiece as spm
+
+    model = io.BytesIO()
+    spm.SentencePieceTrainer.train(sentence_iterator=iter(sentences), model_writer=model,
+                                   vocab_size=vocab_size,
+                                   model_type="unigram", character_coverage=1.0, num_threads=1,
+                                   shuffle_input_sentence=False, minloglevel=2)
+    return model.getvalue()
+
+
+def spm_pieces(model: bytes) -> list[str]:
+    import sentencepiece as spm
+
+    processor = spm.SentencePieceProcessor(model_proto=model)
+    return [processor.IdToPiece(i) for i in range(processor.GetPieceSize())]
+
+
+def marian_vocab(*piece_lists: list[str], codes: tuple[str, ...] = ()) -> dict[str, int]:
+    """opus-mt's layout: `</s>` 0, `<unk>` 1, every other piece once in order, `<pad>` last."""
+    vocab = {"</s>": 0, "<unk>": 1}
+    for piece in [*codes, *(p for pieces in piece_lists for p in pieces)]:
+        if piece not in vocab and piece not in ("<s>", "<pad>"):
+            vocab[piece] = len(vocab)
+    vocab["<pad>"] = len(vocab)
+    return vocab
+
+
+def check_example_args(out: str | os.PathLike[str], steps: int = 250) -> Path:
+    """Everything refusable before any work: DIR (absent or an empty folder, in a folder that can be
+    written), `steps` (>= 1) and the packages. Raises RosettaError naming DIR, the flag or the package."""
+    out = Path(out)
+    if out.is_dir() and any(out.iterdir()):
+        raise RosettaError(f"{out}: exists and is not empty; name a new or empty folder")
+    if out.exists() and not out.is_dir():
+        raise RosettaError(f"{out}: exists and is not a folder; name a new or empty folder")
+    out = Path(os.path.abspath(out))  # "." has no name to put the build's folder beside
+    check_writable(out.with_name(f".{out.name}.partial"))  # the build's folder beside it, probed
+    if steps < 1:
+        raise RosettaError(f"--steps {steps}: the model trains for at least 1 step")
+    for name in REQUIRED:
+        try:
+            importlib.import_module(name)
+        except ImportError:
+            raise RosettaError(f"the example model needs {name!r}, which is not installed "
+                               f"(pip install {name}; or pip install 'rosetta-transformer[dev]')") from None
+    return out
+
+
+def build_opus_mt_dir(out: str | os.PathLike[str], separate: bool = False, steps: int = 250, seed: int = 0,
+                      spm_size: int = 500, data_dir: str | os.PathLike[str] | None = None) -> Path:
+    """Write the directory (see the module docstring) into `out`, a new or empty folder, and return it.
+
+    The same arguments and data give the same bytes (the tests compare against transformers on it).
+    Built in a temporary folder beside `out`, then renamed to it: nothing is left under `out` if the
+    build stops. Raises RosettaError for a missing package, a used `out`, or unreadable data.
+    """
+    out = check_example_args(out, steps)
+    de, en = multi30k("de", SENTENCES, data_dir=data_dir), multi30k("en", SENTENCES, data_dir=data_dir)
+    out.parent.mkdir(parents=True, exist_ok=True)
+    work = out.with_name(f".{out.name}.partial-{os.getpid()}-{secrets.token_hex(4)}")
+    work.mkdir()  # as `out` would be made (mode 0777 less the umask; tempfile.mkdtemp forces 0700)
+    try:
+        with _quiet():
+            _write(work, de, en, separate, steps, seed, spm_size)
+        if out.is_dir():
+            out.rmdir()  # empty (checked above); rename needs the name free, or an empty folder on POSIX
+        work.rename(out)
+    except BaseException:  # an interrupt too: no half-built folder is left behind
+        shutil.rmtree(work, ignore_errors=True)
+        raise
+    return out
+
+
+@contextlib.contextmanager
+def _quiet() -> Iterator[None]:
+    """Without transformers' save progress bar and its advice to install sacremoses (Marian's
+    tokenizer does not use it): the command's output is what it wrote. Restored afterwards."""
+    from transformers.utils import logging as hf_logging
+
+    shown = hf_logging.is_progress_bar_enabled()
+    hf_logging.disable_progress_bar()
+    try:
+        with warnings.catch_warnings():
+            warnings.filterwarnings("ignore", message="Recommended: pip install sacremoses")
+            yield
+    finally:
+        if shown:
+            hf_logging.enable_progress_bar()
+
+
+def _write(out: Path, de: list[str], en: list[str], separate: bool, steps: int, seed: int,
+           spm_size: int) -> None:
+    """The files of the directory into `out` (a fresh folder), generation_config.json last."""
+    import torch
+    from transformers import MarianConfig, MarianMTModel, MarianTokenizer
+
+    src_spm, tgt_spm = train_spm(de, spm_size), train_spm(en, spm_size)
+    (out / "source.spm").write_bytes(src_spm)
+    (out / "target.spm").write_bytes(tgt_spm)
+    if separate:  # one vocabulary a side, of equal size, so that <pad> (last) has one id in both
+        src_vocab, tgt_vocab = marian_vocab(spm_pieces(src_spm)), marian_vocab(spm_pieces(tgt_spm))
+        if len(src_vocab) != len(tgt_vocab):
+            raise RosettaError(f"separate vocabularies of {len(src_vocab)} and {len(tgt_vocab)} pieces: "
+                               "<pad> (last) would have two ids; the data gives SentencePiece too few pieces")
+        (out / "target_vocab.json").write_text(json.dumps(tgt_vocab, ensure_ascii=False, indent=2))
+    else:
+        src_vocab = tgt_vocab = marian_vocab(spm_pieces(src_spm), spm_pieces(tgt_spm), codes=LANGUAGE_CODES)
+    (out / "vocab.json").write_text(json.dumps(src_vocab, ensure_ascii=False, indent=2))
+    (out / "tokenizer_config.json").write_text(json.dumps(
+        {"source_lang": "de", "target_lang": "en", "separate_vocabs": separate, "model_max_length": 512,
+         "tokenizer_class": "MarianTokenizer"}, indent=2))
+    pad = src_vocab["<pad>"]
+    config = MarianConfig(
+        vocab_size=len(src_vocab), decoder_vocab_size=len(tgt_vocab) if separate else None, d_model=64,
+        encoder_layers=2, decoder_layers=2, encoder_attention_heads=4, decoder_attention_heads=4,
+        encoder_ffn_dim=128, decoder_ffn_dim=128, max_position_embeddings=MAX_POSITIONS, dropout=0.0,
+        activation_function="swish", scale_embedding=True, pad_token_id=pad, eos_token_id=0,
+        decoder_start_token_id=pad, forced_eos_token_id=0, share_encoder_decoder_embeddings=not separate,
+        tie_word_embeddings=True)
+    torch.manual_seed(seed)
+    model = MarianMTModel(config)
+    tokenizer = MarianTokenizer.from_pretrained(out)
+    ids = [(tokenizer(s).input_ids, tokenizer(text_target=t).input_ids) for s, t in zip(de, en, strict=True)]
+    ids = [(s, t) for s, t in ids if len(s) <= 48 and len(t) <= 48]
+    rng = np.random.default_rng(seed)
+    optimizer = torch.optim.Adam(model.parameters(), lr=3e-3)
+    model.train()
+    for _ in range(steps):
+        batch = [ids[i] for i in rng.choice(len(ids), 32, replace=False)]
+        src = torch.full((32, max(len(s) for s, _ in batch)), pad)
+        labels = torch.full((32, max(len(t) for _, t in batch)), -100)  # -100: not a target
+        for row, (s, t) in enumerate(batch):
+            src[row, :len(s)], labels[row, :len(t)] = torch.tensor(s), torch.tensor(t)
+        loss = model(input_ids=src, attention_mask=(src != pad).long(), labels=labels).loss
+        optimizer.zero_grad()
+        loss.backward()
+        optimizer.step()
+        with torch.no_grad():  # opus-mt: the <pad> (decoder start) row is zero; the tied lm_head trains it
+            model.model.encoder.embed_tokens.weight[pad] = 0
+            model.model.decoder.embed_tokens.weight[pad] = 0
+    model.eval()
+    model.save_pretrained(out)
+    (out / "generation_config.json").write_text(json.dumps(
+        {"bad_words_ids": [[pad]], "bos_token_id": 0, "decoder_start_token_id": pad, "eos_token_id": 0,
+         "forced_eos_token_id": 0, "max_length": MAX_POSITIONS, "num_beams": 4, "pad_token_id": pad,
+         "renormalize_logits": True}, indent=2))
