@@ -4,6 +4,7 @@ the reference's. The independent source is `rosetta train`'s own trace; the loop
 
 from __future__ import annotations
 
+import json
 import re
 import subprocess
 import sys
@@ -41,3 +42,33 @@ def test_the_pages_loop_agrees_with_the_reference(heading, reference, tmp_path, 
     capsys.readouterr()
     assert main(["diff", str(tmp_path / "mine"), str(reference)]) == 0, capsys.readouterr().out
     assert "no difference at any of 3 steps" in capsys.readouterr().out
+
+
+# The page's PyTorch loop with one common mistake each, written into it as a user would: named by
+# `rosetta diff --diagnose` (rosetta/diff/training/catalogue.py), on loops that are not the
+# project's own loop helpers (parity_tests/training_loops.py).
+STEPS = "optimizer.step(); scheduler.step()"
+MISTAKES = {
+    "pad_in_loss": ("ignore_index=cfg.pad_id, ", ""),
+    "no_label_smoothing": ("label_smoothing=0.1)", "label_smoothing=0.0)"),
+    "loss_summed": ("label_smoothing=0.1)", 'label_smoothing=0.1, reduction="sum")'),
+    "scheduler_before_optimizer": (STEPS, "scheduler.step(); optimizer.step()"),
+    "clip_where_none": (STEPS, "torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0); " + STEPS),
+}
+
+
+@pytest.mark.parametrize("mistake", sorted(MISTAKES))
+def test_a_mistake_in_the_pages_loop_is_named(mistake, reference, tmp_path, capsys):
+    old, new = MISTAKES[mistake]
+    code = recipe("**Your PyTorch loop**")
+    assert old in code
+    code = code.replace(old, new).replace('"runs/ref/torch"', repr(str(reference))).replace(
+        '"mine"', repr(str(tmp_path / "mine")))
+    done = subprocess.run([sys.executable, "-W", "ignore", "-c", code], cwd=ROOT, capture_output=True,
+                          text=True, timeout=300)
+    assert done.returncode == 0, done.stderr[-2000:]
+    capsys.readouterr()
+    out_json = tmp_path / "d.json"
+    assert main(["diff", str(tmp_path / "mine"), str(reference), "--diagnose", "--json", str(out_json)]) == 1
+    out = capsys.readouterr().out
+    assert json.loads(out_json.read_text())["diagnosis"]["explained_by"] == [mistake], out

@@ -28,8 +28,8 @@ from rosetta.errors import RosettaError
 from rosetta.params import Params
 from rosetta.training import TrainConfig, learning_rate
 
-LOSS_VARIANTS = ("ours", "smooth_over_v_minus_1", "annotated_kl", "pad_in_loss", "per_sentence")
-SCHEDULES = ("eq3", "from_zero", "from_zero_clamped")
+LOSS_VARIANTS = ("ours", "smooth_over_v_minus_1", "annotated_kl", "pad_in_loss", "per_sentence", "summed")
+SCHEDULES = ("eq3", "from_zero", "from_zero_clamped", "ahead")
 
 
 @dataclass(frozen=True)
@@ -49,6 +49,8 @@ class Variant:
     clip_eps: float = 0.0          # torch's clip_grad_norm_ scales by c / (‖g‖ + 1e-6); optax's c / ‖g‖
     clip_micro: bool = False       # the running sum clipped after every micro-batch, not once per update
     lr_scale: float = 1.0          # eq. 3 times a factor (fitted)
+    smoothing: float | None = None  # label smoothing ε; None: the reference's
+    clip: float | None = None      # a clipping norm where the reference has none; None: the reference's
     tf32: bool = False             # matmul operands rounded to TF32's 10-bit mantissa (tf32.py)
 
 
@@ -153,6 +155,22 @@ ENTRIES: tuple[Entry, ...] = (
     Entry("per_sentence", "the loss averaged per sentence, then over sentences",
           "divide the batch's summed loss by its number of non-pad labels (per token, SPEC §4)",
           lambda s: Variant(loss="per_sentence")),
+    Entry("loss_summed", "the loss summed over the tokens, not averaged (reduction='sum'): Adam nearly "
+          "undoes the scale, not its ε",
+          "divide by the number of non-pad labels (reduction='mean' with ignore_index=pad_id, SPEC §4)",
+          lambda s: Variant(loss="summed"), lambda s: s.accumulate == 1),
+    Entry("no_label_smoothing", "label smoothing left out (ε = 0: nn.CrossEntropyLoss's and "
+          "optax.softmax_cross_entropy's default)",
+          "smooth the targets with the reference's ε (§5.4: 0.1): label_smoothing=ε, optax.smooth_labels",
+          lambda s: Variant(smoothing=0.0), lambda s: s.train.label_smoothing > 0),
+    Entry("scheduler_before_optimizer", "scheduler.step() before optimizer.step(): update k takes eq. 3's "
+          "rate of step k + 1",
+          "step the optimizer, then the scheduler (PyTorch warns of the other order)",
+          lambda s: Variant(schedule="ahead")),
+    Entry("clip_where_none", "gradients clipped to norm 1 by torch's clip_grad_norm_ (c / (‖g‖ + 1e-6)) "
+          "where the reference clips none",
+          "no clipping, as the reference (the paper has none: rosetta train's --clip-norm default)",
+          lambda s: Variant(clip=1.0, clip_eps=1e-6), lambda s: s.train.clip_norm is None),
 )
 BY_NAME = {e.name: e for e in ENTRIES}
 
@@ -180,6 +198,8 @@ def loss_value(logits: np.ndarray, labels: np.ndarray, pad_id: int, eps: float, 
         w = np.full(mask.shape, 1.0 / mask.size)  # the mean over every position, pad included
     elif kind == "per_sentence":
         w = mask / (np.maximum(mask.sum(-1, keepdims=True), 1.0) * mask.shape[0])
+    elif kind == "summed":
+        w = mask  # the sum over the real tokens, not divided by their count
     else:
         w = mask / count
     per_position = -(q * logp).sum(-1)
@@ -223,9 +243,9 @@ def accumulated(cfg: ModelConfig, params: Params, step: Any, settings: Settings,
     for micro in split_rows(batch, min(settings.accumulate, rows), cfg.pad_id):
         if not micro.num_tgt_tokens:
             continue  # padding rows only: no gradient
-        part, grads = loss_and_grads(cfg, params, micro.src, micro.tgt_in, micro.labels,
-                                     settings.train.label_smoothing, variant, micro.num_tgt_tokens / labels,
-                                     framework)
+        eps = settings.train.label_smoothing if variant.smoothing is None else variant.smoothing
+        part, grads = loss_and_grads(cfg, params, micro.src, micro.tgt_in, micro.labels, eps, variant,
+                                     micro.num_tgt_tokens / labels, framework)
         if total is not None and variant.clip_micro:
             total = clip(total, settings.train.clip_norm, variant)
         loss, total = loss + part, grads if total is None else {n: total[n] + grads[n] for n in grads}
@@ -240,6 +260,8 @@ def schedule_lr(k: int, d_model: int, tc: TrainConfig, variant: Variant) -> floa
         lr = 0.0 if k == 1 else learning_rate(k - 1, d_model, tc.warmup_steps, tc.lr_factor)
     elif variant.schedule == "from_zero_clamped":
         lr = learning_rate(max(k - 1, 1), d_model, tc.warmup_steps, tc.lr_factor)
+    elif variant.schedule == "ahead":
+        lr = learning_rate(k + 1, d_model, tc.warmup_steps, tc.lr_factor)
     else:
         lr = learning_rate(k, d_model, tc.warmup_steps, tc.lr_factor)
     return variant.lr_scale * lr
@@ -309,7 +331,8 @@ def replay(ref: Trace, settings: Settings, variant: Variant, steps: int, grads_c
     state = AdamState(0, {n: np.zeros_like(v) for n, v in params.items()},
                       {n: np.zeros_like(v) for n, v in params.items()})
     for k in range(1, steps + 1):
-        key = (variant.loss, variant.tf32, variant.clip_micro, variant.clip_per_tensor, variant.clip_eps)
+        key = (variant.loss, variant.tf32, variant.clip_micro, variant.clip_per_tensor, variant.clip_eps,
+               variant.smoothing)
         if grads_cache is not None and k == 1 and key in grads_cache:
             loss, grads = grads_cache[key]
         else:
@@ -317,8 +340,13 @@ def replay(ref: Trace, settings: Settings, variant: Variant, steps: int, grads_c
             if grads_cache is not None and k == 1:
                 grads_cache[key] = (loss, grads)
         lr = schedule_lr(k, ref.cfg.d_model, tc, variant)
-        params, state = adam_step(params, clip(grads, tc.clip_norm, variant), state, lr, tc, variant)
-        yield ReplayStep(loss, lr, grads, params)
+        c = tc.clip_norm if variant.clip is None else variant.clip
+        params, state = adam_step(params, clip(grads, c, variant), state, lr, tc, variant)
+        # scheduler_before_optimizer: the loop reads the rate before its two steps (param_groups'),
+        # eq. 3's of step k; the update takes k + 1's.
+        shown = schedule_lr(k, ref.cfg.d_model, tc, replace(variant, schedule="eq3")) \
+            if variant.schedule == "ahead" else lr
+        yield ReplayStep(loss, shown, grads, params)
 
 
 def first_step(ref: Trace, settings: Settings, variant: Variant, grads_cache: dict | None = None,
