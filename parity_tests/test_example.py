@@ -14,6 +14,7 @@ import sys
 
 import pytest
 
+from parity_tests.test_diff_training import assert_refused
 from parity_tests.test_opus_mt import hf_translate, translate
 from rosetta.cli import main
 from rosetta.harness.data import default_data_dir
@@ -24,16 +25,6 @@ pytest.importorskip("sentencepiece")
 FILES = {"source.spm", "target.spm", "vocab.json", "tokenizer_config.json", "config.json",
          "model.safetensors", "generation_config.json"}
 MARKER = "Zzqxjw"  # a word that is in no Multi30k sentence: in the vocabulary only if our copy was read
-
-
-def assert_refused(argv: list[str], message: str, capsys) -> str:
-    """`rosetta ARGV` exits 2 with one line, `rosetta: error: ...` holding `message`; that line."""
-    capsys.readouterr()
-    assert main(argv) == 2
-    err = capsys.readouterr().err
-    assert err.startswith("rosetta: error:") and len(err.strip().splitlines()) == 1, err
-    assert message in err, err
-    return err
 
 
 @pytest.fixture
