@@ -125,15 +125,20 @@ def markdown(result: dict) -> str:
             + tables(result))
 
 
-def plot(result: dict, path: Path) -> Path:
+def plot(result: dict, path: Path) -> Path | None:
     """Ratio vs the peer of every measurement (> 1: faster than nn.Transformer), one panel per
-    task; training bars carry their MFU where the device's peak is known. Written atomically."""
+    task that has one; training bars carry their MFU where the device's peak is known. Written
+    atomically; None, and no file, when no row has a ratio (e.g. bfloat16 decoding alone: the peer
+    decodes in float32 only)."""
     import matplotlib
 
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
-    tasks = [t for t in ("train", "forward", "decode") if any(r["task"] == t for r in result["rows"])]
+    tasks = [t for t in ("train", "forward", "decode")
+             if any(r["task"] == t and r.get("ratio_vs_peer") is not None for r in result["rows"])]
+    if not tasks:
+        return None
     fig, axes = plt.subplots(len(tasks), 1, figsize=(10, 3.2 * len(tasks)), squeeze=False)
     palette = ("tab:gray", "tab:red", "lightcoral", "tab:orange", "tab:blue", "lightskyblue", "black")
     colors = dict(zip([i for i in IMPL_ORDER if not i.endswith(HARNESS)], palette, strict=True))

@@ -491,7 +491,8 @@ def main(argv: list[str] | None = None) -> None:
     print(text)
     if not args.no_write:
         json_path, md_path = write_results(name, result, text, out_dir)
-        print("wrote", json_path, md_path, plot(result, json_path.with_suffix(".png")))
+        png = plot(result, json_path.with_suffix(".png"))
+        print("wrote", json_path, md_path, *([png] if png else []))
         partial.unlink(missing_ok=True)
 
 

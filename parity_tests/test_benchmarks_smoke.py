@@ -7,7 +7,7 @@ from __future__ import annotations
 import pytest
 
 from benchmarks import decode_speed
-from benchmarks.common import environment
+from benchmarks.common import RESULTS, environment
 from benchmarks.report import BENCHMARK_DOC, SUITES_IN_README, load, markdown, newest, plot, readme_block
 from benchmarks.report import main as report_main
 from benchmarks.run import SUITES, results_name, run
@@ -60,6 +60,18 @@ def test_benchmark_runner_smoke(tmp_path, monkeypatch):
     assert "| tiny | float32 | jax |" in text and device in text and "steps per repeat 2" in text
     png = plot(result, tmp_path / "smoke.png")
     assert png.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+
+
+def test_plot_without_any_ratio_writes_nothing(tmp_path):
+    """The GPU run of 1ac3d81 (`--tasks decode --dtypes bfloat16`: the peer decodes in float32 only,
+    so no row has a ratio) crashed in plot() after writing its tables; such a run writes no PNG."""
+    result = load(RESULTS / "gpu-decode_nvidia-h200_2026-11-27.json")
+    assert result["rows"] and all(r.get("ratio_vs_peer") is None for r in result["rows"])
+    assert plot(result, tmp_path / "decode.png") is None
+    assert list(tmp_path.iterdir()) == []
+    # One row with a ratio: its panel alone is drawn.
+    result["rows"][0]["ratio_vs_peer"] = 1.5
+    assert plot(result, tmp_path / "decode.png").read_bytes()[:4] == b"\x89PNG"
 
 
 def test_decode_speed_smoke():
