@@ -17,6 +17,7 @@ import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
+import rosetta.harness.data
 from rosetta import ModelConfig, preset
 from rosetta.errors import RosettaError
 from rosetta.harness.batching import Batch, BatchIterator, default_buckets, eval_batches, restore_order
@@ -31,11 +32,14 @@ from rosetta.harness.data import (
     synthetic_pairs,
 )
 
-# The shared copy beside the checkout (what CI reads), or $ROSETTA_DATA_DIR for a clone elsewhere.
+# The copy the tests read and compare with, independent of the package's own: the shared copy beside
+# the checkout (what CI has), or $ROSETTA_DATA_DIR for a clone elsewhere.
 ENV_DIR = os.environ.get(DATA_DIR_ENV)
 SHARED = Path(ENV_DIR or Path(__file__).resolve().parent.parent.parent / "shared" / "data" / "multi30k")
-MISSING = (f"Multi30k not found at {SHARED}: the suite reads the shared copy beside the checkout "
+MISSING = (f"Multi30k not found at {SHARED}: the suite compares with the shared copy beside the checkout "
            "(../shared/data/multi30k); a missing copy is a failure, not a skip")
+# Where the package data lands beside the package, in a checkout and in an installed wheel alike.
+BUNDLED = Path(rosetta.__file__).resolve().parent / "data" / "multi30k"
 
 
 @pytest.fixture
@@ -65,10 +69,19 @@ def no_env_data_dir(monkeypatch):
 # -- Multi30k loader ------------------------------------------------------------------------------
 
 @needs_data
-def test_load_real_splits_from_default_dir(monkeypatch):
-    if ENV_DIR:  # the run chose its copy through the variable: that is the default here
-        monkeypatch.setenv(DATA_DIR_ENV, ENV_DIR)
-    assert default_data_dir().resolve() == SHARED.resolve()
+def test_bundled_copy_is_the_public_files():
+    """The package's copy (the default without $ROSETTA_DATA_DIR) holds the same files, byte for byte, as
+    the untouched public copy: every split of every language and its README."""
+    expected = sorted(p.name for p in SHARED.iterdir())
+    assert len(expected) == 4 * 3 + 1  # 4 splits x de, en, fr, and the README
+    assert sorted(p.name for p in BUNDLED.iterdir()) == expected
+    for name in expected:
+        assert (BUNDLED / name).read_bytes() == (SHARED / name).read_bytes(), name
+
+
+@needs_data
+def test_load_real_splits_from_default_dir():
+    assert default_data_dir() == BUNDLED  # $ROSETTA_DATA_DIR unset (the autouse fixture)
     train = load_multi30k("train")
     assert len(train) == 29000
     first_de, first_en = gz_lines(SHARED / "train.de.gz")[0], gz_lines(SHARED / "train.en.gz")[0]
@@ -94,6 +107,29 @@ def test_user_directory_and_env_var(tmp_path, monkeypatch):
     assert load_multi30k("val") == expected
     with pytest.raises(DataError, match=r"train\.de\.gz"):  # the env dir holds only val
         load_multi30k("train")
+
+
+def test_missing_or_unusable_data_dir_refused_in_one_line(tmp_path, monkeypatch, capsys):
+    """`--data-dir`, $ROSETTA_DATA_DIR and the bundled default, each missing, a file, or holding a broken
+    file: one line naming the folder (and how it was chosen) or the file; exit 2, nothing written."""
+    from parity_tests.test_diff_training import assert_refused
+
+    out = tmp_path / "run"
+    train = ["train", "--task", "multi30k", "--steps", "1", "--out", str(out)]
+    missing, a_file, broken = tmp_path / "nowhere", tmp_path / "a-file", tmp_path / "broken"
+    a_file.write_text("not a folder")
+    broken.mkdir()
+    (broken / "train.de.gz").write_bytes(b"\x1f\x8b not gzip")
+    for folder, message in ((missing, f"{str(missing)!r} (given directory) does not exist"),
+                            (a_file, f"{str(a_file)!r} (given directory) is not a directory"),
+                            (broken, f"cannot read data file {str(broken / 'train.de.gz')!r}")):
+        assert_refused([*train, "--data-dir", str(folder)], message, capsys)
+    monkeypatch.setenv(DATA_DIR_ENV, str(a_file))
+    assert_refused(train, f"{str(a_file)!r} ($ROSETTA_DATA_DIR) is not a directory", capsys)
+    monkeypatch.delenv(DATA_DIR_ENV)
+    monkeypatch.setattr(rosetta.harness.data, "BUNDLED_DATA_DIR", missing)  # as if the wheel had lost it
+    assert_refused(train, f"{str(missing)!r} (the package's bundled copy) does not exist", capsys)
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["a-file", "broken"]
 
 
 def test_missing_directory_and_file(tmp_path, monkeypatch):

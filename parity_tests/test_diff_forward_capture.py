@@ -353,3 +353,35 @@ def test_hook_recipe_dump_of_a_users_tutorial_mistake_is_diagnosed(tmp_path, cap
     out = capsys.readouterr().out
     assert "src_embed diverges" in out, out
     assert "explained by" in out and "when i already steps by 2" in out, out  # the 2i-loop entry's fix
+
+
+def test_capture_of_hugging_faces_marian_model_with_its_final_logits_bias(opus_mt_dir, tmp_path, capsys):
+    """docs/diff.md's Marian recipe: MarianMTModel's logits exist only in its output object (lm_head
+    plus final_logits_bias, no submodule returns them): `{"logits": ""}` takes them, with the layers
+    by their Hugging Face paths; `rosetta diff` against the directory read by our reference finds no
+    difference, and with the bias left out (the lm_head alone) the logits part."""
+    pytest.importorskip("transformers")
+    import shutil
+
+    import torch
+
+    from rosetta.diff.forward.transformers_side import load_marian_model
+
+    case = tmp_path / "case"  # the example directory with a bias to lose (the example's is all zeros)
+    shutil.copytree(opus_mt_dir, case)
+    model = load_marian_model(case)
+    bias = torch.randn(model.final_logits_bias.shape, generator=torch.Generator().manual_seed(0))
+    model.final_logits_bias.copy_(bias)
+    model.save_pretrained(case)
+    rng = np.random.default_rng(0)
+    src = rng.integers(3, model.config.vocab_size, (2, 7))
+    tgt = np.concatenate([np.full((2, 1), model.config.decoder_start_token_id), src[:, :5]], axis=1)
+    run = lambda m, s, t: m(input_ids=s, decoder_input_ids=t)  # noqa: E731  (MarianMTModel's keywords)
+    layers = {"encoder.layers.0": "model.encoder.layers.0", "decoder.layers.1": "model.decoder.layers.1"}
+    for name, logits, code in (("right", "", 0), ("lm_head", "lm_head", 1)):
+        stages = capture_torch(model, src, tgt, {**layers, "logits": logits}, run=run)
+        write_dump(tmp_path / f"{name}.npz", src, tgt, stages)
+        capsys.readouterr()
+        assert main(["diff", str(tmp_path / f"{name}.npz"), str(case)]) == code
+        out = capsys.readouterr().out
+        assert ("no difference at any stage" in out) == (code == 0), out

@@ -46,11 +46,11 @@ def test_the_pages_loop_agrees_with_the_reference(heading, reference, tmp_path, 
 
 # The page's PyTorch loop with one common mistake each, written into it as a user would: named by
 # `rosetta diff --diagnose` (rosetta/diff/training/catalogue.py), on loops that are not the
-# project's own loop helpers (parity_tests/training_loops.py).
+# project's own loop helpers (parity_tests/training_loops.py). no_label_smoothing, made with the same
+# edit by docs/journeys.md's own sed line, is run there (parity_tests/test_journeys.py).
 STEPS = "optimizer.step(); scheduler.step()"
 MISTAKES = {
     "pad_in_loss": ("ignore_index=cfg.pad_id, ", ""),
-    "no_label_smoothing": ("label_smoothing=0.1)", "label_smoothing=0.0)"),
     "loss_summed": ("label_smoothing=0.1)", 'label_smoothing=0.1, reduction="sum")'),
     "scheduler_before_optimizer": (STEPS, "scheduler.step(); optimizer.step()"),
     "clip_where_none": (STEPS, "torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0); " + STEPS),

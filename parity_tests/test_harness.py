@@ -340,8 +340,8 @@ def test_sigkilled_run_leaves_a_loadable_checkpoint_and_resumes(tmp_path):
 @pytest.fixture(scope="module")
 def multi30k_run(tmp_path_factory) -> Path:
     if not (default_data_dir() / "train.de.gz").is_file():
-        pytest.fail(f"Multi30k files not found in {default_data_dir()} (../shared/data/multi30k beside "
-                    "the checkout, or $ROSETTA_DATA_DIR): a failure, not a skip", pytrace=False)
+        pytest.fail(f"Multi30k files not found in {default_data_dir()} (the package's bundled copy, "
+                    "or $ROSETTA_DATA_DIR): a failure, not a skip", pytrace=False)
     out = tmp_path_factory.mktemp("multi30k")
     # The first 3000 training pairs, a 1000-token joint BPE, pairs up to 32 tokens (one bucket). Half
     # eq. 3's rate: at the full rate (0.028 at step 20 for d_model 64) steps 20-40 were a coin toss,

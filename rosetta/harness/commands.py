@@ -248,7 +248,7 @@ def add_parsers(cmds: argparse._SubParsersAction) -> None:
                    help="train, val, test_2016_flickr or test_2017_flickr (default test_2016_flickr)")
     p.add_argument("--pair", help="source-target languages (default: the run's, else de-en)")
     p.add_argument("--data-dir", type=nonempty_path,
-                   help="Multi30k directory (default $ROSETTA_DATA_DIR or ../shared/data/multi30k)")
+                   help="Multi30k directory (default $ROSETTA_DATA_DIR, else the package's bundled copy)")
     p.add_argument("--limit", type=positive_int, help="the first N sentences only (default all)")
     add_search_args(p, beam=4)  # the search flags of `generate` and `translate` (paper §6.1: beam 4)
     p.add_argument("--hyps", type=output_file, metavar="FILE", help="also write the hypotheses, one a line")
@@ -267,5 +267,5 @@ def add_parsers(cmds: argparse._SubParsersAction) -> None:
     p.add_argument("--steps", type=positive_int, default=250, help="training steps (default 250)")
     p.add_argument("--seed", type=non_negative_int, default=0, help="init and batch seed (default 0)")
     p.add_argument("--data-dir", type=nonempty_path,
-                   help="Multi30k directory (default $ROSETTA_DATA_DIR or ../shared/data/multi30k)")
+                   help="Multi30k directory (default $ROSETTA_DATA_DIR, else the package's bundled copy)")
     p.set_defaults(func=cmd_example)

@@ -3,7 +3,8 @@
 Multi30k (Elliott et al. 2016) is read from its untouched gzipped raw files
 `{split}.{lang}.gz`, one sentence per line, line i of one language translating line i of the
 other. Where they live is resolved by `resolve_data_dir`: an explicit directory, else the
-`ROSETTA_DATA_DIR` environment variable, else `<repo root>/../shared/data/multi30k`.
+`ROSETTA_DATA_DIR` environment variable, else the copy bundled in the package
+(`rosetta/data/multi30k`, package data: it travels in the wheel).
 
 The synthetic tasks need no files: random token-id sequences and their copy or reversal, a
 quick check that a model and its training loop can learn anything at all.
@@ -34,6 +35,9 @@ SPLIT_SIZES: dict[str, int] = {
 }
 URL_BASE = "https://raw.githubusercontent.com/multi30k/dataset/master/data/task1/raw"
 DATA_DIR_ENV = "ROSETTA_DATA_DIR"
+# The untouched public files shipped as package data (pyproject.toml): found beside this module, so the
+# default is the same in a checkout, an editable install and an installed wheel.
+BUNDLED_DATA_DIR = Path(__file__).resolve().parents[1] / "data" / "multi30k"
 SYNTHETIC_TASKS: tuple[str, ...] = ("copy", "reverse")
 # Token ids 0, 1 and 2 are pad, bos and eos (the ModelConfig defaults); data tokens start here.
 FIRST_DATA_ID = 3
@@ -46,28 +50,29 @@ class DataError(RosettaError):
 # -- Multi30k: where the files are ---------------------------------------------------------------
 
 def default_data_dir() -> Path:
-    """`$ROSETTA_DATA_DIR` if set, else `<repo root>/../shared/data/multi30k` (not checked)."""
+    """`$ROSETTA_DATA_DIR` if set, else `BUNDLED_DATA_DIR`, the package's own copy (not checked)."""
     env = os.environ.get(DATA_DIR_ENV)
     if env:
         return Path(env).expanduser()
-    repo_root = Path(__file__).resolve().parents[2]
-    return repo_root.parent / "shared" / "data" / "multi30k"
+    return BUNDLED_DATA_DIR
 
 
 def resolve_data_dir(data_dir: str | os.PathLike[str] | None = None) -> Path:
     """The Multi30k directory to read: `data_dir` if given, else `default_data_dir()`.
 
-    Raises DataError naming the directory (and how it was chosen) if it does not exist.
+    Raises DataError naming the directory (and how it was chosen) if it does not exist or is a file.
     """
     if data_dir is not None:
         path, how = Path(data_dir).expanduser(), "given directory"
     elif os.environ.get(DATA_DIR_ENV):
         path, how = default_data_dir(), f"${DATA_DIR_ENV}"
     else:
-        path, how = default_data_dir(), "default directory"
+        path, how = default_data_dir(), "the package's bundled copy"
     if not path.is_dir():
+        # A file where the folder should be is named as such, not as a missing folder.
+        state = "is not a directory" if path.exists() else "does not exist"
         raise DataError(
-            f"Multi30k data directory {str(path)!r} ({how}) does not exist; pass data_dir=, set "
+            f"Multi30k data directory {str(path)!r} ({how}) {state}; pass data_dir=, set "
             f"${DATA_DIR_ENV}, or fetch the files with rosetta.harness.data.download_multi30k({str(path)!r})"
         )
     return path

@@ -45,7 +45,7 @@ REQUIRED = ("torch", "transformers", "sentencepiece")  # what the build imports;
 def multi30k(lang: str, count: int, split: str = "train",
              data_dir: str | os.PathLike[str] | None = None) -> list[str]:
     """The first `count` sentences of one language of a Multi30k split (rosetta.harness.data's reader:
-    `data_dir`, else $ROSETTA_DATA_DIR, else the default directory)."""
+    `data_dir`, else $ROSETTA_DATA_DIR, else the package's bundled copy)."""
     path = resolve_data_dir(data_dir) / f"{split}.{lang}.gz"
     lines = read_lines(path)
     if len(lines) < count:

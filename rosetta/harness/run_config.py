@@ -77,7 +77,8 @@ class RunConfig:
     task: str = setting("copy", "copy, reverse (synthetic, no files) or multi30k", "data")
     pair: str = setting("de-en", "Multi30k language pair, source-target", "data")
     data_dir: str | None = setting(
-        None, "Multi30k directory (default $ROSETTA_DATA_DIR or ../shared/data/multi30k)", "data", path=True)
+        None, "Multi30k directory (default $ROSETTA_DATA_DIR, else the package's bundled copy)", "data",
+        path=True)
     vocab_size: int = setting(8000, "joint BPE vocabulary size (Multi30k)", "data")
     train_size: int | None = setting(None, "first N training pairs (synthetic: N generated)", "data")
     eval_size: int | None = setting(None, "first N evaluation pairs (synthetic default 500)", "data")

@@ -12,6 +12,8 @@ stage's value is the submodule's output in that forward pass:
 - a tuple output (an attention module's `(output, weights)`) gives its element 0, or element 1
   for a `.weights` stage; a `torch.nn.MultiheadAttention` named for a `.weights` stage is asked
   for per-head weights (`need_weights=True, average_attn_weights=False`) by a forward pre-hook;
+- an output with a `logits` attribute (a Hugging Face model's `Seq2SeqLMOutput`) gives it for the
+  `logits` stage: `{"logits": ""}` on a `MarianMTModel` is `lm_head(·) + final_logits_bias`;
 - NNX only: PATH may end in a method name of the module there (`embed#1`: the second call of the
   root module's `embed`).
 Values come back as NumPy arrays of the dtype computed (the dump's dtype sets `rosetta diff`'s
@@ -57,6 +59,8 @@ def _pick(stage: str, target: str, outputs: list, call: int) -> Any:
         raise InputError(f"name map: stage {stage!r}: {target!r} {ran} in the forward pass, "
                          f"no call {call}{hint}")
     out = outputs[call]
+    if stage == "logits" and hasattr(out, "logits"):  # a model's own output object (transformers'
+        return out.logits  # Seq2SeqLMOutput): Marian's logits only exist there, final_logits_bias added
     if isinstance(out, tuple | list):
         index = 1 if stage.endswith(".weights") else 0
         if len(out) <= index or out[index] is None:

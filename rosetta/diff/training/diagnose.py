@@ -266,7 +266,10 @@ def _fit_decay(a: Trace, b: Trace, settings: Settings, variant: Variant, cache: 
     ok = np.abs(r) < 1
     g_hat = np.sign(r[ok]) * eps * np.abs(r[ok]) / (1 - np.abs(r[ok]))
     weight = ((1 - np.abs(r[ok])) / (np.abs(g_hat) + eps)) ** 2  # inverse variance of each inversion
-    return max(float((weight * (g_hat - g[ok])) @ theta[ok] / ((weight * theta[ok]) @ theta[ok])), 0.0)
+    scale = float((weight * theta[ok]) @ theta[ok])
+    if not scale > 0:  # no coordinate moved less than lr1 (a larger rate in A): no λ fits, 0 rather than NaN
+        return 0.0
+    return max(float((weight * (g_hat - g[ok])) @ theta[ok]) / scale, 0.0)
 
 
 def _search_decay(a: Trace, b: Trace, settings: Settings, variant: Variant, cache: dict, initial: dict,
