@@ -12,6 +12,7 @@ import gc
 import json
 import os
 import platform
+import re
 import statistics
 import subprocess
 import time
@@ -25,6 +26,7 @@ from rosetta.config import ModelConfig
 from rosetta.errors import RosettaError
 from rosetta.files import atomic_write_bytes, check_writable
 from rosetta.harness.stepping import Stepper, cycle
+from rosetta.json_input import field, read_json
 from rosetta.training import Batch, TrainConfig
 
 RESULTS = Path(__file__).parent / "results"
@@ -196,6 +198,38 @@ def write_results(name: str, payload: dict, markdown: str, out_dir: Path | None 
     atomic_write_bytes(json_path, (json.dumps(payload, indent=2) + "\n").encode())
     atomic_write_bytes(md_path, markdown.encode())
     return json_path, md_path
+
+
+def newest_results(prefix: str, results: Path = RESULTS) -> Path | None:
+    """The newest complete `<prefix>_<ISO date>.json` of `results` (a partial or narrowed run is named
+    otherwise and not taken)."""
+    files = [p for p in results.glob(f"{prefix}_*.json") if re.search(r"_\d{4}-\d\d-\d\d\.json$", p.name)]
+    return max(files, key=lambda p: (p.stem[-10:], p.name), default=None)
+
+
+def load_results(path: Path, module: str, keys: Iterable[str], schema: dict | None = None) -> dict:
+    """A results file of benchmarks/`module` read by the one JSON reader (rosetta/json_input.py), with
+    its top-level `keys` (and rows, non-empty); anything else exits naming the file and what is wrong."""
+    try:
+        result = read_json(path, f"a {module} results file", nonfinite=True,
+                           schema={"rows": field("array"), **(schema or {})})
+    except RosettaError as e:
+        raise SystemExit(str(e)) from None
+    missing = [k for k in keys if k not in result] or ([] if result.get("rows") else ["rows (empty)"])
+    if missing:
+        raise SystemExit(f"{path}: not a {module} results file (missing {', '.join(missing)})")
+    return result
+
+
+def results_block(prefix: str, results: Path, begin: str, end: str, body: Callable[[Path], str],
+                  command: str) -> str:
+    """A docs page's generated block: `body` of the newest `<prefix>_<date>.json` of `results`, which
+    it links, between the markers; no such file exits naming the command that writes one."""
+    path = newest_results(prefix, results)
+    if path is None:
+        raise SystemExit(f"no {prefix}_<date>.json in {results}: run `{command}`")
+    source = f"From [`benchmarks/results/{path.name}`](../benchmarks/results/{path.name}). "
+    return f"{begin}\n{source}{body(path)}{end}"
 
 
 def replace_block(page: Path, begin: str, end: str, block: str) -> None:

@@ -16,7 +16,6 @@ a mistake can hide under the logit tolerance and still steer training.
 from __future__ import annotations
 
 import datetime as dt
-import re
 import time
 from collections.abc import Callable, Mapping
 from pathlib import Path
@@ -24,10 +23,17 @@ from typing import NamedTuple
 
 import numpy as np
 
-from benchmarks.common import RESULTS, environment, parser, replace_block, write_results
+from benchmarks.common import (
+    RESULTS,
+    environment,
+    load_results,
+    newest_results,
+    parser,
+    replace_block,
+    results_block,
+    write_results,
+)
 from rosetta.config import ModelConfig, preset
-from rosetta.errors import RosettaError
-from rosetta.json_input import field, read_json
 from rosetta.params import init_params
 from rosetta.parity import TOLERANCES, random_batch, relative_error, target_positions
 
@@ -305,28 +311,17 @@ def markdown(result: dict) -> str:
 
 
 def newest(results: Path = RESULTS) -> Path | None:
-    files = [p for p in results.glob("pitfalls_*.json") if re.search(r"_\d{4}-\d\d-\d\d\.json$", p.name)]
-    return max(files, key=lambda p: p.stem[-10:], default=None)
+    return newest_results("pitfalls", results)
 
 
 def load(path: Path) -> dict:
-    try:  # the one JSON reader: bounded, typed (rosetta/json_input.py)
-        result = read_json(path, "a pitfalls results file", nonfinite=True, schema={"rows": field("array")})
-    except RosettaError as e:
-        raise SystemExit(str(e)) from None
-    missing = [k for k in ("environment", "settings", "rows", "wall_s") if k not in result]
-    if missing:
-        raise SystemExit(f"{path}: not a benchmarks/pitfalls.py results file (missing {', '.join(missing)})")
-    return result
+    return load_results(path, "benchmarks/pitfalls.py", ("environment", "settings", "rows", "wall_s"))
 
 
 def page_block(results: Path = RESULTS) -> str:
     """What docs/pitfalls.md shows between its markers: the newest results, rendered."""
-    path = newest(results)
-    if path is None:
-        raise SystemExit(f"no pitfalls_<date>.json in {results}: run `python -m benchmarks.pitfalls`")
-    source = f"From [`benchmarks/results/{path.name}`](../benchmarks/results/{path.name}). "
-    return f"{BEGIN}\n{source}{markdown(load(path))}{END}"
+    return results_block("pitfalls", results, BEGIN, END, lambda path: markdown(load(path)),
+                         "python -m benchmarks.pitfalls")
 
 
 def update_page(page: Path = PAGE, results: Path = RESULTS) -> None:

@@ -13,13 +13,19 @@ from __future__ import annotations
 
 import io
 import os
-import re
 from pathlib import Path
 
-from benchmarks.common import HARNESS, IMPL_ORDER, RESULTS, given_path, parser, replace_block
-from rosetta.errors import RosettaError
+from benchmarks.common import (
+    HARNESS,
+    IMPL_ORDER,
+    RESULTS,
+    given_path,
+    load_results,
+    newest_results,
+    parser,
+    replace_block,
+)
 from rosetta.files import atomic_write_bytes
-from rosetta.json_input import field, read_json
 
 ROOT = Path(__file__).parent.parent
 BENCHMARK_DOC = ROOT / "docs" / "benchmarks.md"  # the page that shows the newest tables
@@ -88,16 +94,7 @@ def tables(result: dict) -> str:
 
 def load(path: Path) -> dict:
     """A results JSON written by benchmarks/run.py, or a clear error naming what is wrong."""
-    try:  # the one JSON reader: bounded, typed (rosetta/json_input.py)
-        result = read_json(path, "a results file", nonfinite=True, schema={"rows": field("array")})
-    except RosettaError as e:
-        raise SystemExit(str(e)) from None
-    keys = ("environment", "suite", "device", "rows", "sizes")
-    missing = [k for k in keys if k not in result] or (
-        [] if result["rows"] else ["rows (empty)"])
-    if missing:
-        raise SystemExit(f"{path}: not a benchmarks/run.py results file (missing {', '.join(missing)})")
-    return result
+    return load_results(path, "benchmarks/run.py", ("environment", "suite", "device", "rows", "sizes"))
 
 
 def describe(result: dict) -> str:
@@ -175,8 +172,7 @@ def plot(result: dict, path: Path) -> Path | None:
 
 def newest(suite: str, results: Path = RESULTS) -> Path | None:
     """The newest complete results file of a suite (names end in the ISO date)."""
-    files = [p for p in results.glob(f"{suite}_*.json") if re.search(r"_\d{4}-\d\d-\d\d\.json$", p.name)]
-    return max(files, key=lambda p: (p.stem[-10:], p.name), default=None)
+    return newest_results(suite, results)
 
 
 def _link(path: Path, page: Path = BENCHMARK_DOC) -> str:

@@ -32,7 +32,6 @@ import datetime as dt
 import io
 import json
 import math
-import re
 import tempfile
 import time
 from collections.abc import Mapping, Sequence
@@ -40,13 +39,22 @@ from pathlib import Path
 
 import numpy as np
 
-from benchmarks.common import RESULTS, environment, parser, replace_block, write_results
+from benchmarks.common import (
+    RESULTS,
+    environment,
+    load_results,
+    newest_results,
+    parser,
+    replace_block,
+    results_block,
+    write_results,
+)
 from rosetta.config import ModelConfig
 from rosetta.diff.training.catalogue import ENTRIES, Entry, ReplayStep, Settings, Variant, loss_value, replay
 from rosetta.diff.training.compare import compared
 from rosetta.diff.training.trace import FullStep, Trace, TraceWriter, read_trace
 from rosetta.errors import RosettaError
-from rosetta.json_input import field, read_json
+from rosetta.json_input import field
 from rosetta.params import Params
 from rosetta.training import TrainConfig
 
@@ -272,31 +280,19 @@ def markdown(result: dict) -> str:
 
 
 def newest(results: Path = RESULTS) -> Path | None:
-    files = [p for p in results.glob(f"{PREFIX}_*.json") if re.search(r"_\d{4}-\d\d-\d\d\.json$", p.name)]
-    return max(files, key=lambda p: p.stem[-10:], default=None)
+    return newest_results(PREFIX, results)
 
 
 def load(path: Path) -> dict:
-    try:  # the one JSON reader: bounded, typed (rosetta/json_input.py)
-        result = read_json(path, "a training pitfalls results file", nonfinite=True,
-                           schema={"rows": field("array"), "references": field("object")})
-    except RosettaError as e:
-        raise SystemExit(str(e)) from None
-    missing = [k for k in ("environment", "settings", "references", "rows", "wall_s") if k not in result]
-    if missing:
-        raise SystemExit(f"{path}: not a benchmarks/training_pitfalls.py results file (missing "
-                         f"{', '.join(missing)})")
-    return result
+    return load_results(path, "benchmarks/training_pitfalls.py",
+                        ("environment", "settings", "references", "rows", "wall_s"),
+                        {"references": field("object")})
 
 
 def page_block(results: Path = RESULTS) -> str:
     """What docs/pitfalls.md shows between its training markers: the newest results, rendered."""
-    path = newest(results)
-    if path is None:
-        raise SystemExit(f"no {PREFIX}_<date>.json in {results}: run "
-                         "`python -m benchmarks.training_pitfalls`")
-    source = f"From [`benchmarks/results/{path.name}`](../benchmarks/results/{path.name}). "
-    return f"{BEGIN}\n{source}{markdown(load(path))}{END}"
+    return results_block(PREFIX, results, BEGIN, END, lambda path: markdown(load(path)),
+                         "python -m benchmarks.training_pitfalls")
 
 
 def update_page(page: Path = PAGE, results: Path = RESULTS) -> None:

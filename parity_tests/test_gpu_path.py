@@ -274,24 +274,29 @@ def test_jax_attention_as_on_a_gpu_keeps_the_parity_bounds(dtype, monkeypatch):
 
 # -- Item 7: the GPU check, on the CPU ------------------------------------------------------------
 
-def test_gpu_check_passes_on_the_cpu(tmp_path, capsys):
-    """`python -m benchmarks.gpu_check --preset tiny`: every check passes, one line each, and the
-    results file holds them (inductor compiles the PyTorch graphs: the code a GPU runs). The parity
-    and attention groups run in test_journeys.py, as docs/journeys.md's CPU-sized check."""
+GPU_CHECK_GROUPS = {  # group -> checks it must hold; one test each, so that two workers share them
+    "train": ("train torch.compile bucketed plain", "train jax packed chunked",
+              "train torch.compile against eager, 3 steps"),
+    "decode": ("decode torch compiled beam 4", "decode torch = jax greedy"),
+    "harness": ("harness jax 20 steps",),
+}
+
+
+@pytest.mark.parametrize("group", sorted(GPU_CHECK_GROUPS))
+def test_gpu_check_passes_on_the_cpu(group, tmp_path, capsys):
+    """`python -m benchmarks.gpu_check --preset tiny --only GROUP`: every check passes, one line each,
+    and the results file holds them (inductor compiles the PyTorch graphs: the code a GPU runs). The
+    parity and attention groups run in test_journeys.py, as docs/journeys.md's CPU-sized check."""
     from benchmarks import gpu_check
 
     code = gpu_check.main(["--preset", "tiny", "--device", "cpu", "--out-dir", str(tmp_path),
-                           "--only", "train", "decode", "harness"])
+                           "--only", group])
     out = capsys.readouterr().out
     lines = [line for line in out.splitlines() if line.startswith(("PASS ", "FAIL "))]
     assert code == 0, "\n".join(line for line in lines if line.startswith("FAIL"))
     (path,) = tmp_path.glob("gpu-check_cpu_*.json")
     result = json.loads(path.read_text())
-    assert result["passed"] and len(result["checks"]) == len(lines)
+    assert result["passed"] and len(result["checks"]) == len(lines) and result["groups"] == [group]
     names = {c["name"] for c in result["checks"]}
-    assert result["groups"] == ["train", "decode", "harness"]
-    for expected in ("train torch.compile bucketed plain",
-                     "train jax packed chunked", "train torch.compile against eager, 3 steps",
-                     "decode torch compiled beam 4",
-                     "decode torch = jax greedy", "harness jax 20 steps"):
+    for expected in GPU_CHECK_GROUPS[group]:
         assert expected in names, expected

@@ -11,6 +11,7 @@ from __future__ import annotations
 import io
 import os
 import re
+import runpy
 import shlex
 import subprocess
 import sys
@@ -36,13 +37,14 @@ def commands(section: str) -> list[str]:
 
 
 ROSETTA = re.compile(r'(?:echo "(?P<stdin>[^"]*)" \| )?rosetta (?P<args>.*)')
+MODULE = re.compile(r"python (?:-m (?P<module>benchmarks\.\w+)|(?P<script>\w+\.py))(?P<args>.*)")
 
 
 def run(lines: list[str], cwd: Path, monkeypatch, capsys) -> list[str]:
     """Each line in `cwd`, its exit status as its comment says (0 unless `exit status N`): a `rosetta`
-    command (piped an `echo` or not) through the CLI's own entry point in this process, which spares
-    each a fresh import of torch and JAX (test_wheel.py runs the installed script itself); any other
-    line through bash."""
+    command (piped an `echo` or not) through the CLI's own entry point, and `python -m benchmarks.X`
+    and `python SCRIPT.py` as `runpy` runs them, in this process, which spares each a fresh import of
+    torch and JAX (test_wheel.py runs the installed script itself); any other line through bash."""
     monkeypatch.chdir(cwd)
     for name, value in OFFLINE.items():
         monkeypatch.setenv(name, value)
@@ -50,13 +52,23 @@ def run(lines: list[str], cwd: Path, monkeypatch, capsys) -> list[str]:
     for line in lines:
         command, _, comment = line.partition("  #")
         expected = int(m[1]) if (m := re.search(r"exit status (\d+)", comment)) else 0
-        if m := ROSETTA.fullmatch(command.strip()):
+        if m := ROSETTA.fullmatch(command.strip()) or MODULE.fullmatch(command.strip()):
             capsys.readouterr()
-            monkeypatch.setattr(sys, "stdin", io.StringIO(f"{m['stdin']}\n" if m["stdin"] else ""))
+            stdin, module, script = (m.groupdict().get(k) for k in ("stdin", "module", "script"))
+            args = shlex.split(m["args"])
+            monkeypatch.setattr(sys, "stdin", io.StringIO(f"{stdin}\n" if stdin else ""))
             try:
-                code = main(shlex.split(m["args"]))
+                if module or script:
+                    monkeypatch.setattr(sys, "argv", [module or script, *args])
+                    if module:
+                        runpy.run_module(module, run_name="__main__", alter_sys=True)
+                    else:
+                        runpy.run_path(script, run_name="__main__")
+                    code = 0
+                else:
+                    code = main(args)
             except SystemExit as e:
-                code = e.code
+                code = e.code or 0
             out, err = capsys.readouterr()
         else:
             env = {**os.environ, "PATH": f"{Path(sys.executable).parent}{os.pathsep}{os.environ['PATH']}"}
@@ -83,7 +95,7 @@ def test_the_tutorial_porter(tmp_path, monkeypatch, capsys):
     out = run(commands("2."), tmp_path, monkeypatch, capsys)
     assert "no difference at any of 3 steps" in out[2]
     assert "label_smoothing=0.0)" in (tmp_path / "my_loop.py").read_text()  # the page's sed made the mistake
-    assert f"diagnosis: {MISTAKE} explains the difference" in out[5]
+    assert f"diagnosis: {MISTAKE} explains the difference" in out[6]
 
 
 def test_the_gpu_benchmarker(monkeypatch, capsys):
