@@ -5,6 +5,7 @@ rosetta.harness.batching). NumPy only; no deep-learning framework is imported.""
 from __future__ import annotations
 
 import gzip
+import hashlib
 import io
 import json
 import os
@@ -32,14 +33,35 @@ from rosetta.harness.data import (
     synthetic_pairs,
 )
 
-# The copy the tests read and compare with, independent of the package's own: the shared copy beside
-# the checkout (what CI has), or $ROSETTA_DATA_DIR for a clone elsewhere.
-ENV_DIR = os.environ.get(DATA_DIR_ENV)
-SHARED = Path(ENV_DIR or Path(__file__).resolve().parent.parent.parent / "shared" / "data" / "multi30k")
-MISSING = (f"Multi30k not found at {SHARED}: the suite compares with the shared copy beside the checkout "
-           "(../shared/data/multi30k); a missing copy is a failure, not a skip")
+# SHA-256 of the untouched public files (../shared/data/multi30k, github.com/multi30k/dataset's
+# data/task1/raw): what the package's copy, the wheel's and any copy the tests read must hold.
+PUBLIC_SHA256 = {
+    "README.md": "c720b4e4f40fb38e24aa3eb0884c4c9d0ea494080573c1af20194b88e8d6f0c7",
+    "test_2016_flickr.de.gz": "9204244e408ccb38d2a55cfcd344df15005fc42a07a6e55ca6c52b6ababb8cc8",
+    "test_2016_flickr.en.gz": "611d361c6334bc7246101d48097c13cf5c4413c5befc793cc629934359d532d9",
+    "test_2016_flickr.fr.gz": "6d326e188d259fb1d04ac19eae3af956559b3a0b93d7635e56c90987c40c8b90",
+    "test_2017_flickr.de.gz": "a2c89666db00c495cd8513b9d708d5a3acc205d7de312ef2bf5fb7ebc1540aee",
+    "test_2017_flickr.en.gz": "76a444ee25172e72695cddb13ae4a3bda59430617be88e0bb46b60504f054074",
+    "test_2017_flickr.fr.gz": "3ba671ceb2299f3304ffafefea7a833d08632fbaf0ba18546f8a2ec2391af496",
+    "train.de.gz": "726e39b2fa9eb9ffb6dc763fb35a179f80fae06ffc5d28b6ace5faa883de28a6",
+    "train.en.gz": "d79cfa999dd4c51d2cb42499b6796d5a882c3a8a961923c25a898c90f8bbd56f",
+    "train.fr.gz": "622e75069e9f4c577425c4f277116ce66e63a2401c0a2312d90073cb12379a3c",
+    "val.de.gz": "f0cba2f995189cf5770f29a8a9a537a3ad3f51657ad873405082ff6863a5e75a",
+    "val.en.gz": "14f7d25ddd868909a9213e361768460edcacdd6ab9d1e77b92560dc10c10dc28",
+    "val.fr.gz": "ca3106f1a72390591d25f6c45cb4cd39dec4cd3f123e099748a3ce5256c160e9",
+}
 # Where the package data lands beside the package, in a checkout and in an installed wheel alike.
 BUNDLED = Path(rosetta.__file__).resolve().parent / "data" / "multi30k"
+# The copy the tests read: $ROSETTA_DATA_DIR, else the shared copy beside the checkout (what CI has),
+# else, in a clone elsewhere, the package's own (its bytes are checked against PUBLIC_SHA256 either way).
+ENV_DIR = os.environ.get(DATA_DIR_ENV)
+BESIDE = Path(__file__).resolve().parent.parent.parent / "shared" / "data" / "multi30k"
+SHARED = Path(ENV_DIR) if ENV_DIR else BESIDE if BESIDE.is_dir() else BUNDLED
+MISSING = f"Multi30k not found at {SHARED} ($ROSETTA_DATA_DIR): a missing copy is a failure, not a skip"
+
+
+def digest(data: bytes) -> str:
+    return hashlib.sha256(data).hexdigest()
 
 
 @pytest.fixture
@@ -70,13 +92,13 @@ def no_env_data_dir(monkeypatch):
 
 @needs_data
 def test_bundled_copy_is_the_public_files():
-    """The package's copy (the default without $ROSETTA_DATA_DIR) holds the same files, byte for byte, as
-    the untouched public copy: every split of every language and its README."""
-    expected = sorted(p.name for p in SHARED.iterdir())
-    assert len(expected) == 4 * 3 + 1  # 4 splits x de, en, fr, and the README
-    assert sorted(p.name for p in BUNDLED.iterdir()) == expected
-    for name in expected:
-        assert (BUNDLED / name).read_bytes() == (SHARED / name).read_bytes(), name
+    """The package's copy (the default without $ROSETTA_DATA_DIR) and the copy the tests read hold the
+    untouched public files, byte for byte: every split of every language and its README."""
+    assert len(PUBLIC_SHA256) == 4 * 3 + 1  # 4 splits x de, en, fr, and the README
+    for folder in (BUNDLED, SHARED):
+        assert sorted(p.name for p in folder.iterdir()) == sorted(PUBLIC_SHA256), folder
+        for name, expected in PUBLIC_SHA256.items():
+            assert digest((folder / name).read_bytes()) == expected, folder / name
 
 
 @needs_data

@@ -22,9 +22,9 @@ from pathlib import Path
 
 import pytest
 
+from parity_tests.test_data import PUBLIC_SHA256, digest
+
 REPO = Path(__file__).resolve().parents[1]
-# The untouched public copy beside the checkout: what the wheel's data must equal, byte for byte.
-SHARED = REPO.parent / "shared" / "data" / "multi30k"
 PACKAGES = {"rosetta", "numpy_ref", "torch_impl", "jax_impl", "peer_impl"}  # pyproject.toml's find.include
 
 
@@ -82,16 +82,11 @@ def test_the_wheel_holds_the_packages_the_script_and_the_data(installed):
         assert top == PACKAGES  # not the tests, not the benchmarks
         (entry_points,) = (n for n in names if n.endswith(".dist-info/entry_points.txt"))
         assert "rosetta = rosetta.cli:main" in wheel.read(entry_points).decode()
-        if not SHARED.is_dir():
-            pytest.fail(f"{SHARED} missing: the shared Multi30k copy beside the checkout is what the wheel's "
-                        "data is checked against; a failure, not a skip", pytrace=False)
-        expected = sorted(p.name for p in SHARED.iterdir())
-        assert len(expected) == 4 * 3 + 1  # 4 splits x de, en, fr, and the README
         data = sorted(n.removeprefix("rosetta/data/multi30k/") for n in names
                       if n.startswith("rosetta/data/multi30k/"))
-        assert data == expected
-        for name in expected:
-            assert wheel.read(f"rosetta/data/multi30k/{name}") == (SHARED / name).read_bytes(), name
+        assert data == sorted(PUBLIC_SHA256)
+        for name, expected in PUBLIC_SHA256.items():  # the untouched public files' hashes
+            assert digest(wheel.read(f"rosetta/data/multi30k/{name}")) == expected, name
 
 
 def test_what_runs_is_the_installed_package_and_its_data(installed):
