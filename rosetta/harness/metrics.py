@@ -42,7 +42,7 @@ import numpy as np
 from rosetta import flops
 from rosetta.config import ModelConfig
 from rosetta.harness.batching import Batch
-from rosetta.harness.stepping import Stretch
+from rosetta.harness.stepping import HOST_PHASES, Stretch
 from rosetta.training import Trainer
 
 
@@ -113,6 +113,8 @@ def train_record(cfg: ModelConfig, backend: str, trainer: Trainer, batch: Batch,
         "src_tokens_padded": work["src_tokens_padded"], "tgt_tokens_padded": work["tgt_tokens_padded"],
         "step_time_s": seconds / stretch.steps, "stretch_steps": stretch.steps,
         "compile_s": stretch.compile_s,
+        # The host's seconds per step: a loop whose three reach step_time_s is host-bound.
+        **{f"host_{phase}_s": stretch.host_seconds(phase) for phase in HOST_PHASES},
         "src_tokens_per_s": done["src_tokens"] / seconds,
         "tgt_tokens_per_s": tokens_per_s,
         "src_tokens_per_s_padded": done["src_tokens_padded"] / seconds,

@@ -11,10 +11,16 @@ A step's time is its stretch's: the time from the first step after a flush to th
 spent compiling, divided by the steps in the stretch. The first step of each batch shape compiles
 (JAX, torch.compile) or tunes (cuDNN, cuBLAS): the loop flushes before and after it, so its time
 stands alone and the medians of the log leave it out (PITFALLS 13).
+
+The host's own seconds are kept beside it (`Stretch.host`): in `Trainer.step` (tracing, dispatch,
+and any wait for the device inside a step), in drawing and copying the next batch (`prepare`:
+the batch iterator and `Trainer.prepare`), and in the counts of `work`. Where their sum per step
+reaches the step's time, the host, not the device, sets the pace (a loop that is host-bound).
 """
 
 from __future__ import annotations
 
+import time
 from collections.abc import Callable, Iterator, Mapping
 from dataclasses import dataclass, field
 from typing import Any
@@ -43,10 +49,16 @@ class Stretch:
     compiles: int  # programs compiled during them (read from a persistent cache: not counted)
     last: dict[str, Any]  # the last step's metrics, read: floats, and `non_finite`
     work: dict[str, float] = field(default_factory=dict)  # `work(batch)` summed over their batches
+    # The host's seconds over the stretch in each of HOST_PHASES (the module docstring).
+    host: dict[str, float] = field(default_factory=dict)
 
     @property
     def step_seconds(self) -> float:
         return self.seconds / max(self.steps, 1)
+
+    def host_seconds(self, phase: str) -> float:
+        """The host's seconds per step in `phase` (one of HOST_PHASES) over this stretch."""
+        return self.host.get(phase, 0.0) / max(self.steps, 1)
 
     def add_to(self, totals: dict[str, float]) -> None:
         """Add this stretch to a run's running totals (its checkpoints keep them, for a resume)."""
@@ -54,6 +66,11 @@ class Stretch:
                            ("compiles", self.compiles), ("src_tokens", self.work["src_tokens"]),
                            ("tgt_tokens", self.work["tgt_tokens"])):
             totals[key] = totals.get(key, 0) + value
+
+
+# What the host does for each step (Stretch.host): dispatch the step, draw and copy the next batch,
+# count the batch's work.
+HOST_PHASES = ("step", "prepare", "work")
 
 
 class Stepper:
@@ -68,22 +85,26 @@ class Stepper:
         self.trainer, self.batches, self.work = trainer, batches, work
         self.shapes: set[tuple[int, int]] = set()
         self.data_state = self._state()
-        self._next = self._draw()
         self._reset()
+        self._next = self._draw()
 
     def _state(self) -> Any:
         return self.batches.state_dict() if hasattr(self.batches, "state_dict") else None
 
     def _draw(self) -> tuple[Batch, int, Prepared] | None:
+        start = time.perf_counter()
         epoch = getattr(self.batches, "epoch", 0)
         batch = next(self.batches, None)
-        return None if batch is None else (batch, epoch, self.trainer.prepare(batch))
+        drawn = None if batch is None else (batch, epoch, self.trainer.prepare(batch))
+        self._host["prepare"] += time.perf_counter() - start
+        return drawn
 
     def _reset(self) -> None:
         self._timer, self._last = None, None
         self._steps = self._compiles = 0
         self._compile_s = 0.0
         self._work: dict[str, float] = {}
+        self._host = dict.fromkeys(HOST_PHASES, 0.0)
 
     @property
     def pending(self) -> int:
@@ -104,13 +125,18 @@ class Stepper:
         if self._timer is None:
             self._timer = self.trainer.timer()
         seconds, programs = self.trainer.compilation()
+        start = time.perf_counter()
         metrics = self.trainer.step(prepared, keep_grads=keep_grads)
+        dispatched = time.perf_counter()
         after_seconds, after_programs = self.trainer.compilation()
         self._compile_s += after_seconds - seconds
         self._compiles += after_programs - programs
+        # Compiling is the step's host time too, but it has its own count: left out here.
+        self._host["step"] += max(dispatched - start - (after_seconds - seconds), 0.0)
         self._steps += 1
         for key, value in (self.work(batch) if self.work else {}).items():
             self._work[key] = self._work.get(key, 0) + value
+        self._host["work"] += time.perf_counter() - dispatched
         self._last = metrics
         self.data_state = self._state()  # after this batch: where a checkpoint of this step resumes
         self._next = self._draw()
@@ -124,7 +150,7 @@ class Stepper:
         last = self.trainer.read(self._last)
         seconds = self._timer.seconds()
         stretch = Stretch(self._steps, max(seconds - self._compile_s, 0.0), self._compile_s, self._compiles,
-                          last, self._work)
+                          last, self._work, self._host)
         self._reset()
         return stretch
 
