@@ -47,7 +47,7 @@ TRAIN_KEYS = {
     "tgt_tokens_padded", "step_time_s", "src_tokens_per_s", "tgt_tokens_per_s", "src_tokens_per_s_padded",
     "tgt_tokens_per_s_padded", "flops", "tflops_per_s", "mfu", "flops_padded", "mfu_padded",
     "peak_memory_bytes", "batch_shape", "first_of_shape", "device", "elapsed_s", "grad_norm", "stretch_steps",
-    "compile_s",
+    "compile_s", "host_step_s", "host_prepare_s", "host_work_s",
     "world_size", "worker_rows", "accumulate", "tgt_tokens_per_s_per_worker", "scaling_efficiency",
 }
 EVAL_KEYS = {"kind", "backend", "step", "val_loss", "bleu", "exact_match", "bleu_sentences", "sample",
@@ -376,6 +376,39 @@ def test_translate_gives_one_line_per_input_line(multi30k_run, backend, monkeypa
                  "--margin", "8"]) == 0
     out = capsys.readouterr().out
     assert out.count("\n") == 3 and out.split("\n")[1] == ""  # the empty line stays empty
+
+
+def test_decoding_defaults_to_the_runs_own_backend(multi30k_run, monkeypatch, capsys):
+    """Without --backend, `translate` and `evaluate` on a run decode with the backend that trained it
+    (issue 46: the float64 reference, without a cache, took 33 s a sentence), say so in one stderr
+    line once done (a refusal before that stays one line), and give what naming that backend gives."""
+    import io
+
+    line = "Ein Hund läuft im Park.\n"
+    for backend in ("torch", "jax"):
+        args = ["translate", "--run", str(multi30k_run / backend), "--beam", "2", "--margin", "8"]
+        outputs = []
+        for extra in ([], ["--backend", backend]):
+            monkeypatch.setattr(sys, "stdin", io.StringIO(line))
+            assert main(args + extra) == 0
+            outputs.append(capsys.readouterr())
+        assert outputs[0].out == outputs[1].out and outputs[0].out.strip()
+        assert outputs[0].err == (f"rosetta: decoded with {backend} (the run's own, trained by {backend}); "
+                                  "--backend numpy decodes with the float64 reference\n")
+        assert outputs[1].err == ""
+
+
+def test_decoding_default_without_a_run(monkeypatch):
+    """A model no run of ours trained: the first installed of torch, jax, numpy (both frameworks cache)."""
+    from rosetta import backends
+
+    assert backends.default_decoder(None)[0] == "torch"
+    assert backends.default_decoder("peer")[0] == "torch"  # the peer's weights decode with our torch model
+    monkeypatch.setattr(backends, "available_backends", lambda: ["numpy", "jax"])
+    assert backends.default_decoder("torch")[0] == "jax"  # the run's own is not installed here
+    monkeypatch.setattr(backends, "available_backends", lambda: ["numpy"])
+    assert backends.default_decoder(None) == ("numpy", "no framework installed: the float64 reference, "
+                                                        "without a cache")
 
 
 # -- Bad input -----------------------------------------------------------------------------------

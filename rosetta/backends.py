@@ -232,6 +232,25 @@ def available_backends() -> list[str]:
     return found
 
 
+# `translate`, `evaluate` and `generate` without --backend: a run's own decoder, else the first of
+# these installed. torch decodes with a cache and compiles nothing before the first sentence; jax
+# caches too but compiles each new shape first; numpy, the float64 reference, re-runs the decoder
+# over the whole prefix at every step (no cache: seconds a sentence on a CPU), one flag away.
+DECODING_ORDER = ("torch", "jax", "numpy")
+
+
+def default_decoder(trained_by: str | None = None) -> tuple[str, str]:
+    """(the backend to decode with when none is named, why): the decoder of the backend that
+    trained the model (a run's `trained_by`, BACKENDS' `decoder`) if installed, else the first
+    installed backend of DECODING_ORDER."""
+    installed = available_backends()
+    if trained_by in BACKENDS and BACKENDS[trained_by].decoder in installed:
+        return BACKENDS[trained_by].decoder, f"the run's own, trained by {trained_by}"
+    name = next(name for name in DECODING_ORDER if name in installed)
+    return name, ("the fastest installed, with a cache" if name != "numpy"
+                  else "no framework installed: the float64 reference, without a cache")
+
+
 def load(path: str | os.PathLike, backend: str = "numpy", dtype: str | None = None) -> BackendModel:
     """Load a checkpoint file into `backend`."""
     return get_backend(backend).load(path, dtype)

@@ -7,7 +7,7 @@
     echo "5 6 7 2" | rosetta generate --checkpoint m.safetensors --backend jax --beam 4
     rosetta train --backend torch jax --task copy --steps 300 --out runs/copy
     rosetta train --backend torch --task multi30k --pair de-en --vocab-size 8000 --epochs 10 --out runs/de-en
-    echo "Ein Hund läuft." | rosetta translate --run runs/de-en/torch --backend numpy --beam 4
+    echo "Ein Hund läuft." | rosetta translate --run runs/de-en/torch --beam 4   # decodes with torch
     rosetta convert opus-mt-de-en/ de-en.safetensors            # Hugging Face Marian -> ours
     rosetta convert runs/de-en/torch/checkpoints/latest hf-de-en/ --to marian   # and tokenizer.json
     rosetta diff m.safetensors@torch mine.npz --diagnose   # where two implementations part, and why
@@ -37,6 +37,7 @@ import sys
 from rosetta.checkpoint import load_checkpoint, save_checkpoint
 from rosetta.cli_args import (
     add_search_args,
+    decoding_backend,
     non_negative_int,
     nonempty_path,
     output_file,
@@ -126,7 +127,8 @@ def cmd_generate(args: argparse.Namespace) -> int:
     from rosetta.backends import from_params
 
     opened = _open(args.checkpoint)
-    model = from_params(opened.decoding_config, opened.params, args.backend, args.dtype)
+    backend, said = decoding_backend(args, opened.trained_by)
+    model = from_params(opened.decoding_config, opened.params, backend, args.dtype)
     search = _generate_kwargs(search_settings(args, opened.search))
     beam = search.pop("beam")
     cfg = model.config
@@ -149,7 +151,14 @@ def cmd_generate(args: argparse.Namespace) -> int:
         for tokens, score in zip(out.tokens, out.scores, strict=True):
             text = " ".join(map(str, tokens))
             print(f"{text}\t{score:.6f}" if args.scores else text)
+    _say(said)
     return 0
+
+
+def _say(line: str | None) -> None:
+    """A note for stderr (decoding_backend's), if there is one."""
+    if line is not None:
+        print(line, file=sys.stderr)
 
 
 def cmd_config(args: argparse.Namespace) -> int:
@@ -179,12 +188,14 @@ def cmd_translate(args: argparse.Namespace) -> int:
     if args.run and args.tokenizer:
         raise RosettaError("--tokenizer goes with --checkpoint; a run directory holds its own")
     opened = _open(args.run or args.checkpoint, args.tokenizer)
-    model = from_params(opened.decoding_config, opened.params, args.backend, args.dtype)
+    backend, said = decoding_backend(args, opened.trained_by)
+    model = from_params(opened.decoding_config, opened.params, backend, args.dtype)
     search = search_settings(args, opened.search)
     lines = _stdin_lines()
     for line in translate_lines(model, opened.tokenizer, lines, batch_size=args.batch_size,
                                 **_generate_kwargs(search)):
         print(line)
+    _say(said)
     return 0
 
 

@@ -12,6 +12,7 @@ import re
 from collections.abc import Callable
 
 from rosetta import json_input
+from rosetta.backends import MODEL_BACKENDS, default_decoder
 from rosetta.errors import RosettaError
 from rosetta.files import check_writable
 from rosetta.generation import ALPHA_MAX, LENGTH_RULES
@@ -110,7 +111,10 @@ def add_search_args(p: argparse.ArgumentParser, beam: int) -> None:
     """Backend and search flags shared by `generate`, `translate` and `evaluate`. A search flag
     not given leaves the setting to the model's generation_config.json, else SEARCH_DEFAULTS
     (`search_settings`)."""
-    p.add_argument("--backend", default="numpy", help="numpy, torch or jax")
+    p.add_argument("--backend", choices=MODEL_BACKENDS,
+                   help="default: a run's own backend, else the fastest installed (torch, then jax), "
+                        "both with a cache; numpy is the float64 reference: exact, without a cache, slow "
+                        "(seconds a sentence)")
     p.add_argument("--dtype", default=None, help="compute dtype (default: the backend's first)")
     p.add_argument("--beam", type=positive_int,
                    help=f"beam size (the paper's 4), at most the target vocabulary; 1 = greedy search "
@@ -127,6 +131,16 @@ def add_search_args(p: argparse.ArgumentParser, beam: int) -> None:
                         "generate's beam search, log P / n^alpha (default: hf for a model with a "
                         "generation_config.json, else wu)")
     p.set_defaults(default_beam=beam)
+
+
+def decoding_backend(args: argparse.Namespace, trained_by: str | None) -> tuple[str, str | None]:
+    """(--backend, None), or when it is not given the default (rosetta.backends.default_decoder: the
+    run's own, else the fastest installed) and the line that says so, for stderr once the decoding is
+    done (a refusal before it stays one line)."""
+    if args.backend is not None:
+        return args.backend, None
+    name, why = default_decoder(trained_by)
+    return name, f"rosetta: decoded with {name} ({why}); --backend numpy decodes with the float64 reference"
 
 
 def search_settings(args: argparse.Namespace, model_defaults: dict) -> dict:

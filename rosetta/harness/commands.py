@@ -160,7 +160,7 @@ def cmd_evaluate(args: argparse.Namespace) -> int:
         parse_pair(args.pair)
     if args.hyps is not None and Path(args.hyps).resolve() == Path(args.out).resolve():
         raise RosettaError(f"--hyps and --out both name {args.out}: the report would replace the hypotheses")
-    from rosetta.cli_args import search_settings
+    from rosetta.cli_args import decoding_backend, search_settings
     from rosetta.harness.translate import open_model
     from rosetta.interop.convert import is_marian_like
     from rosetta.interop.marian_files import companion_dir
@@ -178,7 +178,8 @@ def cmd_evaluate(args: argparse.Namespace) -> int:
     for note in opened.notes:
         print(f"rosetta: note: {note}", file=sys.stderr)
     pair = ev.run_pair(run_record, args.pair)
-    model = from_params(opened.decoding_config, opened.params, args.backend, args.dtype)
+    backend, said = decoding_backend(args, (run_record or {}).get("backend") or opened.trained_by)
+    model = from_params(opened.decoding_config, opened.params, backend, args.dtype)
     search = search_settings(args, opened.search)
     start = time.perf_counter()
     result = ev.evaluate_split(model, opened.tokenizer, args.split, pair, args.data_dir, args.limit,
@@ -189,7 +190,7 @@ def cmd_evaluate(args: argparse.Namespace) -> int:
         "format": ev.FORMAT, "checkpoint": str(opened.path), "tokenizer": str(tokenizer_path),
         "split": args.split, "pair": pair, "data_dir": str(resolve_data_dir(args.data_dir)),
         "limit": args.limit,
-        "backend": args.backend, "dtype": model.dtype, "beam": result["search"]["beam"],
+        "backend": backend, "dtype": model.dtype, "beam": result["search"]["beam"],
         "alpha": result["search"]["alpha"], "margin": result["search"]["max_len_margin"],
         "length_rule": result["search"]["length_rule"], "batch_size": args.batch_size,
         "sentences": result["sentences"], "bleu": result["bleu"], "chrf": result["chrf"],
@@ -198,12 +199,14 @@ def cmd_evaluate(args: argparse.Namespace) -> int:
     written = ev.write_report(args.out, report)
     subset = f" (first {result['sentences']})" if args.limit is not None else ""
     print(f"{args.split} {pair}{subset}, {result['sentences']} sentences, beam {report['beam']}, "
-          f"alpha {report['alpha']}, {args.backend}")
+          f"alpha {report['alpha']}, {backend}")
     print(f"{result['bleu']['text']}\n  {result['bleu']['signature']}")
     print(f"{result['chrf']['text']}\n  {result['chrf']['signature']}")
     if hyps:
         print(f"wrote {hyps}")
     print(f"wrote {written}")
+    if said is not None:
+        print(said, file=sys.stderr)
     return 0
 
 

@@ -27,6 +27,7 @@ import numpy as np
 from rosetta.backends import BackendModel
 from rosetta.config import ModelConfig
 from rosetta.errors import InputError, RosettaError
+from rosetta.harness.report import RUN_SCHEMA, read_json
 from rosetta.harness.run_dir import LATEST, check_checkpoint_dir, is_checkpoint_name, latest_checkpoint
 from rosetta.inputs import check_int, parse_id_line
 from rosetta.params import Params
@@ -80,6 +81,13 @@ class OpenedModel:
     notes: list[str] = field(default_factory=list)
     run_dir: Path | None = None  # the training run it belongs to, if any
     decoder_start: int | None = None  # generation_config.json's decoder start token, if it has one
+
+    @property
+    def trained_by(self) -> str | None:
+        """The backend whose training run wrote these weights (its run.json), None for another model."""
+        if self.run_dir is None or not (self.run_dir / "run.json").is_file():
+            return None
+        return read_json(self.run_dir / "run.json", RUN_SCHEMA).get("backend")
 
     @property
     def decoding_config(self) -> ModelConfig:
