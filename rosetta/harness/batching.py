@@ -22,8 +22,9 @@ tokens and 25000 target tokens." Here:
   `state_dict()` is `{epoch, index, ...}`, so a fresh iterator over the same pairs with the
   same seed continues exactly where a saved one stopped.
 * Packing (`packing=True`, docs/packing.md), as Flax's WMT example trains: one row length
-  `L` (`pack_length`, default the largest bucket) and `max_tokens // L` rows per batch, so
-  every batch has the same shape. Per epoch the pairs are shuffled from `(seed, epoch)` and
+  `L` (`pack_length`, default `default_pack_length`: the longest pair rounded up to a multiple
+  of 16, at most the largest bucket) and `max_tokens // L` rows per batch, so every batch has
+  the same shape. Per epoch the pairs are shuffled from `(seed, epoch)` and
   packed greedily in that order: a pair goes into the current row if both its source and its
   `tgt_in` still fit, else it starts the next row. Segment ids 1..n number a row's pairs (a
   pair's source and target share one; 0 is padding), positions restart at 0 in each segment,
@@ -60,6 +61,22 @@ def default_buckets(max_len: int) -> tuple[int, ...]:
         candidates += [power * 3 // 2, power * 2]
         power *= 2
     return tuple(b for b in candidates if b < max_len) + (int(max_len),)
+
+
+# Packed rows are a multiple of this long. A bfloat16 tensor-core MMA (mma.sync m16n8k16, which
+# cuBLAS's and cuDNN's/FlashAttention's kernels are built of) takes 16 rows and a depth of 16: a row
+# length L that is a multiple of 16 fills every tile of attention's score (L x L, queries in blocks of
+# 16) and of P.V (depth L) with no partial tile; 8 would suffice for the GEMMs alone (16-byte alignment).
+PACK_MULTIPLE = 16
+
+
+def default_pack_length(longest: int, limit: int) -> int:
+    """The packed row length for pairs whose longest is `longest` tokens (the larger of its source,
+    eos included, and its `tgt_in`, bos included: as the batches count them): `longest` rounded up
+    to a multiple of PACK_MULTIPLE, but at most `limit` (the largest bucket: `max_len` unless
+    `buckets` say less), where the longer pairs are dropped. The one default of `pack_length`."""
+    longest, limit = _check_int("longest pair", longest, 0), _check_int("limit", limit, 1)
+    return min(max(-(-longest // PACK_MULTIPLE), 1) * PACK_MULTIPLE, limit)
 
 
 def _check_int(name: str, value: object, minimum: int) -> int:
@@ -102,20 +119,23 @@ class BatchIterator:
         self.shuffle = bool(shuffle)
         self.src_eos = bool(src_eos)
         self.buckets = self._check_buckets(default_buckets(self.max_len) if buckets is None else buckets)
+        if pack_length is not None and not packing:
+            raise DataError("pack_length is given but packing is off: pass packing=True")
+        lengths = self._read(pairs)
         self.pack_length: int | None = None
         if packing:  # one "bucket": the row length every pair is packed into
-            length = self.buckets[-1] if pack_length is None else _check_int("pack_length", pack_length, 1)
+            longest = int(lengths.max(initial=0))
+            length = (default_pack_length(longest, self.buckets[-1]) if pack_length is None
+                      else _check_int("pack_length", pack_length, 1))
             self.buckets = self._check_buckets([length])
             self.pack_length = self.buckets[0]
-        elif pack_length is not None:
-            raise DataError("pack_length is given but packing is off: pass packing=True")
         if self.max_tokens < self.buckets[-1]:
             raise DataError(
                 f"max_tokens ({max_tokens}) must be at least the largest bucket length "
                 f"({self.buckets[-1]}) so that every batch holds at least one row"
             )
         self.rows = {b: self.max_tokens // b for b in self.buckets}
-        self._prepare(pairs)
+        self._assign(lengths)
         self.epoch = 0
         self.index = 0
         self._plan_epoch: int | None = None
@@ -138,7 +158,9 @@ class BatchIterator:
             raise DataError(f"the largest bucket ({out[-1]}) exceeds max_len ({self.max_len})")
         return out
 
-    def _prepare(self, pairs: Sequence[TokenPair]) -> None:
+    def _read(self, pairs: Sequence[TokenPair]) -> np.ndarray:
+        """Each pair as `src` and target arrays, checked; returns each pair's length as the
+        batches count it: max(len(src), len(tgt_in)), eos and bos included."""
         self.num_pairs = len(pairs)
         eos = [self.eos_id] if self.src_eos else []
         self._src: list[np.ndarray] = []
@@ -156,9 +178,11 @@ class BatchIterator:
             if every.size and (every.min() < 0 or (every == self.pad_id).any()):
                 bad = int(every.min()) if every.min() < 0 else self.pad_id
                 raise DataError(f"the pairs hold token id {bad}: ids must be >= 0 and never pad_id")
-        lengths = np.array(
-            [max(len(s), len(t) + 1) for s, t in zip(self._src, self._tgt, strict=True)], dtype=np.int64
-        )
+        return np.array([max(len(s), len(t) + 1) for s, t in zip(self._src, self._tgt, strict=True)],
+                        dtype=np.int64)
+
+    def _assign(self, lengths: np.ndarray) -> None:
+        """Each pair to the smallest bucket that holds it; the longer ones dropped (and counted)."""
         where = np.searchsorted(np.asarray(self.buckets), lengths, side="left")  # smallest L >= length
         dropped = np.flatnonzero(where >= len(self.buckets))
         self.dropped: list[int] = dropped.tolist()
@@ -185,6 +209,15 @@ class BatchIterator:
     def shapes(self) -> list[tuple[int, int]]:
         """The `(rows, length)` shapes that batches take, one per bucket in use."""
         return [(self.rows[b], b) for b in self.members]
+
+    def real_token_share(self, epoch: int = 0) -> float:
+        """The share of the target slots of `epoch`'s batches (rows x L each, padding rows included)
+        that hold real tokens: the batches' `num_tgt_tokens` summed over their `labels.size`."""
+        plan = self.epoch_plan(epoch)
+        slots = sum(self.rows[length] * length for length, _ in plan)
+        held = ([i for _, rows in plan for row in rows for i in row] if self.pack_length is not None
+                else [int(i) for _, members in plan for i in members])
+        return sum(len(self._tgt[i]) + 1 for i in held) / slots
 
     def __repr__(self) -> str:
         return (f"BatchIterator({self.num_pairs} pairs, {self.num_dropped} dropped, "

@@ -17,6 +17,7 @@ collectives together; only process 0 writes.
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import json
 import logging
 import shutil
@@ -48,7 +49,7 @@ from rosetta.harness.report import (
     write_plot,
 )
 from rosetta.harness.resume import Checkpoints
-from rosetta.harness.run_config import DEFAULT_STEPS, RunConfig, check_run
+from rosetta.harness.run_config import DEFAULT_STEPS, RunConfig, batching_line, check_run, resolve_batching
 from rosetta.harness.run_dir import out_dir_lock
 from rosetta.harness.stepping import Stepper, Stretch
 from rosetta.harness.tasks import TaskData, run_batching, run_model_config, run_task
@@ -79,6 +80,8 @@ class _Run:
         batching = run_batching(run, cfg)
         self.iterator = BatchIterator(task.train_pairs, max_tokens=run.max_tokens, seed=run.seed,
                                       packing=run.batching == "packed", **batching)
+        if self.main:
+            log.info("%s: %s", backend, batching_line(self.iterator))
         self.total_steps = run.steps or (run.epochs * self.iterator.batches_per_epoch if run.epochs
                                          else DEFAULT_STEPS)
         self.loss_batches, _ = eval_batches(task.eval_pairs, max_tokens=run.max_tokens, **batching)
@@ -279,6 +282,9 @@ def train(run: RunConfig) -> dict[str, dict[str, Any]]:
     out = Path(run.out)
     baseline = read_json(Path(run.baseline) / "summary.json").get("backends", {}) if run.baseline else None
     check_backends(run, env)
+    # --batching's default depends on the devices the backends train on (run_config.py: DEFAULT_BATCHING).
+    devices = [get_trainer(backend).resolve_device(run.device, env) for backend in run.backends]
+    run = dataclasses.replace(run, batching=resolve_batching(run.batching, run.backends, devices))
     # The lock first, so that the checks below see what no other process is changing. Processes
     # other than 0 of a launch neither check nor change `out`: they only read a checkpoint to resume.
     with os_errors(out), (out_dir_lock(out) if env.is_main else contextlib.nullcontext()):

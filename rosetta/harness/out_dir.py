@@ -12,6 +12,7 @@ from typing import TYPE_CHECKING
 
 from rosetta.errors import RosettaError
 from rosetta.harness.report import RUN_SCHEMA, check_overwritable, read_json, written_by_rosetta
+from rosetta.harness.run_config import SAVED_BEFORE
 from rosetta.harness.run_dir import foreign_checkpoint_entries
 
 if TYPE_CHECKING:
@@ -83,8 +84,9 @@ def check_out_dirs(run: RunConfig) -> list[Path]:
             if saved.get("backend") != backend:
                 raise RosettaError(f"--resume: {run_dir} was trained with backend {saved.get('backend')!r}, "
                                    f"not {backend!r}")
-            # A setting added after a run was started reads as its default (e.g. batching).
-            defaults = type(run)().identity()
+            # A setting added after a run was started reads as what such runs did (SAVED_BEFORE), else
+            # as its default.
+            defaults = type(run)().identity() | SAVED_BEFORE
             identity = defaults | saved.get("identity", {})
             diffs = [f"{k}={identity.get(k)!r} (now {v!r})" for k, v in run.identity().items()
                      if identity.get(k) != v]

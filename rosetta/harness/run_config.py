@@ -38,6 +38,13 @@ IDENTITY_FIELDS: tuple[str, ...] = (
     "buckets", "dtype", "warmup", "lr_factor", "label_smoothing", "clip_norm", "seed", "batching",
 )
 BATCHINGS = ("bucketed", "packed")  # --batching: by length buckets (§5.1), or packed rows (docs/packing.md)
+# --batching's default by the kind of device the run trains on, written once: packed rows on a GPU, where
+# padding is compute spent on nothing (docs/packing.md); bucketed on a CPU, where packed batches measured
+# no faster (benchmarks/results/batches_small_float32_cpu_2026-11-27.md).
+DEFAULT_BATCHING = {"gpu": "packed", "cpu": "bucketed"}
+# What a run saved before a setting existed trained with (rosetta/harness/out_dir.py reads a missing
+# identity key so): before --batching, every run was bucketed.
+SAVED_BEFORE: dict[str, Any] = {"batching": "bucketed"}
 
 
 # The flag groups of `rosetta train --help`, in order: (key, title); a field names its key.
@@ -140,9 +147,10 @@ class RunConfig:
     average_last: int | None = setting(
         None, "at the end, average the last N checkpoints (paper §6.1; --keep >= N) into "
         "averaged.safetensors and evaluate it", "evaluation", metavar="N")
-    batching: str = setting(
-        "bucketed", "bucketed (pairs of similar length per batch, §5.1) or packed (several pairs per row, "
-        "rows of the largest bucket's length: docs/packing.md)", "data")
+    batching: str | None = setting(
+        None, "bucketed (pairs of similar length per batch, §5.1) or packed (several pairs per row, rows "
+        "as long as the longest pair rounded up to 16: docs/packing.md); default packed on a GPU, bucketed "
+        "on a CPU", "data")
     loss: str = setting(
         "plain", "plain (logits, then the loss) or chunked (the output projection and the loss chunk by "
         "chunk: no [tokens, vocabulary] logits, docs/loss.md)", "optimizer")
@@ -173,6 +181,33 @@ class RunConfig:
     def train_config(self) -> TrainConfig:
         return TrainConfig(label_smoothing=self.label_smoothing, warmup_steps=self.warmup,
                            lr_factor=self.lr_factor, clip_norm=self.clip_norm, seed=self.seed)
+
+
+def device_kind(device: str) -> str:
+    """'gpu' for a device a trainer resolved to ('cuda:0', 'gpu:1'), else 'cpu' (also JAX's
+    'default' under a launcher, whose devices are not known before the processes join)."""
+    return "gpu" if device.startswith(("cuda", "gpu")) else "cpu"
+
+
+def resolve_batching(batching: str | None, backends: tuple[str, ...], devices: list[str]) -> str:
+    """--batching as given, else DEFAULT_BATCHING for the `devices` the backends train on (as their
+    trainers resolve them): packed if one trains on a GPU (every backend of a run gets the same
+    batches), bucketed with --backend peer (nn.Transformer takes no segment ids)."""
+    if batching is not None:
+        return batching
+    if "peer" in backends:
+        return "bucketed"
+    return DEFAULT_BATCHING["gpu" if "gpu" in map(device_kind, devices) else "cpu"]
+
+
+def batching_line(iterator: Any) -> str:
+    """The run's first word on its batches (rosetta/harness/loop.py logs it): packed or not, the
+    share of real target tokens in epoch 0's batches, and the flag that changes it."""
+    share = f"{iterator.real_token_share():.0%} real target tokens in epoch 0"
+    if iterator.pack_length is not None:
+        return (f"packing: rows of {iterator.pack_length} tokens, {share}; --batching bucketed to turn off "
+                "(docs/packing.md)")
+    return f"bucketed: {len(iterator.shapes)} batch shapes, {share}; --batching packed to pack rows"
 
 
 # -- Checks that run before any data is read or framework imported --------------------------------
@@ -206,7 +241,7 @@ def check_run(run: RunConfig) -> None:
         _positive(name, getattr(run, name), minimum=0)
     if run.loss not in LOSSES:
         raise RosettaError(f"--loss must be one of {', '.join(LOSSES)}, got {run.loss!r}")
-    if run.batching not in BATCHINGS:
+    if run.batching is not None and run.batching not in BATCHINGS:
         raise RosettaError(f"--batching must be one of {', '.join(BATCHINGS)}, got {run.batching!r}")
     if run.compile and (run.nproc > 1 or run.shard):
         raise RosettaError("--compile trains in one process for now (DDP's and FSDP2's hooks under "
@@ -241,7 +276,7 @@ def check_run(run: RunConfig) -> None:
     if "peer" in run.backends:
         for flag, fine, why in PEER_REFUSES:
             value = getattr(run, flag)
-            if value != fine:
+            if value is not None and value != fine:  # None: the default, which the peer's run resolves
                 given = f"--{flag.replace('_', '-')}" + ("" if isinstance(value, bool) else f" {value}")
                 raise RosettaError(f"{given}: --backend peer does not support it ({why})")
     run.train_config()  # TrainConfig checks its own fields (ConfigError names the field)
