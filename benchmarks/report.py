@@ -40,7 +40,7 @@ def _sorted(rows: list[dict], task: str) -> list[dict]:
     searches = ("greedy", "beam 4")
     return sorted(rows, key=lambda r: (groups.index((r["preset"], r["dtype"])),
                                        searches.index(r.get("search", "greedy")),
-                                       IMPL_ORDER.index(r["impl"])))
+                                       r.get("batching") == "packed", IMPL_ORDER.index(r["impl"])))
 
 
 def _fmt(x: float | None, spec: str) -> str:
@@ -52,21 +52,30 @@ def _percent(x: float | None) -> str:
     return "–" if x is None else f"{100 * x:.1f}%" if x >= 0.01 else f"{100 * x:.2g}%"
 
 
+def _group(r: dict) -> tuple[str, str, str]:
+    """A plot's group of bars: preset, dtype, and the search (decoding) or packed rows (training)."""
+    return r["preset"], r["dtype"], r.get("search", "packed" if r.get("batching") == "packed" else "")
+
+
 def tables(result: dict) -> str:
-    """The training, forward and decoding tables of one run."""
+    """The training, forward and decoding tables of one run; training rows with their batching and
+    real-token share where the run recorded them (benchmarks/run.py since issue 45)."""
+    shares = any("real_token_share" in r for r in result["rows"] if r["task"] == "train")
     lines = [
         "Training (one optimizer step, dropout on; `(rosetta train)`: the training loop on the same "
-        "batches, its median step over the benchmark row's in the last column)",
+        "batches, its median step over the benchmark row's in the last column"
+        + ("; real tokens: the share of the batches' target slots that are not padding)" if shares else ")"),
         "",
-        "| preset | dtype | impl | step ms | target tokens/s (real) | padded tokens/s | MFU | "
-        "peak mem GB | ratio vs peer | loop / step |",
-        "| --- | --- | --- | --- | --- | --- | --- | --- | --- | --- |",
+        "| preset | dtype | impl | " + ("batching | real tokens | " if shares else "") + "step ms | "
+        "target tokens/s (real) | padded tokens/s | MFU | peak mem GB | ratio vs peer | loop / step |",
+        "| --- | --- | --- | --- | --- | --- | --- | --- | --- | --- |" + (" --- | --- |" if shares else ""),
     ]
     for r in _sorted(result["rows"], "train"):
         mem = None if r.get("peak_memory_bytes") is None else r["peak_memory_bytes"] / 1e9
         spread = f" [{r['min_s'] * 1e3:.1f}–{r['max_s'] * 1e3:.1f}]" if "min_s" in r else ""
+        share = f"{r.get('batching', '–')} | {_percent(r.get('real_token_share'))} | " if shares else ""
         lines.append(
-            f"| {r['preset']} | {r['dtype']} | {r['impl']} | {r['median_s'] * 1e3:.1f}{spread} | "
+            f"| {r['preset']} | {r['dtype']} | {r['impl']} | {share}{r['median_s'] * 1e3:.1f}{spread} | "
             f"{r['tokens_per_s']:,.0f} | {r['padded_tokens_per_s']:,.0f} | {_percent(r.get('mfu'))} | "
             f"{_fmt(mem, '.2f')} | {_fmt(r.get('ratio_vs_peer'), '.2f')} | "
             f"{_fmt(r.get('vs_benchmark'), '.2f')} |"
@@ -141,13 +150,13 @@ def plot(result: dict, path: Path) -> Path | None:
     colors = dict(zip([i for i in IMPL_ORDER if not i.endswith(HARNESS)], palette, strict=True))
     for ax, task in zip(axes[:, 0], tasks, strict=True):
         rows = [r for r in _sorted(result["rows"], task) if r.get("ratio_vs_peer") is not None]
-        groups = list(dict.fromkeys((r["preset"], r["dtype"], r.get("search", "")) for r in rows))
+        groups = list(dict.fromkeys(_group(r) for r in rows))
         impls = [i for i in IMPL_ORDER if any(r["impl"] == i for r in rows)]
         width = 0.8 / max(len(impls), 1)
         for j, impl in enumerate(impls):
             offset = (j - (len(impls) - 1) / 2) * width
             for r in (r for r in rows if r["impl"] == impl):
-                x = groups.index((r["preset"], r["dtype"], r.get("search", ""))) + offset
+                x = groups.index(_group(r)) + offset
                 ax.bar(x, r["ratio_vs_peer"], width, color=colors[impl.removesuffix(HARNESS)],
                        hatch="//" if impl.endswith(HARNESS) else None,
                        label=impl if r is next(q for q in rows if q["impl"] == impl) else None)

@@ -97,20 +97,27 @@ class Suite:
     name: str = ""
     peak_tflops: float | None = None  # --peak-tflops: the device's peak, where rosetta/flops.py has none
     tasks: tuple[str, ...] = ("train", "forward", "decode")  # --tasks: only these measurements
+    packed: tuple[tuple[str, str], ...] = ()  # (preset, dtype) where PACKED_IMPLS also train on packed rows
 
 
+# The trainers also timed on packed rows (docs/packing.md); the peer has no segment masks.
+PACKED_IMPLS = ("torch", "torch.compile", "jax")
 SUITES = {
-    "smoke": Suite({"tiny": Size(8, 16, 4, 8, 4)}, ("float32",), 2, 1, 1, (), ("torch", "jax"), name="smoke"),
+    "smoke": Suite({"tiny": Size(8, 16, 4, 8, 4)}, ("float32",), 2, 1, 1, (), ("torch", "jax"), name="smoke",
+                   packed=(("tiny", "float32"),)),
     # torch.compile takes minutes per graph on 2 cores: measured on tiny only.
     # small at a real batch: 250 x 24 tokens a side, about Multi30k's 4,096-token batches.
     "cpu": Suite({"tiny": Size(32, 32, 16, 16, 16), "small": Size(250, 24, 8, 16, 16)},
-                 ("float32",), 2, 5, 2, (("tiny", "float32"),), ("torch", "jax"), name="cpu"),
+                 ("float32",), 2, 5, 2, (("tiny", "float32"),), ("torch", "jax"), name="cpu",
+                 packed=(("tiny", "float32"), ("small", "float32"))),
     # base and big first (they matter), 384 x 64 tokens a side: the paper's ~25,000 source and
     # target tokens per batch (§5.1); torch.compile on bfloat16 only, to stay < 10 min. The XLA
-    # flags JAX compiles with are the trainers' own (jax_impl/compilation.py).
+    # flags JAX compiles with are the trainers' own (jax_impl/compilation.py). Packed rows on base
+    # bfloat16 only: each is one more compilation (~40 s at base on the H100 of 2026-11-22).
     "gpu": Suite({"base": Size(384, 64, 64, 32, 32), "big": Size(384, 64, 64, 32, 32),
                   "tiny": Size(64, 32, 32, 32, 32)}, ("bfloat16", "float32"), 10, 3, 3,
-                 (("base", "bfloat16"), ("big", "bfloat16")), ("torch.compile", "jax"), name="gpu"),
+                 (("base", "bfloat16"), ("big", "bfloat16")), ("torch.compile", "jax"), name="gpu",
+                 packed=(("base", "bfloat16"),)),
 }
 
 
@@ -118,13 +125,6 @@ def sync() -> None:
     """Wait for queued device work before reading the clock (PITFALLS 13)."""
     if torch.cuda.is_available():
         torch.cuda.synchronize()
-
-
-def finish(outs: list) -> None:
-    """Wait until the last output in `outs` (if any) is computed: JAX dispatches asynchronously."""
-    if outs and isinstance(outs[-1], jax.Array):
-        jax.block_until_ready(outs[-1])
-    sync()
 
 
 def measure(fn, repeats: int, warmup: int, inner: int = 1) -> dict:
@@ -142,14 +142,8 @@ def measure(fn, repeats: int, warmup: int, inner: int = 1) -> dict:
             out = fn()
         jax.block_until_ready(out) if isinstance(out, jax.Array) else sync()
         times.append((time.perf_counter() - start) / inner)
-    return {
-        "median_s": float(np.median(times)),
-        "min_s": min(times),
-        "max_s": max(times),
-        "repeats": repeats,
-        "inner": inner,
-        "warmup_s": warmup_s,
-    }
+    return {"median_s": float(np.median(times)), "min_s": min(times), "max_s": max(times), "repeats": repeats,
+            "inner": inner, "warmup_s": warmup_s}
 
 
 def log(what: str, t: dict) -> None:
@@ -180,17 +174,20 @@ def harness_run(cfg, preset_name: str, size: Size) -> RunConfig:
     overrides = {k: v for k, v in cfg.to_dict().items() if base.get(k) != v and "vocab" not in k}
     return RunConfig(task="copy", preset=preset_name, overrides=overrides, synthetic_max_len=size.length - 1,
                      max_tokens=size.batch * size.length, buckets=(size.length,), progress=False,
-                     eval_size=4, bleu_samples=4, eval_every=0, checkpoint_every=0, warmup=4000)
+                     eval_size=4, bleu_samples=4, eval_every=0, checkpoint_every=0, warmup=4000,
+                     batching="bucketed")
 
 
-def training_batches(cfg, preset_name: str, size: Size, count: int = 4) -> list[Batch]:
+def training_batches(cfg, preset_name: str, size: Size, count: int = 4, packing: bool = False) -> list[Batch]:
     """The first `count` batches `rosetta train` trains on at this size (`harness_run`): the same
-    pairs, the same iterator (rosetta/harness/batching.py), every one [size.batch, size.length]."""
+    pairs, the same iterator (rosetta/harness/batching.py), every one [size.batch, size.length];
+    `packing`: packed rows (`--batching packed`: the longest pair, size.length, rounded up to 16, at
+    most the bucket size.length), as many rows."""
     run = harness_run(cfg, preset_name, size)
     task = load_task("copy", vocab_size=min(cfg.src_vocab_size, cfg.tgt_vocab_size), seed=run.seed,
                      synthetic_max_len=run.synthetic_max_len)
     batches = BatchIterator.from_config(task.train_pairs, cfg, max_tokens=run.max_tokens, buckets=run.buckets,
-                                        seed=run.seed)
+                                        seed=run.seed, packing=packing)
     return [next(batches) for _ in range(count)]
 
 
@@ -202,11 +199,12 @@ def train_impls(suite: Suite, preset_name: str, dtype: str) -> list[str]:
 
 
 def bench_training(cfg, params, batches: list[Batch], dtype: str, suite: Suite, impls: list[str],
-                   device: str) -> list[dict]:
+                   device: str, batching: str = "bucketed") -> list[dict]:
     """Every implementation's `Trainer.step` on the same batches from the same weights, each alone
     (benchmarks/common.py time_training): built, warmed up, timed, released. `(chunked loss)`: the
     output projection and loss in chunks (docs/loss.md), the same loss. JAX last: its allocator
-    keeps what it took."""
+    keeps what it took. Each row's real-token share: the batches' real target tokens over their
+    label slots (rows x L), and its real FLOPs: their sentences' alone (rosetta/harness/metrics.py)."""
     real_tokens = sum(b.num_tgt_tokens for b in batches) / len(batches)
     slots = sum(b.labels.size for b in batches) / len(batches)
     rows = []
@@ -217,7 +215,9 @@ def bench_training(cfg, params, batches: list[Batch], dtype: str, suite: Suite, 
         release()
         log(f"train {name}", t)
         rows.append(dict(task="train", impl=name, **t, tokens_per_s=real_tokens / t["median_s"],
-                         padded_tokens_per_s=slots / t["median_s"],
+                         padded_tokens_per_s=slots / t["median_s"], batching=batching,
+                         real_token_share=real_tokens / slots,
+                         real_flops_per_step=sum(batch_work(cfg, b)["flops"] for b in batches) / len(batches),
                          flops_per_step=training_flops(cfg, *batches[0].shape, batches[0].shape[1])))
     return rows
 
@@ -302,54 +302,41 @@ def bench_decoding(cfg, params, peer, size: Size, dtype: str, suite: Suite, devi
                 warmup=0,
             ) | {"warmup_s": warmup_s}
             log(f"decode {name} beam {beam}", t)
-            rows.append(
-                dict(
-                    task="decode",
-                    impl=name,
-                    search="greedy" if beam == 1 else f"beam {beam}",
-                    **t,
-                    tokens=tokens,
-                    tokens_per_s=tokens / t["median_s"],
-                    sentences_per_s=len(src) / t["median_s"],
-                )
-            )
+            rows.append(dict(task="decode", impl=name, search="greedy" if beam == 1 else f"beam {beam}", **t,
+                             tokens=tokens, tokens_per_s=tokens / t["median_s"],
+                             sentences_per_s=len(src) / t["median_s"]))
     if dtype != "float32":  # the peer: greedy (nn.Transformer has no beam), float32, to the longest limit
         return rows
     peer.to(device).eval()
     src_t = torch.from_numpy(src).to(device)
     length = size.decode_len + size.margin
     t = measure(lambda: peer.greedy(src_t, length), max(1, suite.repeats), warmup=1)
-    rows.append(
-        dict(
-            task="decode",
-            impl="peer",
-            search="greedy",
-            **t,
-            tokens=len(src) * length,
-            tokens_per_s=len(src) * length / t["median_s"],
-            sentences_per_s=len(src) / t["median_s"],
-        )
-    )
+    tokens = len(src) * length
+    rows.append(dict(task="decode", impl="peer", search="greedy", **t, tokens=tokens,
+                     tokens_per_s=tokens / t["median_s"], sentences_per_s=len(src) / t["median_s"]))
     return rows
 
 
 def add_ratios(rows: list[dict]) -> None:
     """ratio_vs_peer = peer time / our time for the same task, preset, dtype and search (> 1:
-    we are faster). The peer has greedy decoding only. A `(rosetta train)` row also gets
-    vs_benchmark: its median step over its implementation's benchmark row's (1: the loop adds
-    nothing around the step)."""
-    def same(a: dict, b: dict) -> bool:
-        return all(a.get(k) == b.get(k) for k in ("task", "preset", "dtype", "search"))
+    we are faster); a packed row's: real target tokens/s over the peer's on the bucketed batches.
+    The peer has greedy decoding only. A `(rosetta train)` row also gets vs_benchmark: its median
+    step over its implementation's benchmark row's on the same batching (1: the loop adds nothing)."""
+    def same(a: dict, b: dict, keys: tuple[str, ...] = ("task", "preset", "dtype", "search")) -> bool:
+        return all(a.get(k) == b.get(k) for k in keys)
 
     for row in rows:
         peers = [p for p in rows if p["impl"] == "peer" and row["impl"] != "peer" and same(p, row)]
-        if peers:
+        if peers and row.get("batching") == "packed":  # more pairs per batch than the peer's
+            row["ratio_vs_peer"] = row["tokens_per_s"] / peers[0]["tokens_per_s"]
+        elif peers:
             per_unit = "tokens" if row["task"] == "decode" else None  # decode: emitted tokens differ
             ours = row["median_s"] / row[per_unit] if per_unit else row["median_s"]
             theirs = peers[0]["median_s"] / peers[0][per_unit] if per_unit else peers[0]["median_s"]
             row["ratio_vs_peer"] = theirs / ours
         if row["impl"].endswith(HARNESS):
-            bench = [b for b in rows if b["impl"] == row["impl"][:-len(HARNESS)] and same(b, row)]
+            bench = [b for b in rows if b["impl"] == row["impl"][:-len(HARNESS)]
+                     and same(b, row, ("task", "preset", "dtype", "batching"))]
             if bench:
                 row["vs_benchmark"] = row["median_s"] / bench[0]["median_s"]
 
@@ -368,7 +355,13 @@ def measure_group(suite: Suite, preset_name: str, dtype: str) -> list[dict]:
     found = []
     if "train" in suite.tasks:
         found += bench_training(cfg, params, batches, dtype, suite, impls, device)
-        found += bench_harness(cfg, preset_name, size, dtype, suite, impls, device)
+        if (preset_name, dtype) in suite.packed:  # the same pairs in packed rows (docs/packing.md)
+            packed = training_batches(cfg, preset_name, size, packing=True)
+            plain = [name for name in impls if name in PACKED_IMPLS]
+            found += bench_training(cfg, params, packed, dtype, suite, plain, device, "packed")
+        for r in bench_harness(cfg, preset_name, size, dtype, suite, impls, device):  # bucketed (harness_run)
+            share = r["tokens_per_s"] / r["padded_tokens_per_s"]  # the loop: real over padded tokens/s
+            found.append(r | {"batching": "bucketed", "real_token_share": share})
     if "forward" in suite.tasks:
         found += bench_forward(cfg, params, peer, size, dtype, suite, device)
     if "decode" in suite.tasks:
@@ -379,8 +372,8 @@ def measure_group(suite: Suite, preset_name: str, dtype: str) -> list[dict]:
     for row in found:
         row.update(preset=preset_name, dtype=dtype)
         if row["task"] == "train":  # real-token MFU: the FLOPs of the batches' sentences alone
-            row["real_flops_per_step"] = real_flops
-            row["mfu"] = mfu(real_flops, row["median_s"], peak)
+            row.setdefault("real_flops_per_step", real_flops)  # the loop's rows: the bucketed batches'
+            row["mfu"] = mfu(row["real_flops_per_step"], row["median_s"], peak)
     return found
 
 

@@ -7,6 +7,7 @@ from __future__ import annotations
 import pytest
 
 from benchmarks import decode_speed
+from benchmarks import run as run_module
 from benchmarks.common import RESULTS, environment
 from benchmarks.report import BENCHMARK_DOC, SUITES_IN_README, load, markdown, newest, plot, readme_block
 from benchmarks.report import main as report_main
@@ -32,6 +33,14 @@ def test_benchmark_runner_smoke(tmp_path, monkeypatch):
             return _original(self, batch, keep_grads)
 
         monkeypatch.setattr(cls, "step", step)
+    timed: dict = {}  # batching -> the batches bench_training timed
+
+    def bench_training(cfg, params, batches, *args, _original=run_module.bench_training, **kwargs):
+        found = _original(cfg, params, batches, *args, **kwargs)
+        timed.setdefault(found[0]["batching"], batches)
+        return found
+
+    monkeypatch.setattr(run_module, "bench_training", bench_training)
     result, device = run("smoke")
     rows = result["rows"]
     impls = {(r["task"], r["impl"]) for r in rows}
@@ -55,9 +64,22 @@ def test_benchmark_runner_smoke(tmp_path, monkeypatch):
     assert loop_rows and all(r["vs_benchmark"] > 0 for r in loop_rows)
     # Every measurement of ours has a ratio against the nn.Transformer peer where one exists.
     assert all("ratio_vs_peer" in r for r in rows if r["task"] == "train" and r["impl"] != "peer")
+    # Bucketed and packed rows, each with the real-token share of the batches it timed: their non-pad
+    # labels over rows x L, recomputed here from the batches themselves.
+    assert {(r["impl"], r["batching"]) for r in train_rows if r["impl"] in ("torch", "jax")} == {
+        (impl, batching) for impl in ("torch", "jax") for batching in ("bucketed", "packed")}
+    assert set(timed) == {"bucketed", "packed"} and all(b.packed for b in timed["packed"])
+    share = {name: sum(int((b.labels != 0).sum()) for b in got) / sum(b.shape[0] * b.shape[1] for b in got)
+             for name, got in timed.items()}
+    for r in train_rows:
+        if not r["impl"].endswith("(rosetta train)"):
+            assert r["real_token_share"] == pytest.approx(share[r["batching"]], rel=1e-12), r["impl"]
+        assert 0 < r["real_token_share"] <= 1
+    assert share["packed"] > share["bucketed"]  # the point of packing
     result = {"environment": environment(), "settings": {"steps per repeat": 2}, **result}
     text = markdown(result)
-    assert "| tiny | float32 | jax |" in text and device in text and "steps per repeat 2" in text
+    assert "| tiny | float32 | jax | bucketed |" in text and device in text and "steps per repeat 2" in text
+    assert f"| tiny | float32 | jax | packed | {100 * share['packed']:.1f}% |" in text
     png = plot(result, tmp_path / "smoke.png")
     assert png.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
 
