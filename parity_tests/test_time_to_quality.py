@@ -111,6 +111,11 @@ def test_bad_budgets_and_targets_are_refused(field, value, message):
         check_run(RunConfig(**{field: value}))
 
 
+def test_a_target_without_evaluations_is_refused():
+    with pytest.raises(RosettaError, match="--eval-every 0 evaluates nothing"):
+        check_run(RunConfig(target_bleu=20.0, eval_every=0))
+
+
 def test_recipe_values_are_defaults_that_flags_override():
     argv = ["train", "--recipe", "multi30k", "--steps", "7", "--beam", "1", "--set", "dropout=0.2"]
     run = run_from_args(build_parser().parse_args(argv))

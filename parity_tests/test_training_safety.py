@@ -194,6 +194,8 @@ def test_summary_totals_cover_every_step_not_only_logged_ones(backend, tmp_path,
                              progress=False, device="cpu"))[backend]
     assert meter.calls == 11 and [r["step"] for r in train_records(out / backend)] == [5, 10, 11]
     assert result["steps"] == 11
+    # --eval-every 0: no evaluation at all, the last step's included (issue 46)
+    assert result["evaluations"] == [] and result["bleu"] is None and result["val_loss"] is None
     assert result["src_tokens_total"] == meter.src_tokens and result["tgt_tokens_total"] == meter.tgt_tokens
     # The harness times stretches of steps from the first one's call to the read of the last one's
     # values (rosetta/harness/stepping.py): every call lies inside one, so the totals hold the meter's

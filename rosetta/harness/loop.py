@@ -144,8 +144,9 @@ class _Run:
             "run": self.run.to_dict()}, self.run.keep)
 
     def _evaluates(self, step: int) -> bool:
-        """Whether step `step` is evaluated: --eval-every's cadence, and the last step."""
-        return step >= self.total_steps or bool(self.run.eval_every and step % self.run.eval_every == 0)
+        """Whether step `step` is evaluated: --eval-every's cadence, and the last step (0: none)."""
+        every = self.run.eval_every
+        return bool(every) and (step >= self.total_steps or step % every == 0)
 
     # -- the loop --------------------------------------------------------------------------
     def train(self) -> dict[str, Any] | None:
@@ -222,7 +223,7 @@ class _Run:
             step = stepped.metrics["step"]
             last = step == self.total_steps or stop is not None
             logged = step % run.log_every == 0 or last
-            evaluated = (run.eval_every and step % run.eval_every == 0) or last
+            evaluated = bool(run.eval_every) and (step % run.eval_every == 0 or last)  # 0: never
             saved = (run.checkpoint_every and step % run.checkpoint_every == 0) or last
             progress.update(1)
             if logged or evaluated or saved or stepped.first_of_shape or tracer is not None:

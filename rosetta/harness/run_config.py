@@ -70,7 +70,8 @@ def setting(default: Any, help: str, group: str = "", *, flag: str | None = None
 class RunConfig:
     """Every setting of `rosetta train`, each field its flag, help and default (said once:
     `rosetta train --help` is generated from them). `steps` or `epochs` sets the length
-    (neither: DEFAULT_STEPS); `eval_every` / `checkpoint_every` 0 means at the end only;
+    (neither: DEFAULT_STEPS); `eval_every` 0 means no evaluation (the last step's included),
+    `checkpoint_every` 0 a checkpoint at the end only;
     `bleu_samples` None evaluates BLEU on the whole evaluation split."""
 
     backends: tuple[str, ...] = setting(
@@ -96,7 +97,8 @@ class RunConfig:
         None, "bucket lengths, e.g. 16,32,64 (default 8,16,...,max_len)", "data")
     steps: int | None = setting(None, f"optimizer steps in all (default {DEFAULT_STEPS})", "length")
     epochs: int | None = setting(None, "or: passes over the training data", "length")
-    eval_every: int = setting(500, "steps between evaluations (0: at the end)", "evaluation")
+    eval_every: int = setting(500, "steps between evaluations, and one at the end (0: none at all)",
+                              "evaluation")
     checkpoint_every: int = setting(500, "steps between checkpoints (0: end)", "evaluation")
     keep: int = setting(3, "checkpoints kept (the newest)", "evaluation")
     log_every: int = setting(1, "steps between log.jsonl records", "evaluation")
@@ -270,6 +272,8 @@ def check_run(run: RunConfig) -> None:
         raise RosettaError(f"--time-budget must be a positive number of minutes, got {run.time_budget!r}")
     if run.target_bleu is not None and not 0 < run.target_bleu <= 100:
         raise RosettaError(f"--target-bleu must be a BLEU score in (0, 100], got {run.target_bleu!r}")
+    if run.target_bleu is not None and not run.eval_every:
+        raise RosettaError("--target-bleu stops at an evaluation: --eval-every 0 evaluates nothing")
     if run.baseline is not None and not (Path(run.baseline) / "summary.json").is_file():
         raise RosettaError(f"--baseline {run.baseline}: no summary.json there (give the out directory of a "
                            "finished run on one device)")
