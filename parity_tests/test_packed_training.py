@@ -64,9 +64,9 @@ def test_a_packed_step_has_the_loss_of_its_pairs_run_alone(backend, accumulate):
     assert loss == pytest.approx(want, rel=FIRST_STEP_RTOL)
 
 
-RUN = dict(task="copy", max_tokens=512, buckets=(8, 16, 24), train_size=2000, eval_size=32, bleu_samples=16,
-           warmup=10, lr_factor=0.5, progress=False, device="cpu", overrides=NO_DROPOUT, steps=8,
-           eval_every=0, checkpoint_every=4, batching="packed")
+RUN = dict(task="copy", synthetic_max_len=12, max_tokens=512, buckets=(8, 16, 24), train_size=2000,
+           eval_size=32, bleu_samples=16, warmup=10, lr_factor=0.5, progress=False, device="cpu",
+           overrides=NO_DROPOUT, steps=8, eval_every=0, checkpoint_every=4, batching="packed")
 
 
 def test_packed_harness_runs_agree_across_frameworks_and_resume_exactly(tmp_path):
@@ -84,6 +84,10 @@ def test_packed_harness_runs_agree_across_frameworks_and_resume_exactly(tmp_path
     # Stopped after checkpoint 4 (a time budget), resumed: the uninterrupted run's weights, bit for bit.
     out = tmp_path / "resumed"
     train(RunConfig(out=str(out), backends=("torch",), **{**RUN, "steps": 4}))
+    # At the data's row length (docs/packing.md): the longest copy pair, 12 ids + eos, rounded up to 16,
+    # below the largest bucket (24), the default row length before issue 45.
+    state = json.loads((out / "torch" / "checkpoints" / "step-00000004" / "state.json").read_text())
+    assert state["data"]["pack_length"] == 16
     train(RunConfig(out=str(out), backends=("torch",), resume=True, **RUN))
     name = f"step-{RUN['steps']:08d}"
     got = load_checkpoint(out / "torch" / "checkpoints" / name / "model.safetensors").params
