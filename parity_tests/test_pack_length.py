@@ -91,3 +91,26 @@ def test_rosetta_train_says_in_its_first_lines_that_it_packs(tmp_path, capsys):
     line = capsys.readouterr().err.splitlines()[1]
     assert line.startswith("rosetta: torch: bucketed: ") and line.endswith("--batching packed to pack rows")
     assert '"batching": "bucketed"' in (tmp_path / "default" / "torch" / "run.json").read_text()
+
+
+def test_resume_matches_the_resolved_batching_and_reads_an_older_run_as_bucketed(tmp_path):
+    """run.json records the resolved --batching (not None); a resume resolves it again and must match,
+    and a run saved before --batching existed (no such identity key) resumes as the bucketed run it was."""
+    import dataclasses
+    import json
+
+    from rosetta.errors import RosettaError
+    from rosetta.harness.loop import train
+
+    run = RunConfig(backends=("torch",), device="cpu", out=str(tmp_path), steps=1, train_size=100,
+                    eval_size=4, bleu_samples=4, eval_every=0, checkpoint_every=1, progress=False)
+    train(run)
+    saved = tmp_path / "torch" / "run.json"
+    record = json.loads(saved.read_text())
+    assert record["identity"]["batching"] == "bucketed" and record["args"]["batching"] == "bucketed"
+    with pytest.raises(RosettaError, match=r"batching='bucketed' \(now 'packed'\)"):
+        train(dataclasses.replace(run, steps=2, resume=True, batching="packed"))
+    del record["identity"]["batching"]
+    saved.write_text(json.dumps(record))
+    train(dataclasses.replace(run, steps=2, resume=True))
+    assert json.loads((tmp_path / "torch" / "result.json").read_text())["backend"] == "torch"
