@@ -2,7 +2,9 @@
 (jax_impl/train.py's loss_fn), and the output projection with the loss in chunks of tokens
 (`chunked_loss`): no [tokens, V] float32 array is ever alive for the whole batch, only one
 [chunk, V] block at a time. Same loss and gradients as `loss_fn(hidden @ W + b, ...)`; the math
-and the choice of chunk: docs/loss.md.
+and the choice of chunk: docs/loss.md. The matmuls take their operands in the hidden states' dtype
+(bfloat16 in, bfloat16 GEMMs with float32 accumulation; float32 and float64 as they are); logits,
+logsumexp, sums and the weight's gradient are float32 at least.
 
 Maintained kernels that do this (Liger-Kernel's fused linear cross-entropy, Apple's Cut
 Cross-Entropy) are PyTorch/Triton only; JAX has none we could install, so this custom_vjp over a
@@ -25,16 +27,20 @@ from rosetta.errors import RosettaError
 DEFAULT_CHUNK = 1024
 
 
-def _chunk_logits(h: jax.Array, weight: jax.Array, bias: jax.Array | None, dtype: jnp.dtype,
-                  scale: float) -> jax.Array:
-    """Logits [n, V] = scale * (h W) (+ b) of one chunk, computed in `dtype` (float32 at least,
-    §3.4), as jax_impl/model.py's Generator (`scale`: the config's logit_scale, SPEC §2)."""
-    # Deliberate: the operands are cast up, not only the result, so bfloat16 hidden states give
-    # float32 logits (the plain path rounds them to bfloat16 first); on a GPU this trades the
-    # bfloat16 matmul's speed for accuracy.
-    logits = h.astype(dtype) @ weight.astype(dtype)
+def _matmul(a: jax.Array, b: jax.Array) -> jax.Array:
+    """a @ b with both operands in their own (compute) dtype, the product accumulated and returned
+    in float32 at least (dot_general's preferred_element_type: one bfloat16 GEMM with a float32
+    result on a GPU); float32 and float64 operands run as they are, unchanged."""
+    return jnp.matmul(a, b, preferred_element_type=jnp.promote_types(a.dtype, jnp.float32))
+
+
+def _chunk_logits(h: jax.Array, w: jax.Array, bias: jax.Array | None, scale: float) -> jax.Array:
+    """Logits [n, V] = scale * (h W) (+ b) of one chunk, in float32 at least (§3.4), as
+    jax_impl/model.py's Generator (`scale`: the config's logit_scale, SPEC §2). h and w (already
+    in h's dtype) are the matmul's operands; `bias` is already in the logits' dtype."""
+    logits = _matmul(h, w)
     logits = logits if scale == 1.0 else logits * scale
-    return logits if bias is None else logits + bias.astype(dtype)
+    return logits if bias is None else logits + bias
 
 
 def _chunks(hidden: jax.Array, labels: jax.Array, pad_id: int, chunk: int) -> tuple[jax.Array, jax.Array]:
@@ -102,11 +108,14 @@ def chunked_cross_entropy(hidden: jax.Array, weight: jax.Array, bias: jax.Array 
 
 
 def _chunked_forward(hidden, weight, bias, labels, denominator, pad_id, label_smoothing, chunk, scale):
+    """The operands of the matmuls are in hidden's dtype (the compute dtype: bfloat16 when training
+    in bfloat16), the weight cast to it once; logits, logsumexp and sums in float32 at least."""
     dtype = jnp.promote_types(hidden.dtype, jnp.float32)
+    w, b = weight.astype(hidden.dtype), None if bias is None else bias.astype(dtype)
 
     def one(args: tuple[jax.Array, jax.Array]) -> tuple[jax.Array, jax.Array]:
         h, y = args
-        return _token_losses(_chunk_logits(h, weight, bias, dtype, scale), y, pad_id, label_smoothing)
+        return _token_losses(_chunk_logits(h, w, b, scale), y, pad_id, label_smoothing)
 
     sums, lse = jax.lax.map(one, _chunks(hidden, labels, pad_id, chunk))  # lse [n, chunk]: O(N)
     total = sums.sum() / jnp.asarray(denominator).astype(dtype)
@@ -115,21 +124,23 @@ def _chunked_forward(hidden, weight, bias, labels, denominator, pad_id, label_sm
 
 def _chunked_backward(pad_id, label_smoothing, chunk, s, residuals, grad_out):
     """d loss / d logits = mask · (softmax - q) / denominator, recomputed chunk by chunk from
-    the saved logsumexp; then through logits = s (h W) + b: d/dh = s g W^T, d/dW = s h^T g."""
+    the saved logsumexp in float32; then through logits = s (h W) + b: d/dh = s g W^T, d/dW = s h^T g,
+    matmuls whose operands (g rounded to it, h, W) are in hidden's dtype, accumulated in float32."""
     hidden, weight, bias, labels, lse, denominator = residuals
     eps, (d, V) = label_smoothing, weight.shape
     dtype = lse.dtype
     scale = grad_out.astype(dtype) / jnp.asarray(denominator).astype(dtype)
-    w = weight.astype(dtype)
+    w, b = weight.astype(hidden.dtype), None if bias is None else bias.astype(dtype)
 
     def step(carry: tuple[jax.Array, jax.Array], args: tuple[jax.Array, ...]):
         grad_w, grad_b = carry
         h, y, lse_c = args
-        h = h.astype(dtype)
-        g = _logits_grad(_chunk_logits(h, weight, bias, dtype, s), lse_c, y, pad_id, eps, scale)
+        g = _logits_grad(_chunk_logits(h, w, b, s), lse_c, y, pad_id, eps, scale)
+        g_op = g.astype(hidden.dtype)  # the matmuls' operand (the same array in float32)
         # s multiplies the [chunk, d] sides (exact when s = 1), never the [chunk, V] block; the bias
-        # is added after the scale.
-        return (grad_w + (s * h).T @ g, grad_b + g.sum(axis=0)), (s * (g @ w.T)).astype(hidden.dtype)
+        # is added after the scale (its gradient: the float32 g).
+        return ((grad_w + _matmul((s * h).T, g_op), grad_b + g.sum(axis=0)),
+                (s * _matmul(g_op, w.T)).astype(hidden.dtype))
 
     hs, ys = _chunks(hidden, labels, pad_id, chunk)
     zeros = (jnp.zeros((d, V), dtype), jnp.zeros((V,), dtype))

@@ -33,6 +33,10 @@ if TYPE_CHECKING:
 # `rosetta train --loss`: the logits then the loss, or the output projection and the loss chunk by
 # chunk without the [tokens, V] logits (docs/loss.md). Each trainer maps the names to its functions.
 LOSSES: tuple[str, ...] = ("plain", "chunked")
+# The one default of `--loss` and of every trainer's `loss` argument. Plain on every device for now:
+# whether the chunked loss (bfloat16 GEMMs, no [tokens, V] logits) is faster on a GPU is not
+# measured; the GPU session's measurement decides the GPU default (docs/loss.md).
+DEFAULT_LOSS = "plain"
 
 
 @dataclass(frozen=True)

@@ -1,7 +1,10 @@
 """The output projection and the label-smoothed cross-entropy (SPEC §4) in chunks of tokens, with
 their own backward: no [tokens, V] float32 tensor is ever alive for the whole batch, only one
 [chunk, V] block at a time. Same loss and gradients as torch_impl/train.py's
-`loss_fn(hidden @ W.T + b, ...)`; the math and the choice of chunk: docs/loss.md. (jax_impl/loss.py
+`loss_fn(hidden @ W.T + b, ...)`; the math and the choice of chunk: docs/loss.md. The matmuls take
+their operands in the hidden states' dtype (bfloat16 in, bfloat16 GEMMs with float32 accumulation;
+float32 and float64 as they are); logits, logsumexp, sums and the weight's gradient are float32 at
+least. (jax_impl/loss.py
 also gives loss_fn its closed-form backward, `cross_entropy`; here autograd's stays: a
 torch.autograd.Function of it was slower in a paired `small` step on this project's CPU, 1.73 s
 against 1.63 s a step.)
@@ -26,16 +29,24 @@ from rosetta.errors import RosettaError
 DEFAULT_CHUNK = 1024
 
 
-def _chunk_logits(h: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None,
-                  dtype: torch.dtype, scale: float) -> torch.Tensor:
-    """Logits [n, V] = scale * (h W^T) (+ b) of one chunk, computed in `dtype` (float32 at least,
-    §3.4), as torch_impl/model.py's Generator (`scale`: the config's logit_scale, SPEC §2)."""
-    # Deliberate: the operands are cast up, not only the result, so bfloat16 hidden states give
-    # float32 logits (the plain path rounds them to bfloat16 first); on a GPU this trades the
-    # bfloat16 matmul's speed for accuracy.
-    logits = h.to(dtype) @ weight.to(dtype).T
-    logits = logits if scale == 1.0 else logits * scale
-    return logits if bias is None else logits + bias.to(dtype)
+def _matmul(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
+    """a @ b with both operands in their own (compute) dtype, the product in float32 at least.
+    bfloat16 operands run the bfloat16 GEMM, which accumulates in float32 (cuBLAS, oneDNN);
+    float32 and float64 ones run as they are, unchanged."""
+    # Deliberate: the bfloat16 result is rounded to bfloat16, then widened (the plain path's
+    # logits under autocast are too); torch.mm's out_dtype=float32 is CUDA-only, not used.
+    return (a @ b).to(torch.promote_types(a.dtype, torch.float32))
+
+
+def _chunk_logits(h: torch.Tensor, w: torch.Tensor, bias: torch.Tensor | None, scale: float
+                  ) -> torch.Tensor:
+    """Logits [n, V] = scale * (h W^T) (+ b) of one chunk, in float32 at least (§3.4), as
+    torch_impl/model.py's Generator (`scale`: the config's logit_scale, SPEC §2). h and w (already
+    in h's dtype) are the matmul's operands; `bias` is already in the logits' dtype. A new
+    tensor, scaled and biased in place."""
+    logits = _matmul(h, w.T)
+    logits = logits if scale == 1.0 else logits.mul_(scale)
+    return logits if bias is None else logits.add_(bias)
 
 
 def _token_losses(logits: torch.Tensor, y: torch.Tensor, pad_id: int, label_smoothing: float
@@ -51,10 +62,10 @@ def _token_losses(logits: torch.Tensor, y: torch.Tensor, pad_id: int, label_smoo
 
 def _logits_grad(logits: torch.Tensor, lse: torch.Tensor, y: torch.Tensor, pad_id: int,
                  label_smoothing: float, scale: torch.Tensor) -> torch.Tensor:
-    """d loss / d logits = mask · (softmax - q) · scale, from the logits and their logsumexp: one
-    new [..., V] tensor, updated in place."""
+    """d loss / d logits = mask · (softmax - q) · scale, from the logits and their logsumexp,
+    written over the logits (no new [..., V] tensor)."""
     V = logits.shape[-1]
-    g = torch.sub(logits, lse[..., None]).exp_().sub_(label_smoothing / V)  # softmax - ε/V
+    g = logits.sub_(lse[..., None]).exp_().sub_(label_smoothing / V)  # softmax - ε/V
     minus = torch.full_like(y[..., None], label_smoothing - 1.0, dtype=g.dtype)
     g.scatter_add_(-1, y[..., None], minus)  # - (1-ε)·onehot(y)
     return g.mul_(torch.where(y != pad_id, scale, 0.0)[..., None])
@@ -72,15 +83,19 @@ def chunked_cross_entropy(hidden: torch.Tensor, weight: torch.Tensor, bias: torc
 def _chunked_forward(ctx, hidden: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None,
                      labels: torch.Tensor, denominator: torch.Tensor, pad_id: int, label_smoothing: float,
                      chunk: int, scale: float) -> torch.Tensor:
+    """The operands of the matmuls are in hidden's dtype (the compute dtype: bfloat16 when training
+    in bfloat16), the weight cast to it once; logits, logsumexp and sums in float32 at least."""
     dtype = torch.promote_types(hidden.dtype, torch.float32)
+    w, b = weight.to(hidden.dtype), None if bias is None else bias.to(dtype)
     total = hidden.new_zeros((), dtype=dtype)
     lse = hidden.new_empty(hidden.shape[0], dtype=dtype)  # O(N): kept for the backward
-    with torch.autocast(hidden.device.type, enabled=False):  # the logits stay in `dtype`
+    with torch.autocast(hidden.device.type, enabled=False):  # the operands stay in their dtype
         for start in range(0, hidden.shape[0], chunk):
-            logits = _chunk_logits(hidden[start:start + chunk], weight, bias, dtype, scale)
+            logits = _chunk_logits(hidden[start:start + chunk], w, b, scale)
             chunk_total, lse[start:start + chunk] = _token_losses(logits, labels[start:start + chunk],
                                                                   pad_id, label_smoothing)
             total = total + chunk_total
+            del logits  # the next chunk's may reuse its memory
     ctx.save_for_backward(hidden, weight, bias, labels, lse, denominator)
     ctx.pad_id, ctx.label_smoothing, ctx.chunk, ctx.scale = pad_id, label_smoothing, chunk, scale
     return total / denominator.to(dtype)
@@ -88,7 +103,8 @@ def _chunked_forward(ctx, hidden: torch.Tensor, weight: torch.Tensor, bias: torc
 
 def _chunked_backward(ctx, grad_out: torch.Tensor):
     """d loss / d logits = mask · (softmax - q) / denominator, recomputed chunk by chunk from
-    the saved logsumexp; then through logits = s (h W^T) + b: d/dh = s g W, d/dW = s g^T h."""
+    the saved logsumexp in float32; then through logits = s (h W^T) + b: d/dh = s g W, d/dW = s g^T h,
+    matmuls whose operands (g rounded to it, h, W) are in hidden's dtype, accumulated in float32."""
     hidden, weight, bias, labels, lse, denominator = ctx.saved_tensors
     eps, V = ctx.label_smoothing, weight.shape[0]
     dtype = lse.dtype
@@ -97,19 +113,21 @@ def _chunked_backward(ctx, grad_out: torch.Tensor):
     need_w, need_b = ctx.needs_input_grad[1], bias is not None and ctx.needs_input_grad[2]
     grad_w = torch.zeros(weight.shape, dtype=dtype, device=weight.device) if need_w else None
     grad_b = torch.zeros(V, dtype=dtype, device=weight.device) if need_b else None
-    w, s = weight.to(dtype), ctx.scale
+    w, b, s = weight.to(hidden.dtype), None if bias is None else bias.to(dtype), ctx.scale
     with torch.autocast(hidden.device.type, enabled=False):
         for start in range(0, hidden.shape[0], ctx.chunk):
-            h, y = hidden[start:start + ctx.chunk].to(dtype), labels[start:start + ctx.chunk]
-            g = _logits_grad(_chunk_logits(h, weight, bias, dtype, s), lse[start:start + ctx.chunk], y,
-                             ctx.pad_id, eps, scale)
+            h, y = hidden[start:start + ctx.chunk], labels[start:start + ctx.chunk]
+            g = _logits_grad(_chunk_logits(h, w, b, s), lse[start:start + ctx.chunk], y, ctx.pad_id, eps,
+                             scale)
+            if grad_b is not None:
+                grad_b += g.sum(dim=0)  # float32 g; the bias is added after the scale
+            g_op = g.to(hidden.dtype)  # the matmuls' operand (the same tensor in float32)
             # s multiplies the [chunk, d] sides (exact when s = 1), never the [chunk, V] block.
             if grad_h is not None:
-                grad_h[start:start + ctx.chunk] = (s * (g @ w)).to(hidden.dtype)
+                grad_h[start:start + ctx.chunk] = (s * _matmul(g_op, w)).to(hidden.dtype)
             if grad_w is not None:
-                grad_w += g.T @ (s * h)
-            if grad_b is not None:
-                grad_b += g.sum(dim=0)  # the bias is added after the scale
+                grad_w += _matmul(g_op.T, s * h)
+            del g, g_op  # the next chunk's logits may reuse their memory
     grad_w = None if grad_w is None else grad_w.to(weight.dtype)
     grad_b = None if grad_b is None else grad_b.to(bias.dtype)
     return grad_h, grad_w, grad_b, None, None, None, None, None, None

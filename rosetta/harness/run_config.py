@@ -19,7 +19,7 @@ from rosetta.device import cache_dir, parse_device
 from rosetta.errors import RosettaError
 from rosetta.generation import check_alpha
 from rosetta.harness.tasks import check_task, parse_pair
-from rosetta.training import LOSSES, TrainConfig
+from rosetta.training import DEFAULT_LOSS, LOSSES, TrainConfig
 
 # What the peer has no counterpart of: (RunConfig field, value that is fine, why).
 PEER_REFUSES: tuple[tuple[str, Any, str], ...] = (
@@ -154,7 +154,7 @@ class RunConfig:
         "as long as the longest pair rounded up to 16: docs/packing.md); default packed on a GPU, bucketed "
         "on a CPU", "data")
     loss: str = setting(
-        "plain", "plain (logits, then the loss) or chunked (the output projection and the loss chunk by "
+        DEFAULT_LOSS, "plain (logits, then the loss) or chunked (the output projection and the loss chunk by "
         "chunk: no [tokens, vocabulary] logits, docs/loss.md)", "optimizer")
     compile: bool = setting(
         False, "PyTorch: compile the forward pass, loss and backward with torch.compile, one graph per batch "
