@@ -73,6 +73,7 @@ from rosetta.harness.tasks import load_task
 from rosetta.parity import random_batch
 from rosetta.training import Batch
 from torch_impl.backend import Model as TorchModel
+from torch_impl.backend import compute_context
 
 
 @dataclass(frozen=True)
@@ -162,9 +163,10 @@ def training_batch(cfg, size: Size, seed: int = 0):
     return src, tgt, labels
 
 
-def autocast(dtype: str, device: str) -> torch.autocast:
-    """The forward benchmark's bfloat16: torch.autocast with float32 weights, as the trainer computes."""
-    return torch.autocast(device, dtype=torch.bfloat16, enabled=dtype == "bfloat16")
+def autocast(dtype: str, module: torch.nn.Module):
+    """The forward benchmark's bfloat16 as the trainer computes (torch_impl/backend.py's one policy:
+    ours casts its float32 weights once per pass, the nn.Transformer peer runs under autocast)."""
+    return compute_context(module, torch.bfloat16 if dtype == "bfloat16" else None)
 
 
 def harness_run(cfg, preset_name: str, size: Size) -> RunConfig:
@@ -255,7 +257,7 @@ def bench_forward(cfg, params, peer, size: Size, dtype: str, suite: Suite, devic
 
     def torch_fwd(module):
         def run():
-            with torch.inference_mode(), autocast(dtype, device):
+            with torch.inference_mode(), autocast(dtype, module):
                 return module(src_t, tgt_t)
 
         return run

@@ -47,6 +47,24 @@ def parity_mode(enabled: bool = True) -> Iterator[None]:
         yield
 
 
+def compute_weights(model: nnx.Module, dtype: jnp.dtype) -> nnx.Module:
+    """`model` with every floating nnx.Param cast to `dtype` once (a new module on the cast state; the
+    same model when nothing is cast): the backend's one low-precision compute policy, as
+    torch_impl/backend.py's compute_context. The layers compute in their `dtype` (the model's compute
+    dtype) either way; cast here, each weight is cast once per traced call rather than where each use
+    promotes it (a tied table: embedding and output projection), and LayerNorm's scale and bias are
+    bfloat16 too (flax's LayerNorm keeps its statistics in float32 at least). Differentiated, astype's
+    transpose casts the gradient back: it reaches the float32 parameter, Adam's state stays float32."""
+    graphdef, params, rest = nnx.split(model, nnx.Param, ...)
+
+    def cast(x: jax.Array) -> jax.Array:
+        return x.astype(dtype) if jnp.issubdtype(x.dtype, jnp.floating) and x.dtype != dtype else x
+
+    if all(cast(x) is x for x in jax.tree.leaves(params)):
+        return model
+    return nnx.merge(graphdef, jax.tree.map(cast, params), rest)
+
+
 @partial(jax.jit, static_argnums=0)
 def _encode(graphdef, state, src):
     return nnx.merge(graphdef, state).encode(src)
@@ -90,7 +108,8 @@ class Model(BackendModel):
     def _build(self, params: Mapping[str, np.ndarray]) -> None:
         with x64(self.dtype):
             self.module = build_model(self.config, params, DTYPES[self.dtype])
-            self.graphdef, self.state = nnx.split(self.module)
+            # bfloat16: the weights cast once for every call; the float32 ones stay the model's (to_params).
+            self.graphdef, self.state = nnx.split(compute_weights(self.module, DTYPES[self.dtype]))
 
     def to_params(self) -> Params:
         return to_params(self.module)

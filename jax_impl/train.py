@@ -25,7 +25,7 @@ from jax.sharding import Mesh, NamedSharding
 from jax.sharding import PartitionSpec as P
 
 from jax_impl import compilation
-from jax_impl.backend import DTYPES, Model, parity_mode, x64
+from jax_impl.backend import DTYPES, Model, compute_weights, parity_mode, x64
 from jax_impl.convert import build_model, flax_name, to_params
 from jax_impl.distributed import (
     any_process,
@@ -92,8 +92,9 @@ def forward_loss(model: Transformer, rngs: nnx.Rngs | None, src: jax.Array, tgt:
                  label_smoothing: float, num_tokens: jax.Array | int | None = None,
                  packing: Packing | None = None) -> jax.Array:
     """The loss of one batch, forward only: what `_train_step` differentiates. `packing`: a packed
-    batch's segment and position arrays (docs/packing.md)."""
-    logits = model(src, tgt, rngs=rngs, packing=packing)
+    batch's segment and position arrays (docs/packing.md). The weights are cast once to the model's
+    compute dtype, its Generator's (backend.compute_weights)."""
+    logits = compute_weights(model, model.generator.dtype)(src, tgt, rngs=rngs, packing=packing)
     return loss_fn(logits, labels, model.cfg.pad_id, label_smoothing, num_tokens)[0]
 
 
@@ -102,7 +103,7 @@ def chunked_forward_loss(model: Transformer, rngs: nnx.Rngs | None, src: jax.Arr
                          packing: Packing | None = None) -> jax.Array:
     """`forward_loss` without the [tokens, V] float32 logits: the decoder's output, then the output
     projection and the loss chunk by chunk with their own backward (jax_impl/loss.py, docs/loss.md)."""
-    hidden = model(src, tgt, rngs=rngs, hidden=True, packing=packing)
+    hidden = compute_weights(model, model.generator.dtype)(src, tgt, rngs=rngs, hidden=True, packing=packing)
     return chunked_loss(hidden, *generator_params(model), labels, model.cfg.pad_id, label_smoothing,
                         num_tokens, logit_scale=model.cfg.logit_scale)[0]
 

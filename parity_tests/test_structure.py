@@ -178,9 +178,10 @@ TORCH_ONLY: dict[str, dict[str, str]] = {
         "compiled": "torch.compile with our settings; JAX jits each step where it is defined",
     },
     "backend": {
-        "Precision": "torch's dtypes: parameter dtype, autocast dtype, CUDA-only",
+        "Precision": "torch's dtypes: parameter dtype, compute dtype, autocast or not, CUDA-only",
         "float32_matmul_precision": "torch's TF32 switches, restored after",
-        "autocast_context": "torch.autocast; JAX computes in the model's dtype",
+        "_swapped": "the cast weights swapped into the modules; JAX merges a cast state",
+        "compute_context": "the cast weights, or autocast for other modules; JAX casts the state alone",
         "default_device": "CUDA if available: torch places tensors itself; JAX has a default device",
         "Model.__init__": "the device and the compiled search step chosen per model",
         "Model._tensor": "NumPy ids to the model's device; JAX takes NumPy arrays directly",

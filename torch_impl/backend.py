@@ -9,6 +9,7 @@ from dataclasses import dataclass
 
 import numpy as np
 import torch
+from torch.distributed.fsdp import FSDPModule
 
 from rosetta.backends import BackendModel
 from rosetta.device import check_device
@@ -17,31 +18,34 @@ from rosetta.generation import NO_CONSTRAINTS, Constraints
 from rosetta.params import Params
 from torch_impl import decode
 from torch_impl.convert import build_model, to_params
-from torch_impl.model import source_mask
+from torch_impl.model import Transformer, source_mask
 from torch_impl.ops import packed_linears
 
 
 @dataclass(frozen=True)
 class Precision:
     """What one compute dtype means in PyTorch: the weights' dtype (and Adam's moments'), the dtype
-    torch.autocast computes in (None: no autocast), whether the trainer offers it, and whether it
-    needs a CUDA device."""
+    the forward pass computes in (None: the weights'; `compute_context`), whether it computes by
+    torch.autocast instead, whether the trainer offers it, and whether it needs a CUDA device."""
 
     params: torch.dtype
-    autocast: torch.dtype | None = None
+    compute: torch.dtype | None = None
+    autocast: bool = False
     trains: bool = True
     cuda_only: bool = False
 
 
 # The backend's one dtype table: Model.dtypes and Trainer.dtypes (torch_impl/train.py) are read
-# from it. bfloat16 and float16 keep float32 weights and compute the matmuls under autocast.
+# from it. bfloat16 keeps float32 weights (and Adam's state) and computes with bfloat16 copies of
+# them, cast once per forward pass (`compute_context`); float16 computes under torch.autocast.
 DTYPES: dict[str, Precision] = {
     "float32": Precision(torch.float32),
     "bfloat16": Precision(torch.float32, torch.bfloat16),
     # float64: the "same algorithm?" tests (DDP, accumulation, resume) and exact training traces.
     "float64": Precision(torch.float64),
-    # float16 overflows in training without loss scaling (a GradScaler), which the trainer has not.
-    "float16": Precision(torch.float32, torch.float16, trains=False, cuda_only=True),
+    # float16 overflows in training without loss scaling (a GradScaler), which the trainer has not;
+    # autocast keeps LayerNorm and softmax in float32, away from float16's range (inference, CUDA).
+    "float16": Precision(torch.float32, torch.float16, autocast=True, trains=False, cuda_only=True),
 }
 
 
@@ -64,9 +68,54 @@ def parity_mode(enabled: bool = True) -> contextlib.AbstractContextManager:
     return float32_matmul_precision("highest") if enabled else contextlib.nullcontext()
 
 
-def autocast_context(device: torch.device, dtype: torch.dtype | None) -> contextlib.AbstractContextManager:
-    """torch.autocast to `dtype` (a DTYPES entry's `autocast`) on `device`'s type; None: no autocast."""
-    return torch.autocast(device.type, dtype=dtype) if dtype is not None else contextlib.nullcontext()
+def compute_weights(module: torch.nn.Module, dtype: torch.dtype) -> dict[int, torch.Tensor]:
+    """Each floating parameter of `module` cast to `dtype`, once, keyed by the parameter's id (a tied
+    parameter is cast once): `p.to(dtype)`, differentiable, so gradients reach the float32 parameter
+    (the master weight) as float32. Parameters already in `dtype` are kept as they are."""
+    return {id(p): p.to(dtype) for p in module.parameters() if p.is_floating_point() and p.dtype != dtype}
+
+
+@contextlib.contextmanager
+def _swapped(module: torch.nn.Module, weights: Mapping[int, torch.Tensor]) -> Iterator[None]:
+    """Every parameter of `module` with a cast copy in `weights` replaced by it, restored on exit
+    (what torch.func.functional_call does; also around encode/decode_step, and traced by dynamo)."""
+    saved = [(m, name, p) for m in module.modules() for name, p in m._parameters.items() if id(p) in weights]
+    for m, name, p in saved:
+        m._parameters[name] = weights[id(p)]
+    try:
+        yield
+    finally:
+        for m, name, p in saved:
+            m._parameters[name] = p
+
+
+def compute_context(module: torch.nn.Module, dtype: torch.dtype | None, autocast: bool = False,
+                    weights: Mapping[int, torch.Tensor] | None = None) -> contextlib.AbstractContextManager:
+    """The backend's one low-precision compute policy, around a forward pass of `module` (one process,
+    or DDP around it) in `dtype` (a DTYPES entry's `compute`; None: the weights' own dtype, nothing
+    changes). bfloat16: the float32 weights are cast to bfloat16 once, on entry (`compute_weights`;
+    or the `weights` given: a model's cast kept for every call), and the forward pass computes with
+    those: every matmul, the residual stream and LayerNorm's output in bfloat16, LayerNorm's
+    statistics in float32 (torch's kernels accumulate 16-bit inputs in float32), the softmax of
+    attention and of the loss in float32 (torch_impl/ops.py, train.py). Why a cast per pass and not
+    bfloat16 parameters with float32 masters kept by the optimizer: Adam, clipping, the checkpoint
+    and an exact resume stay the float32 ones they are, with no second copy to keep in step; the
+    cast costs one read of the weights per step (compiled: fused into the graph). Autocast, which
+    this replaces, caches its weight casts within a pass, but casts the float32 residual stream at
+    every Linear's input (q, k and v each cast the same one). JAX's trainer does the same as this
+    (jax_impl/backend.py's compute_weights).
+    torch.autocast (`autocast`, float16; and a module that is not ours: the nn.Transformer peer,
+    trained with the AMP recipe a user of it writes, or one sharded by FSDP2, whose unsharding
+    would put its float32 parameters back: its MixedPrecisionPolicy is the cast-once there, not
+    wired yet) computes the matmuls in `dtype` from float32 weights, LayerNorm and the residual
+    stream in float32. DDP with bfloat16 is not run by the tests (the two-process ones are float64)."""
+    if dtype is None:
+        return contextlib.nullcontext()
+    inner = module.module if isinstance(module, torch.nn.parallel.DistributedDataParallel) else module
+    if autocast or not isinstance(inner, Transformer) or isinstance(module, FSDPModule):
+        device = next(module.parameters()).device
+        return torch.autocast(device.type, dtype=dtype)
+    return _swapped(module, compute_weights(module, dtype) if weights is None else weights)
 
 
 def default_device(name: str | None = None) -> str:
@@ -90,20 +139,26 @@ class Model(BackendModel):
         super().__init__(cfg, params, dtype)
 
     def _build(self, params: Mapping[str, np.ndarray]) -> None:
-        precision = DTYPES[self.dtype]
-        param_dtype, self.autocast_dtype = precision.params, precision.autocast
+        self.precision = precision = DTYPES[self.dtype]
         if precision.cuda_only and self.device.type != "cuda":
             raise RosettaError(f"backend 'torch' offers {self.dtype} on CUDA only; use bfloat16 on a "
                                f"{self.device.type}")
-        self.module = build_model(self.config, params, param_dtype, self.device)
+        self.module = build_model(self.config, params, precision.params, self.device)
+        # bfloat16: the weights cast once for every call (fixed addresses for a compiled search's CUDA
+        # graphs); the float32 ones stay the model's (to_params).
+        self._weights = None
+        if precision.compute is not None and not precision.autocast:
+            with torch.no_grad():
+                self._weights = compute_weights(self.module, precision.compute)
 
     def to_params(self) -> Params:
         return to_params(self.module)
 
     @contextlib.contextmanager
     def _context(self) -> Iterator[None]:
-        autocast = autocast_context(self.device, self.autocast_dtype)
-        with torch.inference_mode(), parity_mode(self.autocast_dtype is None), autocast:
+        precision = self.precision
+        compute = compute_context(self.module, precision.compute, precision.autocast, self._weights)
+        with torch.inference_mode(), parity_mode(precision.compute is None), compute:
             yield
 
     def _tensor(self, ids: np.ndarray) -> torch.Tensor:
@@ -119,8 +174,8 @@ class Model(BackendModel):
 
     def _decode(self, tgt: np.ndarray, memory: np.ndarray, src: np.ndarray) -> np.ndarray:
         with self._context():
-            param_dtype = DTYPES[self.dtype].params
-            memory_t = torch.from_numpy(memory).to(self.device, param_dtype)
+            dtype = self.precision.params if self._weights is None else self.precision.compute
+            memory_t = torch.from_numpy(memory).to(self.device, dtype)
             return self._numpy(self.module.decode(self._tensor(tgt), memory_t, self._tensor(src)))
 
     def _logits(self, src: np.ndarray, tgt: np.ndarray) -> np.ndarray:

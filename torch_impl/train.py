@@ -34,7 +34,7 @@ from rosetta.training import (
     learning_rate,
 )
 from torch_impl import compilation
-from torch_impl.backend import DTYPES, Model, autocast_context, float32_matmul_precision, parity_mode
+from torch_impl.backend import DTYPES, Model, compute_context, float32_matmul_precision, parity_mode
 from torch_impl.convert import build_model, from_state_dict
 from torch_impl.distributed import (
     all_sum,
@@ -91,24 +91,24 @@ def make_optimizer(module: Transformer, train_cfg: TrainConfig
 
 
 def forward_loss(module: Transformer, src: torch.Tensor, tgt: torch.Tensor, labels: torch.Tensor,
-                 label_smoothing: float, autocast: torch.dtype | None = None,
+                 label_smoothing: float, compute: torch.dtype | None = None,
                  num_tokens: torch.Tensor | None = None, packing: Packing | None = None) -> torch.Tensor:
-    """The loss of one batch, forward only: what `compiled_forward` compiles (`rosetta train --compile`).
-    `packing`: a packed batch's segment and position arrays (docs/packing.md); the peer
-    (peer_impl/model.py) takes none, so an unpacked batch passes no `packing` argument."""
-    with autocast_context(src.device, autocast):  # the backward pass runs outside autocast, as torch advises
+    """The loss of one batch, forward only: what `compiled_forward` compiles (`rosetta train --compile`),
+    in the dtype `compute` (backend.compute_context). `packing`: a packed batch's segment and position
+    arrays (docs/packing.md); the peer (peer_impl/model.py) takes none: an unpacked batch passes none."""
+    with compute_context(module, compute):
         logits = module(src, tgt) if packing is None else module(src, tgt, packing=packing)
         return loss_fn(logits, labels, unwrap(module).cfg.pad_id, label_smoothing, num_tokens)[0]
 
 
 def chunked_forward_loss(module: Transformer, src: torch.Tensor, tgt: torch.Tensor, labels: torch.Tensor,
-                         label_smoothing: float, autocast: torch.dtype | None = None,
+                         label_smoothing: float, compute: torch.dtype | None = None,
                          num_tokens: torch.Tensor | None = None,
                          packing: Packing | None = None) -> torch.Tensor:
     """`forward_loss` without the [tokens, V] float32 logits: the decoder's output, then the output
     projection and the loss chunk by chunk with their own backward (torch_impl/loss.py, docs/loss.md).
     The tied table is used outside the wrapper's forward; its one gradient still reaches DDP's hook."""
-    with autocast_context(src.device, autocast):
+    with compute_context(module, compute):
         hidden = module(src, tgt, hidden=True, packing=packing)
     model = unwrap(module)
     weight, bias = generator_params(model)
@@ -159,8 +159,8 @@ def train_step(module: Transformer, optimizer: torch.optim.Optimizer,
                labels: torch.Tensor, train_cfg: TrainConfig, autocast: torch.dtype | None = None,
                forward: Callable[..., torch.Tensor] = forward_loss) -> tuple[torch.Tensor, float]:
     """One update: forward with dropout (torch's generator: PITFALLS 10), loss, backward,
-    optional global-norm clipping, Adam, schedule. `autocast` (e.g. torch.bfloat16) runs the
-    forward pass under torch.autocast, float32 weights (JAX: the model's compute dtype).
+    optional global-norm clipping, Adam, schedule. `autocast` (e.g. torch.bfloat16): the forward
+    pass's compute dtype, float32 weights cast once (backend.compute_context; JAX: alike).
     Returns (loss, lr used); the loss is a detached 0-d tensor (reading it synchronises)."""
     loss, lr, _ = _train_step(module, optimizer, scheduler, [(src, tgt, labels)], None, train_cfg, autocast,
                               forward)
@@ -223,9 +223,9 @@ class Trainer:
     rosetta/harness/loop.py drives; jax_impl/train.py's `Trainer` has the same methods.
 
     Built from canonical weights (`rosetta.init_params` or a checkpoint: never re-initialised
-    here, PITFALLS 9). `dtype` "bfloat16" runs the forward pass under torch.autocast with
-    float32 weights and optimizer state. `parity` (default: on CPU only) pins full-precision
-    float32 matmuls (PITFALLS 5); on a GPU the trainer leaves it off and allows TF32, for speed.
+    here, PITFALLS 9). `dtype` "bfloat16" computes with bfloat16 copies of the float32 weights,
+    cast once per step (backend.compute_context), Adam's state float32. `parity` (default: on CPU
+    only) pins full-precision float32 matmuls (PITFALLS 5); a GPU trainer allows TF32, for speed.
     The dropout generator is the trainer's own: torch's global generator is swapped in for each
     step and saved back after it, so nothing else in the process moves this trainer's stream.
 
@@ -274,7 +274,7 @@ class Trainer:
                 raise RosettaError("--compile trains in one process for now: leave out --nproc or --compile")
             init_distributed(env, self.device)
         self.module = build_model(cfg, params, DTYPES[dtype].params, self.device)  # meta, then the weights
-        self.autocast = DTYPES[dtype].autocast
+        self.autocast = DTYPES[dtype].compute  # the compute dtype (backend.compute_context)
         self.parity = self.device.type == "cpu" if parity is None else parity
         self.replica = replicate(self.module, self.device, env, self.shard)
         self.optimizer, self.scheduler = make_optimizer(self.module, train_cfg)  # after fully_shard
@@ -407,7 +407,7 @@ class Trainer:
         try:
             with torch.inference_mode(), self._precision():
                 for batch in batches:
-                    with autocast_context(self.device, self.autocast):
+                    with compute_context(self.module, self.autocast):
                         logits = self.module(self._tensor(batch.src), self._tensor(batch.tgt_in))
                     loss, n = loss_fn(logits, self._tensor(batch.labels), self.cfg.pad_id,
                                       self.train_cfg.label_smoothing)
