@@ -1,17 +1,73 @@
-"""Where one training step spends its time on a GPU: torch.profiler over a few steps of the
-trainers' own `Trainer.step` (benchmarks/common.py: built through the registry as `rosetta train`
-builds them) for our eager PyTorch model and the nn.Transformer peer (benchmarks/peer.py), on the
-GPU suite's batches (benchmarks/run.py: training_batches), kernels grouped by kind; and the
-label-smoothed loss over the vocabulary timed alone (forward + backward) in eager PyTorch,
-torch.compile and JAX.
+"""Where a step goes, both frameworks side by side (issue 45, item 1): the training step in PyTorch
+eager, PyTorch compiled (`rosetta train --compile`) and JAX, and the beam-4 search in PyTorch and JAX,
+each profiled by its framework's own profiler (torch.profiler; jax.profiler's perfetto trace), both
+traces read by the same plain functions into the same table of kinds.
 
-    python -m benchmarks.profile_step --preset base --dtype bfloat16 > profile.md
-    python -m benchmarks.profile_step --preset tiny --device cpu --steps 2   # the same code on a CPU
+    python -m benchmarks.profile_step                        # a GPU: base bfloat16, within 6 minutes
+    python -m benchmarks.profile_step --device cpu --preset tiny   # the CPU twin (the suite runs it smaller)
 
-On a CPU the profiler records operators instead of kernels (most land in "other").
+What runs. Training: the trainers' own `Trainer.step` built through the registry with the settings
+`rosetta train` passes (benchmarks/common.py build_trainer), stepped by the harness's Stepper on the
+GPU suite's copy-task batches (benchmarks/run.py training_batches). Search: `generate` of the backend's
+`Model` (rosetta.backends: get_backend; torch_impl/decode.py, jax_impl/decode.py), beam 4, alpha 0.6,
+on `--sentences` random source sentences (benchmarks/run.py's decoding batch). Each part: `--warmup`
+unprofiled steps (the compiles), `--steps` timed, unprofiled (training: one stretch of the Stepper, as
+benchmarks.run times it; search: the median call), then `--profiled` steps under the profiler.
+Budget on a GPU at `base` bfloat16 (3 + 5 + 3 steps): the compiles dominate (torch.compile's graph and
+the two searches); the whole run is meant to stay within 6 minutes (not measured yet on a GPU).
+
+What each part reports: the step (training: the mean step of the timed stretch; search: one
+`generate` call); real-token and padded MFU (rosetta/flops.py's model FLOPs over the peak of
+rosetta/harness/metrics.py peak_flops, the harness's one place; `--peak-tflops` where the table has
+none; on a CPU: not known); device time by kind (KINDS); the 15 largest kernels; kernel launches per
+step; the share of the step the device sits idle; host-device syncs per step. Search FLOPs
+(`search_flops`): the encoder once per sentence, the decoder and output projection per beam row at
+every position; real: each sentence at its own source length and output length; padded: the batch's
+source length and its longest output.
+
+How a trace is read (`summarize`: trace events in, a table out; parity_tests/test_profile_step.py
+feeds it synthetic traces with known intervals):
+- device work: torch on CUDA: the `kernel`, `gpu_memcpy`, `gpu_memset` events; torch on a CPU: the
+  `cpu_op` events (operators); JAX on a GPU: the events on the `Stream` lines of a `/device:GPU`
+  process; JAX on a CPU: XLA's thunks (the events with an `hlo_op`). Each counts its self time
+  (nested device events taken out, per thread), so nested operators are not counted twice.
+- kind: the first KINDS entry one of whose fragments is in the event's name (lower case); for a
+  name that matches none, the same look at its `hlo_op`, `tf_op`, `long_name` and `name` arguments
+  (JAX's kernels). An inductor or XLA fusion that mixes kinds counts as the first kind it names.
+  torch's `copy_` (`copy_kernel` on CUDA) is a cast or a layout copy: it counts as a cast.
+- launches: device events with no device event nested in them (kernels; on a CPU the innermost
+  operators and thunks).
+- idle: 1 - (the union of the device events' intervals) / (first start to last end of the profiled
+  steps, run back to back). On a CPU that is the time in no operator (Python, dispatch).
+- syncs (the host waiting for the device): torch on CUDA: the runtime's cudaStreamSynchronize,
+  cudaDeviceSynchronize, cudaEventSynchronize and synchronous cudaMemcpy calls; torch on a CPU:
+  aten::_local_scalar_dense (every .item(), bool(), int() of a tensor); JAX on a GPU: the
+  device-to-host copies on its streams (MemcpyD2H); JAX on a CPU, where nothing is copied: the
+  host's reads in its trace, `np.asarray(jax.Array)` (jax.Array._value: float(), jax.device_get)
+  and `CommonPjRtBuffer::Await` outside one (NumPy's np.asarray of an array not computed yet: a
+  read of an array already computed does not wait and is not seen, so this count varies).
+  The profiled stretch ends with the Stepper's flush, one read: 1/--profiled of a sync per step.
+On a CPU, XLA's thunks run on several threads (their sum can exceed the span) and most of them are
+fusions whose names do not say what they compute ("other"): benchmarks.profile_cpu maps them through
+the optimized HLO. Results: benchmarks/results/profile-step_<preset>-<dtype>_<device>_<date>.{json,md}.
+GPU figures: none measured yet.
 """
 
 from __future__ import annotations
+
+import datetime as dt
+import gzip
+import json
+import os
+import re
+import statistics
+import tempfile
+import time
+from collections.abc import Callable
+from dataclasses import dataclass
+from pathlib import Path
+
+os.environ.setdefault("XLA_PYTHON_CLIENT_PREALLOCATE", "false")  # PyTorch runs in this process too
 
 import jax
 import jax.numpy as jnp
@@ -19,69 +75,270 @@ import numpy as np
 import torch
 from torch.profiler import ProfilerActivity, profile
 
-from benchmarks.common import build_trainer, environment, parser, release, time_training
+from benchmarks.common import (
+    RESULTS,
+    build_trainer,
+    environment,
+    given_path,
+    parser,
+    release,
+    time_training,
+    write_results,
+)
 from benchmarks.peer import make_peer
-from benchmarks.run import SUITES, measure, training_batches
+from benchmarks.run import SUITES, Size, measure, training_batches
 from jax_impl import train as jax_train
 from rosetta import preset
-from rosetta.cli_args import positive_int
-from rosetta.flops import training_flops
+from rosetta.backends import get_backend
+from rosetta.cli_args import positive_int, positive_real
+from rosetta.config import PRESETS
+from rosetta.flops import forward_flops
+from rosetta.harness.metrics import batch_work, mfu, peak_flops
 from rosetta.harness.stepping import Stepper, cycle
-from rosetta.training import Batch
+from rosetta.parity import random_batch
 from torch_impl import train as torch_train
 
-# Kernel name fragments -> kind; the first match wins, anything else is "other".
+OTHER = "other elementwise and casts"
+# Name fragments (lower case) -> kind; the first entry that matches wins, no match is OTHER. One
+# table for torch's CUDA kernels and CPU operators, and XLA's GPU kernels and CPU thunks.
 KINDS = (
-    ("matmul (cuBLAS)", ("nvjet", "gemm", "cutlass", "xmma", "cublas")),
-    ("attention (cuDNN/flash SDPA)", ("sdpa", "flash", "fmha", "attention")),
-    ("softmax over the vocabulary (loss)", ("SoftMax",)),
-    ("LayerNorm", ("layer_norm", "GammaBeta", "LayerNorm")),
-    ("dropout", ("dropout",)),
-    ("Adam", ("adam", "Adam")),
-    ("casts and copies", ("copy_kernel",)),
+    ("attention", ("sdpa", "flash", "fmha", "attention", "scaled_dot_product")),
+    ("GEMM", ("gemm", "nvjet", "cutlass", "xmma", "cublas", "matmul", "aten::mm", "aten::addmm", "aten::bmm",
+              "baddbmm", "linear", "dot")),
+    ("loss and softmax", ("softmax", "nll_loss", "cross_entropy", "logsumexp")),
+    ("LayerNorm", ("layer_norm", "layernorm", "gammabeta")),
+    ("dropout", ("dropout", "bernoulli", "philox", "threefry", "rng", "random")),
+    ("optimizer", ("adam", "multi_tensor_apply", "foreach")),
+    (OTHER, ("copy_kernel", "aten::copy_", "_to_copy")),  # torch's casts, before "copy" below
+    ("copies", ("memcpy", "memset", "copy", "transpose", "concatenate", "aten::cat", "index", "gather",
+                "scatter", "dynamic-update-slice", "dynamic_update_slice")),
+    (OTHER, ("convert",)),  # XLA's casts, after its cache writes (dynamic-update-slice_convert_fusion)
 )
+KIND_ORDER = ("GEMM", "attention", "loss and softmax", "LayerNorm", "dropout", OTHER, "optimizer", "copies")
+CUDA_SYNCS = ("cudaStreamSynchronize", "cudaDeviceSynchronize", "cudaEventSynchronize", "cudaMemcpy")
+# JAX's host reads of device arrays on a CPU: jax.Array._value (float(), jax.device_get), and PjRt's
+# wait for a buffer (NumPy's np.asarray of an array not computed yet).
+JAX_READS = ("np.asarray(jax.Array)", "CommonPjRtBuffer::Await")
+ARG_NAMES = ("hlo_op", "tf_op", "long_name", "name")  # what a JAX kernel's arguments say it computes
+TOP = 15
 
 
-def kind_of(kernel: str) -> str:
-    kinds = (kind for kind, keys in KINDS if any(k in kernel for k in keys))
-    return next(kinds, "other elementwise, reductions")
+def kind_of(text: str) -> str:
+    text = text.lower()
+    return next((kind for kind, keys in KINDS if any(k in text for k in keys)), OTHER)
 
 
-def wall_time(fn, steps: int) -> float:
-    """Mean seconds per call over `steps` calls after 3 warm-up calls (benchmarks/run.py's timer)."""
-    return measure(fn, repeats=1, warmup=3, inner=steps)["median_s"]
+def classify(event: dict) -> str:
+    """The kind of a device event: by its name, else by what its arguments name."""
+    kind = kind_of(event["name"])
+    if kind != OTHER:
+        return kind
+    args = event.get("args") or {}
+    return kind_of(" ".join(str(args[k]) for k in ARG_NAMES if k in args))
 
 
-def profile_impl(name: str, cfg, params, batches: list[Batch], dtype: str, device: str, steps: int,
-                 flops: int) -> str:
-    """torch.profiler over `steps` of the trainer's own steps (after a timed, unprofiled run of as
-    many), device kernels (operators on a CPU) grouped by kind."""
-    trainer = build_trainer(name, cfg, params, dtype, device)
-    wall = time_training(trainer, batches, warmup=3, repeats=1, steps=steps)["median_s"]
-    stepper = Stepper(trainer, cycle(batches))
-    cuda = device == "cuda"
-    with profile(activities=[ProfilerActivity.CUDA if cuda else ProfilerActivity.CPU]) as prof:
-        stepper.run(steps)
-    kind = torch.autograd.DeviceType.CUDA if cuda else torch.autograd.DeviceType.CPU
-    kernels = [e for e in prof.key_averages() if e.device_type == kind]
-    per_kind: dict[str, list[float]] = {}
-    for e in kernels:
-        entry = per_kind.setdefault(kind_of(e.key), [0.0, 0])
-        entry[0] += (e.self_device_time_total if cuda else e.self_cpu_time_total) / steps / 1e3  # µs -> ms
-        entry[1] += e.count // steps
-    del trainer, stepper
+def load_trace(path: Path) -> list[dict]:
+    """The events of a trace-event JSON file, .json or .json.gz (torch.profiler's, jax.profiler's)."""
+    opener = gzip.open if path.suffix == ".gz" else open
+    with opener(path, "rt") as f:
+        data = json.load(f)
+    return data["traceEvents"] if isinstance(data, dict) else data
+
+
+def _names(events: list[dict]) -> tuple[dict, dict]:
+    """Process names by pid and thread names by (pid, tid), from the metadata events."""
+    meta = [e for e in events if e.get("ph") == "M"]
+    procs = {e["pid"]: e["args"]["name"] for e in meta if e["name"] == "process_name"}
+    threads = {(e["pid"], e.get("tid")): e["args"]["name"] for e in meta if e["name"] == "thread_name"}
+    return procs, threads
+
+
+def device_events(events: list[dict], framework: str, device: str) -> list[dict]:
+    """The events that are the device's work (the module docstring's rule for each framework and device)."""
+    spans = [e for e in events if e.get("ph") == "X" and "dur" in e]
+    if framework == "torch":
+        cats = ("kernel", "gpu_memcpy", "gpu_memset") if device == "cuda" else ("cpu_op",)
+        return [e for e in spans if e.get("cat") in cats]
+    if device == "cuda":
+        procs, threads = _names(events)
+        return [e for e in spans if str(procs.get(e["pid"], "")).startswith("/device:GPU")
+                and str(threads.get((e["pid"], e.get("tid")), "")).startswith("Stream")]
+    return [e for e in spans if "hlo_op" in (e.get("args") or {})]
+
+
+def host_syncs(events: list[dict], framework: str, device: str) -> int:
+    """How many times the host waited for the device (the module docstring's rule)."""
+    spans = [e for e in events if e.get("ph") == "X"]
+    if framework == "jax" and device == "cuda":
+        copies = (e["name"].lower() for e in device_events(events, "jax", device))
+        return sum("d2h" in name or "dtoh" in name for name in copies)
+    if framework == "jax":  # the reads, a wait inside a read not counted again
+        reads, reach = 0, float("-inf")
+        for e in sorted((e for e in spans if e["name"] in JAX_READS), key=lambda e: e["ts"]):
+            reads += e["ts"] >= reach
+            reach = max(reach, e["ts"] + e.get("dur", 0))
+        return reads
+    if device == "cuda":
+        return sum(e.get("cat") == "cuda_runtime" and e["name"] in CUDA_SYNCS for e in spans)
+    return sum(e["name"] == "aten::_local_scalar_dense" for e in spans)
+
+
+def self_times(events: list[dict]) -> list[tuple[dict, float, bool]]:
+    """(event, its duration less its directly nested events', whether nothing is nested in it), nesting
+    taken per (pid, tid); an event that overlaps another without lying inside it is not nested."""
+    found: dict[int, list] = {}
+    by_thread: dict[tuple, list[dict]] = {}
+    for e in events:
+        by_thread.setdefault((e.get("pid"), e.get("tid")), []).append(e)
+    for thread in by_thread.values():
+        stack: list[dict] = []
+        for e in sorted(thread, key=lambda e: (e["ts"], -e["dur"])):
+            end = e["ts"] + e["dur"]
+            while stack and stack[-1]["ts"] + stack[-1]["dur"] <= e["ts"]:
+                stack.pop()
+            found[id(e)] = [e, float(e["dur"]), True]
+            if stack and end <= stack[-1]["ts"] + stack[-1]["dur"]:
+                parent = found[id(stack[-1])]
+                parent[1] -= e["dur"]
+                parent[2] = False
+            stack.append(e)
+    return [(e, max(t, 0.0), leaf) for e, t, leaf in found.values()]
+
+
+def union_length(intervals: list[tuple[float, float]]) -> float:
+    """The length of the union of [start, end) intervals."""
+    total, reach = 0.0, float("-inf")
+    for start, end in sorted(intervals):
+        if end > reach:
+            total += end - max(start, reach)
+            reach = end
+    return total
+
+
+def summarize(events: list[dict], framework: str, device: str, steps: int) -> dict:
+    """A trace of `steps` steps as per-step figures: ms by kind (every kind of KIND_ORDER), device ms,
+    the span and the busy time, the idle share, launches, syncs, and the TOP largest kernels."""
+    work = device_events(events, framework, device)
+    kinds = dict.fromkeys(KIND_ORDER, 0.0)
+    kernels: dict[str, list] = {}
+    launches = 0
+    for event, us, leaf in self_times(work):
+        kind = classify(event)
+        kinds[kind] += us
+        entry = kernels.setdefault(event["name"], [kind, 0.0, 0])
+        entry[1] += us
+        entry[2] += 1
+        launches += leaf
+    start = min((e["ts"] for e in work), default=0.0)
+    span = max((e["ts"] + e["dur"] for e in work), default=0.0) - start
+    busy = union_length([(e["ts"], e["ts"] + e["dur"]) for e in work])
+    top = sorted(kernels.items(), key=lambda kv: -kv[1][1])[:TOP]
+    per_step = 1e3 * steps  # µs over the trace -> ms per step
+    return {"steps": steps, "events": len(work), "kinds_ms": {k: us / per_step for k, us in kinds.items()},
+            "device_ms": sum(kinds.values()) / per_step, "span_ms": span / per_step,
+            "busy_ms": busy / per_step,
+            "idle_share": 1 - busy / span if span > 0 else None, "launches_per_step": launches / steps,
+            "syncs_per_step": host_syncs(events, framework, device) / steps,
+            "top": [{"name": name, "kind": kind, "ms_per_step": us / per_step, "calls_per_step": n / steps}
+                    for name, (kind, us, n) in top]}
+
+
+def torch_trace(fn: Callable[[], object], device: str, folder: Path) -> list[dict]:
+    """torch.profiler's trace of `fn()` (kernels and the CUDA runtime's calls on CUDA, operators on a CPU)."""
+    activities = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if device == "cuda" else [])
+    with profile(activities=activities) as prof:
+        fn()
+    path = folder / "torch_trace.json"
+    prof.export_chrome_trace(str(path))
+    return load_trace(path)
+
+
+def jax_trace(fn: Callable[[], object], folder: Path) -> list[dict]:
+    """jax.profiler's perfetto trace of `fn()` (`fn` must wait for its results); no Python tracer."""
+    options = jax.profiler.ProfileOptions()
+    options.python_tracer_level = 0
+    with jax.profiler.trace(str(folder), create_perfetto_trace=True, profiler_options=options):
+        fn()
+    return load_trace(max(folder.rglob("perfetto_trace.json.gz"), key=lambda p: p.stat().st_mtime))
+
+
+@dataclass(frozen=True)
+class Part:
+    key: str  # the --parts name
+    title: str
+    framework: str
+    impl: str  # training: a benchmarks/common.py TRAINERS name; search: a backend
+
+
+PARTS = (Part("train-eager", "PyTorch eager", "torch", "torch"),
+         Part("train-compiled", "PyTorch compiled", "torch", "torch.compile"),
+         Part("train-jax", "JAX", "jax", "jax"),
+         Part("search-torch", "PyTorch beam 4", "torch", "torch"),
+         Part("search-jax", "JAX beam 4", "jax", "jax"),
+         Part("train-peer", "nn.Transformer peer", "torch", "peer"))  # not in the default run
+DEFAULT_PARTS = tuple(p.key for p in PARTS[:5])
+BEAM, ALPHA = 4, 0.6  # the paper's search (§6.1)
+
+
+def search_flops(cfg, rows: int, beam: int, src_len: int, tgt_len: int) -> int:
+    """Model FLOPs of a beam search over `rows` sentences (rosetta/flops.py's count): the encoder and the
+    cross-attention keys and values once per sentence, the decoder and output projection for each of
+    `beam` rows at `tgt_len` positions."""
+    once = forward_flops(cfg, rows, src_len, 0)
+    return once + beam * (forward_flops(cfg, rows, src_len, tgt_len) - once)
+
+
+def _jax_device(device: str):
+    return jax.default_device(jax.devices("gpu" if device == "cuda" else "cpu")[0])
+
+
+def profile_impl(part: Part, cfg, params, size: Size, args, folder: Path) -> dict:
+    """One part measured (unprofiled), then profiled: its row of the results."""
+    trace = (lambda fn: jax_trace(fn, folder)) if part.framework == "jax" else \
+        (lambda fn: torch_trace(fn, args.device, folder))
+    if part.key.startswith("train"):
+        batches = training_batches(cfg, args.preset, size)
+        trainer = build_trainer(part.impl, cfg, params, args.dtype, args.device)
+        t = time_training(trainer, batches, args.warmup, 1, args.steps)
+        stepper = Stepper(trainer, cycle(batches))
+        events = trace(lambda: stepper.run(args.profiled))
+        works = [batch_work(cfg, b) for b in batches]
+        flops = statistics.mean(w["flops"] for w in works)
+        padded = statistics.mean(w["flops_padded"] for w in works)
+        del trainer, stepper
+    else:
+        src, _ = random_batch(cfg, size.decode_batch, size.decode_len, 2, seed=2)
+        kwargs = {"device": args.device} if part.framework == "torch" else {}
+        model = get_backend(part.impl)(cfg, params, args.dtype, **kwargs)
+
+        def search():
+            return model.generate(src, BEAM, ALPHA, size.margin)
+
+        with _jax_device(args.device):
+            t = measure(search, repeats=args.steps, warmup=args.warmup)
+            out = search()
+            events = trace(lambda: [search() for _ in range(args.profiled)])
+        lengths = [len(tokens) + 1 for tokens in out.tokens]  # + eos
+        sources = (src != cfg.pad_id).sum(axis=1)
+        flops = sum(search_flops(cfg, 1, BEAM, int(s), n) for s, n in zip(sources, lengths, strict=True))
+        padded = search_flops(cfg, len(src), BEAM, src.shape[1], max(lengths))
+        del model
     release()
-    gpu = sum(ms for ms, _ in per_kind.values())
-    lines = [f"## {name}: {wall * 1e3:.1f} ms per step, {flops / wall / 1e12:.2f} TFLOP/s; "
-             f"{'GPU kernels' if cuda else 'CPU operators'} {gpu:.1f} ms per step", "",
-             "| kernels | ms per step | share of the time | launches per step |", "| --- | --- | --- | --- |"]
-    for kind_name, (ms, count) in sorted(per_kind.items(), key=lambda kv: -kv[1][0]):
-        lines.append(f"| {kind_name} | {ms:.2f} | {ms / max(gpu, 1e-9):.0%} | {count} |")
-    return "\n".join(lines) + "\n"
+    peak = peak_flops(torch.cuda.get_device_name(0) if args.device == "cuda" else "cpu", args.dtype,
+                      args.peak_tflops)
+    row = {"part": part.key, "title": part.title, "framework": part.framework, "impl": part.impl,
+           "median_s": t["median_s"], "warmup_s": t["warmup_s"], "flops": flops, "flops_padded": padded,
+           "mfu": mfu(flops, t["median_s"], peak), "mfu_padded": mfu(padded, t["median_s"], peak),
+           **summarize(events, part.framework, args.device, args.profiled)}
+    print(f"  {part.title}: {t['median_s'] * 1e3:.2f} ms a step, warm-up {t['warmup_s']:.1f} s, "
+          f"{row['events']} device events profiled", flush=True)
+    if row["events"] == 0:
+        print(f"  {part.title}: no device events found in the trace: its tables are empty", flush=True)
+    return row
 
 
-def loss_timings(cfg, size, dtype: str, device: str, steps: int) -> str:
-    """Forward + backward of the label-smoothed loss alone, on logits of the step's shape."""
+def loss_timings(cfg, size: Size, dtype: str, device: str, steps: int) -> str:
+    """Forward + backward of the label-smoothed loss alone, on logits of the step's shape (--loss-alone)."""
     rng = np.random.default_rng(0)
     shape = (size.batch, size.length, cfg.tgt_vocab_size)
     logits = rng.standard_normal(shape, dtype=np.float32)
@@ -96,12 +353,15 @@ def loss_timings(cfg, size, dtype: str, device: str, steps: int) -> str:
             fn(z, y, cfg.pad_id, 0.1)[0].backward()
         return run
 
-    rows = [("PyTorch eager", wall_time(torch_loss(torch_train.loss_fn), steps)),
-            ("torch.compile", wall_time(torch_loss(torch.compile(torch_train.loss_fn)), steps))]
+    def wall(fn) -> float:
+        return measure(fn, repeats=1, warmup=3, inner=steps)["median_s"]
+
+    rows = [("PyTorch eager", wall(torch_loss(torch_train.loss_fn))),
+            ("torch.compile", wall(torch_loss(torch.compile(torch_train.loss_fn))))]
     grad = jax.jit(jax.value_and_grad(lambda z, y: jax_train.loss_fn(z, y, cfg.pad_id, 0.1)[0]))
     zj = jnp.asarray(logits, dtype=jnp.bfloat16 if dtype == "bfloat16" else jnp.float32)
     yj = jnp.asarray(labels)
-    rows.append(("JAX (jit)", wall_time(lambda: jax.block_until_ready(grad(zj, yj)), steps)))
+    rows.append(("JAX (jit)", wall(lambda: jax.block_until_ready(grad(zj, yj)))))
     gb = np.prod(shape) * (2 if dtype == "bfloat16" else 4) / 1e9
     lines = [f"## The loss alone: {shape[0]} x {shape[1]} x {shape[2]:,} {dtype} logits ({gb:.1f} GB), "
              "forward + backward", "", "| implementation | ms |", "| --- | --- |"]
@@ -109,32 +369,126 @@ def loss_timings(cfg, size, dtype: str, device: str, steps: int) -> str:
     return "\n".join(lines) + "\n"
 
 
+def _pct(x: float | None, digits: int = 1) -> str:
+    return "not known" if x is None else f"{x:.{digits}%}"
+
+
+def side_by_side(rows: list[dict]) -> str:
+    """The one table: ms per step and share of the device time by kind, one column per part."""
+    head = "| kind | " + " | ".join(r["title"] for r in rows) + " |"
+    lines = [head, "|" + " --- |" * (len(rows) + 1)]
+    for kind in KIND_ORDER:
+        cells = [f"{r['kinds_ms'][kind]:.2f} ({r['kinds_ms'][kind] / max(r['device_ms'], 1e-12):.0%})"
+                 for r in rows]
+        lines.append(f"| {kind} | " + " | ".join(cells) + " |")
+    summary = (("**device time, ms**", lambda r: f"{r['device_ms']:.2f}"),
+               ("**step, unprofiled, ms**", lambda r: f"{r['median_s'] * 1e3:.2f}"),
+               ("real-token MFU", lambda r: _pct(r["mfu"])), ("padded MFU", lambda r: _pct(r["mfu_padded"])),
+               ("device idle", lambda r: _pct(r["idle_share"], 0)),
+               ("kernel launches per step", lambda r: f"{r['launches_per_step']:,.0f}"),
+               ("host-device syncs per step", lambda r: f"{r['syncs_per_step']:.2f}"))
+    lines += [f"| {label} | " + " | ".join(fmt(r) for r in rows) + " |" for label, fmt in summary]
+    return "\n".join(lines) + "\n"
+
+
+def details(row: dict) -> str:
+    """One part's line of figures and its TOP largest kernels."""
+    lines = [f"### {row['title']}", "",
+             f"{row['median_s'] * 1e3:.2f} ms a step unprofiled (warm-up {row['warmup_s']:.1f} s); profiled: "
+             f"device busy {row['busy_ms']:.2f} of {row['span_ms']:.2f} ms a step, idle "
+             f"{_pct(row['idle_share'], 0)}, {row['launches_per_step']:,.0f} launches and "
+             f"{row['syncs_per_step']:.2f} syncs a step; MFU {_pct(row['mfu'])} real-token, "
+             f"{_pct(row['mfu_padded'])} padded.", "",
+             "| kernel | kind | ms per step | calls per step |", "| --- | --- | --- | --- |"]
+    for k in row["top"]:
+        name = k["name"] if len(k["name"]) <= 90 else k["name"][:87] + "..."
+        lines.append(f"| `{name.replace('|', '/')}` | {k['kind']} | {k['ms_per_step']:.3f} | "
+                     f"{k['calls_per_step']:g} |")
+    return "\n".join(lines) + "\n"
+
+
+def markdown(result: dict) -> str:
+    env, s = result["environment"], result["settings"]
+    text = (f"# Where a step goes: {s['preset']} {s['dtype']}, {env.get('gpu') or env['processor']}\n\n"
+            f"{env['date']}, commit {env['commit']}, torch {env.get('torch')}, jax {env.get('jax')}; "
+            f"{result['wall_s']:.0f} s. Training: {s['batch']} x {s['length']} tokens a side "
+            f"({s['real_share']:.0%} real target tokens), the trainers' own step; search: beam {BEAM} over "
+            f"{s['sentences']} sentences of {s['decode_len']} tokens, `generate`. {s['warmup']} warm-up, "
+            f"{s['steps']} timed and {s['profiled']} profiled steps a part "
+            "(benchmarks/profile_step.py says how each figure is read).\n\n"
+            "## Device time by kind, ms per step (share of the device time)\n\n")
+    text += side_by_side(result["rows"])
+    text += "\n## Each part\n\n" + "\n".join(details(r) for r in result["rows"])
+    return text + (f"\n{result['loss_alone']}" if result.get("loss_alone") else "")
+
+
+def results_name(preset_name: str, dtype: str, device: str, partial: bool) -> str:
+    """profile-step_<preset>-<dtype>_<device>_<date>; a run of some parts only: profile-step-partial_..."""
+    name = torch.cuda.get_device_name(0) if device == "cuda" else "cpu"
+    slug = re.sub(r"[^a-z0-9]+", "-", name.lower()).strip("-")
+    prefix = "profile-step-partial" if partial else "profile-step"
+    return f"{prefix}_{preset_name}-{dtype}_{slug}_{dt.date.today().isoformat()}"
+
+
 def main(argv: list[str] | None = None) -> None:
     cli = parser(__file__, __doc__)
-    cli.add_argument("--preset", default="base", choices=sorted(SUITES["gpu"].presets))
-    cli.add_argument("--dtype", default="bfloat16", choices=("bfloat16", "float32"))
+    cli.add_argument("--preset", default="base", choices=sorted(PRESETS))
+    cli.add_argument("--dtype", choices=("bfloat16", "float32"),
+                     help="default: bfloat16 on cuda, float32 on cpu")
     cli.add_argument("--device", default="cuda", choices=("cuda", "cpu"))
-    cli.add_argument("--steps", type=positive_int, default=5)
-    cli.add_argument("--no-loss", action="store_true", help="leave out the loss-alone timings")
+    cli.add_argument("--parts", nargs="+", choices=[p.key for p in PARTS], default=list(DEFAULT_PARTS),
+                     help="the parts to run (default: all but train-peer)")
+    cli.add_argument("--warmup", type=positive_int, default=3, help="unprofiled steps first (compiles)")
+    cli.add_argument("--steps", type=positive_int, default=5, help="timed steps, unprofiled")
+    cli.add_argument("--profiled", type=positive_int, default=3, help="steps under the profiler")
+    cli.add_argument("--batch", type=positive_int, help="training rows (default: the GPU suite's)")
+    cli.add_argument("--length", type=positive_int, help="training tokens a side (default: the GPU suite's)")
+    cli.add_argument("--sentences", type=positive_int, help="sentences searched (default: the GPU suite's)")
+    cli.add_argument("--peak-tflops", type=positive_real, default=None,
+                     help="the device's peak TFLOP/s in the run's dtype, for MFU (default: "
+                          "rosetta/flops.py's table of known GPUs)")
+    cli.add_argument("--loss-alone", action="store_true",
+                     help="also time the loss alone (forward + backward)")
+    cli.add_argument("--out-dir", type=given_path, default=RESULTS)
+    cli.add_argument("--no-write", action="store_true", help="print only")
     args = cli.parse_args(argv)
     if args.device == "cuda" and not torch.cuda.is_available():
         cli.error("argument --device: no CUDA device here (--device cpu runs the same code on the CPU)")
+    args.dtype = args.dtype or ("bfloat16" if args.device == "cuda" else "float32")
+    parts = [p for p in PARTS if p.key in args.parts]
+    name = results_name(args.preset, args.dtype, args.device, set(args.parts) != set(DEFAULT_PARTS))
+    if not args.no_write:  # before the minutes of compiling
+        cli.check_out_dir(args.out_dir, [f"{name}.json", f"{name}.md"])
+    started = time.perf_counter()
     env = environment()
-    size = SUITES["gpu"].presets[args.preset]
-    _, cfg, params = make_peer(preset(args.preset, max_len=128))
+    base = SUITES["gpu"].presets.get(args.preset, SUITES["gpu"].presets["base"])
+    length = args.length or base.length
+    size = Size(args.batch or base.batch, length, args.sentences or base.decode_batch,
+                min(base.decode_len, length), min(base.margin, length))
+    _, cfg, params = make_peer(preset(args.preset, max_len=max(128, size.decode_len + size.margin + 1)))
     batches = training_batches(cfg, args.preset, size)
-    flops = training_flops(cfg, size.batch, size.length, size.length)
-    print(f"# One training step, {args.preset} {args.dtype}, {size.batch} x {size.length} tokens\n\n"
-          f"{env['date']}, {env.get('gpu', env['processor'])}, commit {env['commit']}, "
-          f"torch {env.get('torch')}, "
-          f"jax {env.get('jax')}. Wall time: median of {args.steps} steps after 3 warm-up "
-          f"steps, unprofiled; kernel times from torch.profiler over {args.steps} more steps. "
-          f"{flops / 1e12:.2f} model TFLOP per step at the padded shape (rosetta/flops.py).\n", flush=True)
-    for name in ("torch", "peer"):
-        print(profile_impl(name, cfg, params, batches, args.dtype, args.device, args.steps, flops),
-              flush=True)
-    if not args.no_loss:
-        print(loss_timings(cfg, size, args.dtype, args.device, args.steps), flush=True)
+    print(f"profile_step: {args.preset} {args.dtype} on {args.device}, parts "
+          f"{' '.join(p.key for p in parts)}", flush=True)
+    rows = []
+    with tempfile.TemporaryDirectory(prefix="profile-step-") as tmp:
+        # JAX last: its allocator keeps what it took (benchmarks/run.py bench_training).
+        for i, part in enumerate(sorted(parts, key=lambda p: p.framework == "jax")):
+            folder = Path(tmp) / str(i)
+            folder.mkdir()
+            rows.append(profile_impl(part, cfg, params, size, args, folder))
+    rows.sort(key=lambda r: [p.key for p in PARTS].index(r["part"]))
+    settings = {"preset": args.preset, "dtype": args.dtype, "device": args.device, "batch": size.batch,
+                "length": size.length, "sentences": size.decode_batch, "decode_len": size.decode_len,
+                "beam": BEAM, "warmup": args.warmup, "steps": args.steps, "profiled": args.profiled,
+                "real_share": sum(b.num_tgt_tokens for b in batches) / sum(b.labels.size for b in batches)}
+    result = {"environment": env, "settings": settings, "rows": rows}
+    if args.loss_alone:
+        result["loss_alone"] = loss_timings(cfg, size, args.dtype, args.device, args.steps)
+    result["wall_s"] = time.perf_counter() - started
+    text = markdown(result)
+    print(text, flush=True)
+    if not args.no_write:
+        print("wrote", *write_results(name, result, text, args.out_dir))
 
 
 if __name__ == "__main__":
