@@ -55,19 +55,26 @@ def case(seed: int = 0, bias: bool = True, all_pad: bool = False):
     return hidden, weight, b, labels
 
 
-def formula(hidden, weight, bias, labels, eps: float, num_tokens=None, scale: float = 1.0):
-    """float64, from SPEC §4: loss = Σ_mask -Σ_v q_v log p_v / count with q = (1-ε) onehot(y) + ε/V,
-    and its gradient d loss / d logits = mask (p - q) / count, taken through logits = s (h W) + b
-    (SPEC §2, s the logit_scale)."""
-    logits = scale * (hidden @ weight) + (0.0 if bias is None else bias)
+def softmax_terms(hidden, weight, bias, labels, eps: float, num_tokens=None, scale: float = 1.0):
+    """float64 pieces of SPEC §4's loss for hidden [..., d], weight [d, V]: (s h W, log p, q, m / count)
+    with logits = s (h W) + b (SPEC §2, s the logit_scale), q = (1-ε) onehot(y) + ε/V and m the
+    non-pad mask ([..., 1]), count the non-pad labels or `num_tokens`."""
+    scaled = scale * (hidden @ weight)
+    logits = scaled + (0.0 if bias is None else bias)
     logp = logits - logits.max(-1, keepdims=True)
     logp = logp - np.log(np.exp(logp).sum(-1, keepdims=True))
-    q = (1 - eps) * np.eye(V)[labels] + eps / V
+    q = (1 - eps) * np.eye(weight.shape[1])[labels] + eps / weight.shape[1]
     mask = labels != PAD
-    count = mask.sum() if num_tokens is None else num_tokens
-    count = max(count, 1)
-    loss = (-(q * logp).sum(-1) * mask).sum() / count
-    g = (np.exp(logp) - q) * mask[..., None] / count  # [B, T, V]
+    count = max(mask.sum() if num_tokens is None else num_tokens, 1)
+    return scaled, logp, q, mask[..., None] / count
+
+
+def formula(hidden, weight, bias, labels, eps: float, num_tokens=None, scale: float = 1.0):
+    """float64, from SPEC §4: loss = Σ_mask -Σ_v q_v log p_v / count, and its gradient
+    d loss / d logits = mask (p - q) / count, taken through logits = s (h W) + b."""
+    _, logp, q, mask = softmax_terms(hidden, weight, bias, labels, eps, num_tokens, scale)
+    loss = -(q * logp * mask).sum()
+    g = (np.exp(logp) - q) * mask  # [B, T, V]
     g2 = g.reshape(-1, V)
     grads = (scale * (g @ weight.T), scale * hidden.reshape(-1, D).T @ g2, g2.sum(0))
     return loss, grads
@@ -201,17 +208,10 @@ def bfloat16_bounds(hidden, weight, bias, labels, eps: float, scale: float, toke
     U·max|Δz| ≈ 0.01 of the first-order ones here) and the float32 accumulations (≤ V · 2^-24
     ≈ 3e-6 relative, under 1e-3 of one U)."""
     n_z, n_g, n_h, n_w = ROUNDINGS[path]
-    b = 0.0 if bias is None else bias
-    z0 = scale * (hidden @ weight)
-    logits = z0 + b
-    logp = logits - logits.max(-1, keepdims=True)
-    logp = logp - np.log(np.exp(logp).sum(-1, keepdims=True))
+    z0, logp, q, mask = softmax_terms(hidden, weight, bias, labels, eps, scale=scale)
     p = np.exp(logp)
-    V = weight.shape[1]
-    q = (1 - eps) * np.eye(V)[labels] + eps / V
-    mask = (labels != PAD)[:, None] / max((labels != PAD).sum(), 1)
     g = (p - q) * mask
-    dz = n_z * U * (np.abs(z0) + np.abs(b))
+    dz = n_z * U * (np.abs(z0) + np.abs(0.0 if bias is None else bias))
     loss = -(q * logp * mask).sum()
     dg = n_g * U * np.abs(g) + mask * p * (dz + dz.max(-1, keepdims=True))
     d_h = scale * (dg + n_h * U * np.abs(g)) @ np.abs(weight).T
@@ -235,8 +235,9 @@ def run_bf16(framework: str, path: str, rest, table, bias, labels, eps: float, s
              chunk: int = 8):
     """bfloat16 operands from float32 leaves, as a bfloat16 step casts its weights: hidden =
     bfloat16(rest + table[tokens]) (tied: the table is also the output weight) or bfloat16(rest);
-    the weight's and the bias's bfloat16 casts taken in the graph when tied, the weight passed as
-    float32 (the loss casts it once) when not. Returns (loss, grads of rest, table [d, V], bias)."""
+    the bias's bfloat16 cast in the graph; the weight's too when tied (and on the plain path),
+    else the float32 weight is passed (the chunked loss casts it once). Returns (loss, grads of
+    rest, table [d, V], bias)."""
     tied = tokens is not None
     if framework == "torch":
         r = torch.tensor(rest, dtype=torch.float32, requires_grad=True)
