@@ -328,6 +328,7 @@ def main(argv: list[str] | None = None) -> int:
                 + "\n".join(f"- {c.line()}" for c in checks) + "\n")
         print("wrote", *write_results(name, result, text, args.out_dir))
         json.dumps(result)  # the results are JSON-able
+    print(f"next: python -m benchmarks.profile_step --preset {args.preset}{'' if gpu else ' --device cpu'}")
     return 1 if failed else 0
 
 

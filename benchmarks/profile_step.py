@@ -159,10 +159,12 @@ def device_events(events: list[dict], framework: str, device: str) -> list[dict]
     if framework == "torch":
         cats = ("kernel", "gpu_memcpy", "gpu_memset") if device == "cuda" else ("cpu_op",)
         return [e for e in spans if e.get("cat") in cats]
-    if device == "cuda":
+    if device == "cuda":  # the Stream lines; without any, every line but XLA's derived ones (XLA Ops)
         procs, threads = _names(events)
-        return [e for e in spans if str(procs.get(e["pid"], "")).startswith("/device:GPU")
-                and str(threads.get((e["pid"], e.get("tid")), "")).startswith("Stream")]
+        gpu = [e for e in spans if str(procs.get(e["pid"], "")).startswith("/device:GPU")]
+        line = {id(e): str(threads.get((e["pid"], e.get("tid")), "")) for e in gpu}
+        streams = [e for e in gpu if line[id(e)].startswith("Stream")]
+        return streams or [e for e in gpu if not line[id(e)].startswith("XLA")]
     return [e for e in spans if "hlo_op" in (e.get("args") or {})]
 
 

@@ -128,6 +128,15 @@ def test_jax_gpu_trace_reads_stream_lines_and_arguments():
     assert got["syncs_per_step"] == 1  # the copy to the host; the host's events are a CPU's rule
 
 
+def test_jax_gpu_lines_named_otherwise():
+    """A GPU process without Stream lines: every line counts but XLA's derived ones (the same kernels)."""
+    events = [meta("process_name", "/device:GPU:0", 1), meta("thread_name", "gpu 0 compute", 1, 3),
+              meta("thread_name", "XLA Modules", 1, 4),
+              span("loop_add_fusion", 0, 4, pid=1, tid=3), span("jit__train_step", 0, 10, pid=1, tid=4)]
+    got = ps.summarize(events, "jax", "cuda", steps=1)
+    assert got["device_ms"] == pytest.approx(0.004) and got["idle_share"] == 0  # 4 µs, busy all its span
+
+
 def test_jax_cpu_trace_thunks_on_two_threads():
     events = [
         span("dot.3", 0, 10, tid=1, hlo_op="dot.3"), span("end: dot.3", 10, 0.1, tid=1),
