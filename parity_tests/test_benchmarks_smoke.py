@@ -306,6 +306,20 @@ def test_decode_ct2_smoke():
     size = result["settings"]["batch"] * result["settings"]["tgt_len"]
     assert all(r["tokens"] == size for r in rows.values())
     assert rows["jax"]["greedy_same_as_torch"] == rows["ctranslate2 float32"]["greedy_same_as_torch"] == 1.0
+    # Beam 4: our backends' tokens are the float64 reference's beam search's (numpy_ref, run apart).
+    assert rows["torch"]["beam_same_as_float64"] == rows["jax"]["beam_same_as_float64"] == 1.0
+    # One round (quick): each ratio's range over rounds is that round's ratio, against CTranslate2
+    # float32's own tokens/s in the same round; the markdown says where the range covers 1.0.
+    assert result["settings"]["rounds"] == 1
+    for r in rows.values():
+        assert r["ratio_min"] == r["ratio_max"] == pytest.approx(r["ratio_vs_ct2_float32"], rel=1e-12)
+        assert r["tokens_per_s_min"] == r["tokens_per_s_max"] == pytest.approx(r["tokens_per_s"], rel=1e-12)
+    assert rows["ctranslate2 float32"]["ratio_min"] == 1.0
+    # The note, on ranges set by hand: torch's covers 1.0, jax's does not.
+    rows["torch"].update(ratio_min=0.9, ratio_max=1.1, ratio_range_covers_1=True)
+    rows["jax"].update(ratio_min=1.1, ratio_max=1.2, ratio_range_covers_1=False)
+    text = decode_ct2.markdown(result, {"date": "-", "commit": "-", "processor": "-"})
+    assert "- torch: the ratio's range over rounds (0.90-1.10) covers 1.0" in text and "- jax:" not in text
 
 
 def test_profile_cpu_smoke():
