@@ -150,13 +150,14 @@ def read_json(path: str | os.PathLike, what: str, *, limit: int = DEFAULT_LIMIT,
 def read_json_lines(path: str | os.PathLike, line_limit: int, what: str, *,
                     error: type[RosettaError] = ConfigError, nonfinite: bool = False,
                     cut_off: str | None = "the writer stopped mid-line", note: str = "",
-                    file_limit: int | None = None) -> Iterator[tuple[int, Any]]:
+                    file_limit: int | None = None, crlf: bool = True) -> Iterator[tuple[int, Any]]:
     """(line number, value) of each line of a JSON Lines file, every line read up to `line_limit`
     bytes (a hostile line is never read whole) and decoded within the module's bounds. A refusal is
     `error` naming the file and the line, `note` appended. A last line without its newline is refused
     with `cut_off` as the reason, or skipped when `cut_off` is None (a log whose writer was killed).
-    `file_limit`: the most bytes the whole file may hold. FileNotFoundError passes through: the
-    caller knows what a missing file means."""
+    `file_limit`: the most bytes the whole file may hold. `crlf` False: a line ending in \\r\\n is
+    refused (a writer that ends lines in \\n alone; an edited file). FileNotFoundError passes through:
+    the caller knows what a missing file means."""
     path = Path(path)
     try:
         with path.open("rb") as f:
@@ -173,6 +174,8 @@ def read_json_lines(path: str | os.PathLike, line_limit: int, what: str, *,
                     if cut_off is None:
                         return
                     raise error(f"{path}: line {number} is cut off: {cut_off}")
+                if not crlf and line.endswith(b"\r\n"):
+                    raise error(f"{path}: line {number} ends in CRLF (\\r\\n), not \\n alone{note}")
                 yield number, decode(line, f"{path}: line {number}", nonfinite=nonfinite, error=error)
     except FileNotFoundError:
         raise

@@ -54,6 +54,7 @@ from rosetta.diff.training.trace_files import (
     read_evaluation_batch,
     read_evaluations,
     read_forward,
+    regular_file,
     to_numpy,
     write_evaluation,
     write_forward,
@@ -363,7 +364,7 @@ def find_trace(path: str | os.PathLike) -> Path | None:
     (`rosetta train --trace`); None when it is neither."""
     path = Path(path)
     for candidate in (path, path / "trace"):
-        if (candidate / HEADER).is_file() or (candidate / STEPS).is_file():
+        if any((candidate / name).exists() and not (candidate / name).is_dir() for name in (HEADER, STEPS)):
             return candidate
     return None
 
@@ -385,7 +386,7 @@ def read_trace(path: str | os.PathLike) -> Trace:
     steps = _read_steps(found, header["names"])
     full = min(header["full_steps"], len(steps))
     for k in range(full + 1):
-        if not (found / step_file(k)).is_file():
+        if not regular_file(found / step_file(k)):
             raise CheckpointError(f"{found}: {step_file(k)} is missing: the trace is truncated "
                                   f"(steps 0..{full} must be stored whole)")
         read_header(found / step_file(k), "trace step")
@@ -396,7 +397,7 @@ def read_trace(path: str | os.PathLike) -> Trace:
 
 def _read_header(folder: Path) -> dict[str, Any]:
     path = folder / HEADER
-    if not path.exists():
+    if not regular_file(path):
         raise CheckpointError(f"{path} is missing: the trace is truncated (the writer stopped before "
                               f"its first step?)")
     header = json_input.read_json(path, "a trace header", limit=HEADER_LIMIT, error=CheckpointError)
@@ -409,6 +410,7 @@ def _read_header(folder: Path) -> dict[str, Any]:
 
 
 _NUMBERS = ("loss", "lr", "grad_norm")
+_WHAT = {"loss": "loss (a cross entropy)", "lr": "learning rate", "grad_norm": "gradient norm"}
 _PER_TENSOR = ("grad_norms", "grad_sums", "param_norms", "param_sums")
 
 
@@ -435,9 +437,12 @@ def _step_record(path: Path, number: int, record: object, names: list[str]) -> S
         value = record.get(key)
         if isinstance(value, bool) or not isinstance(value, (int, float)):
             raise CheckpointError(f"{where}: {key} must be a number, got {value!r}")
-        if not math.isfinite(value):
+        if not math.isfinite(value) and key != "lr":
             raise CheckpointError(f"{where}: step {number}'s {key} is {value}: the run had diverged there "
                                   f"(compare the steps before it: --steps {number - 1})")
+        if not value >= 0 or not math.isfinite(value):  # a rate (eq. 3), a cross entropy and a norm are >= 0
+            raise CheckpointError(f"{where}: step {number}'s {key} is {value}: no step gives a {_WHAT[key]} "
+                                  f"outside [0, inf) (the trace was edited?)")
     for key in _PER_TENSOR:
         values = record.get(key)
         if not isinstance(values, dict) or list(values) != names:
@@ -446,5 +451,9 @@ def _step_record(path: Path, number: int, record: object, names: list[str]) -> S
         if bad:
             raise CheckpointError(f"{where}: step {number}'s {key} of {bad[0]} is {values[bad[0]]!r}: the "
                                   f"run had diverged there (compare the steps before: --steps {number - 1})")
+        bad = [n for n, v in values.items() if key.endswith("norms") and v < 0]
+        if bad:
+            raise CheckpointError(f"{where}: step {number}'s {key} of {bad[0]} is {values[bad[0]]!r}: no "
+                                  f"step gives a norm below 0 (the trace was edited?)")
     return StepRecord(number, record["batch_sha256"], *(float(record[k]) for k in _NUMBERS),
                       *({n: float(v) for n, v in record[k].items()} for k in _PER_TENSOR))

@@ -25,6 +25,7 @@ import hashlib
 import json
 import math
 import re
+import stat
 from collections.abc import Iterator, Mapping
 from pathlib import Path
 from typing import Any, NamedTuple
@@ -109,8 +110,25 @@ def json_lines(path: Path, limit: int, what: str) -> Iterator[tuple[int, object]
     than `what`, cut off, not JSON or past its bounds. NaN and Infinity read as floats: a diverged
     step's loss (the record's check names it). FileNotFoundError passes through: the caller knows
     what a missing file means."""
+    regular_file(path)
     return read_json_lines(path, limit, what, error=CheckpointError, nonfinite=True,
-                           note=": the trace is corrupt", cut_off=CUT_OFF)
+                           note=": the trace is corrupt", cut_off=CUT_OFF, crlf=False)
+
+
+def regular_file(path: Path) -> bool:
+    """Whether `path` exists; CheckpointError when it is anything but a regular file (a FIFO would
+    block the open, a device never end), checked before it is opened."""
+    try:
+        mode = path.stat().st_mode  # follows links: a link to a regular file is one
+    except FileNotFoundError:
+        return False
+    except (OSError, RuntimeError) as e:  # a link loop, a denied folder
+        raise CheckpointError(f"{path}: cannot read: {getattr(e, 'strerror', None) or e}") from None
+    if not stat.S_ISREG(mode):
+        kind = ("a directory" if stat.S_ISDIR(mode) else "a FIFO" if stat.S_ISFIFO(mode)
+                else "not a regular file")
+        raise CheckpointError(f"{path} is {kind}: a trace's files are regular files (refused before opening)")
+    return True
 
 
 @contextlib.contextmanager
@@ -215,7 +233,7 @@ def _eval_record(path: Path, number: int, record: object, steps: int, last: int)
 def read_evaluation_batch(path: Path, cfg: ModelConfig, record: EvalRecord) -> tuple[np.ndarray, ...]:
     """The ids of `record`'s evaluation from `path`, every header checked before its data is read,
     and the ids against the record's hash."""
-    if not path.is_file():
+    if not regular_file(path):
         raise CheckpointError(f"{path} is missing: the trace is truncated ({EVALS} records an evaluation "
                               f"after step {record.step})")
     header = read_header(path, "trace evaluation")

@@ -1,0 +1,113 @@
+"""Issue 48, "no hang, no traceback" and the smaller edges: a trace's files must be regular files
+(a FIFO is refused before it is opened, never blocked on), tampered step values outside what a step
+can produce are refused naming the field and the step, the compile cache path is checked before
+any data is prepared, gpu_check's --device goes through the one device parser, and `rosetta
+example` sweeps the partial folders of processes that no longer exist."""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+import threading
+
+import pytest
+
+from parity_tests import dp_case
+from parity_tests.test_diff_training import assert_refused, trainer_trace
+from rosetta.cli import main
+
+
+@pytest.fixture(scope="module")
+def plain(tmp_path_factory):
+    """Our torch trainer's float64 trace of dp_case (parity_tests/test_diff_training.py's "plain")."""
+    return trainer_trace("torch", dp_case.case(), dp_case.TRAIN, tmp_path_factory.mktemp("trace") / "plain")
+
+
+def refused_within(argv, message, capsys, seconds=60.0):
+    """assert_refused, run where a blocking open cannot hang the suite: the call must return."""
+    done = {}
+    thread = threading.Thread(target=lambda: done.setdefault("err", _refusal(argv, capsys)), daemon=True)
+    thread.start()
+    thread.join(seconds)
+    assert not thread.is_alive(), f"rosetta {' '.join(argv)} blocked for {seconds} s"
+    code, err = done["err"]
+    assert code == 2 and err.startswith("rosetta: error:") and len(err.strip().splitlines()) == 1, err
+    assert message in err, err
+
+
+def _refusal(argv, capsys):
+    capsys.readouterr()
+    code = main(argv)
+    return code, capsys.readouterr().err
+
+
+@pytest.mark.parametrize("name", ["steps.jsonl", "trace.json", "evals.jsonl", "step_000001.safetensors"])
+def test_a_trace_file_that_is_a_fifo_is_refused_before_opening(name, plain, tmp_path, capsys):
+    bad = tmp_path / "bad"
+    shutil.copytree(plain, bad)
+    (bad / name).unlink(missing_ok=True)
+    os.mkfifo(bad / name)
+    refused_within(["diff", str(bad), str(plain)], f"{name} is a FIFO: a trace's files are regular files",
+                   capsys)
+
+
+def test_a_trace_file_that_is_a_directory_or_a_link_loop_is_refused(plain, tmp_path, capsys):
+    bad = tmp_path / "bad"
+    shutil.copytree(plain, bad)
+    (bad / "evals.jsonl").mkdir()
+    assert_refused(["diff", str(bad), str(plain)], "evals.jsonl is a directory", capsys)
+    (bad / "evals.jsonl").rmdir()
+    (bad / "steps.jsonl").unlink()
+    (bad / "steps.jsonl").symlink_to(bad / "steps.jsonl")
+    assert_refused(["diff", str(bad), str(plain)], "steps.jsonl: cannot read", capsys)
+
+
+def _edit_step(path, key, value, step=2):
+    lines = (path / "steps.jsonl").read_text().splitlines()
+    record = json.loads(lines[step - 1])
+    if isinstance(key, tuple):  # a per-tensor field: (field, first tensor)
+        record[key[0]][next(iter(record[key[0]]))] = value
+    else:
+        record[key] = value
+    lines[step - 1] = json.dumps(record)
+    (path / "steps.jsonl").write_text("\n".join(lines) + "\n")
+
+
+TAMPERED = {  # (field, value): what the refusal says
+    ("loss", -1e308): "step 2's loss is -1e+308: no step gives a loss (a cross entropy) outside [0, inf)",
+    ("loss", -0.5): "step 2's loss is -0.5: no step gives a loss",
+    ("lr", -0.5): "step 2's lr is -0.5: no step gives a learning rate outside [0, inf)",
+    ("lr", float("inf")): "step 2's lr is inf: no step gives a learning rate outside [0, inf)",
+    ("lr", float("nan")): "step 2's lr is nan: no step gives a learning rate",
+    ("grad_norm", -1): "step 2's grad_norm is -1: no step gives a gradient norm outside [0, inf)",
+    ("grad_norm", float("-inf")): "step 2's grad_norm is -inf: the run had diverged there",
+    (("param_norms",), -2.0): "step 2's param_norms of",
+}
+
+
+@pytest.mark.parametrize("change", list(TAMPERED), ids=[f"{k[0]}={k[1]}" for k in TAMPERED])
+def test_tampered_step_values_are_refused_naming_the_field_and_step(change, plain, tmp_path, capsys):
+    bad = tmp_path / "bad"
+    shutil.copytree(plain, bad)
+    _edit_step(bad, *change)
+    err = assert_refused(["diff", str(bad), str(plain)], TAMPERED[change], capsys)
+    assert "steps.jsonl: line 2" in err
+
+
+def test_crlf_lines_are_refused(plain, tmp_path, capsys):
+    bad = tmp_path / "bad"
+    shutil.copytree(plain, bad)
+    text = (bad / "steps.jsonl").read_text()
+    (bad / "steps.jsonl").write_bytes(text.replace("\n", "\r\n").encode())
+    assert_refused(["diff", str(bad), str(plain)], "steps.jsonl: line 1 ends in CRLF", capsys)
+
+
+def test_a_zero_rate_and_zero_norms_are_accepted(plain, tmp_path, capsys):
+    """The bounds are [0, inf): a schedule's first rate of 0 (schedule_from_zero) is a real step."""
+    ok = tmp_path / "ok"
+    shutil.copytree(plain, ok)
+    _edit_step(ok, "lr", 0.0, step=1)
+    capsys.readouterr()
+    assert main(["diff", str(ok), str(plain)]) == 1  # a difference in lr, not a refusal
+    assert "rosetta: error" not in capsys.readouterr().err
