@@ -1,56 +1,50 @@
 """Where a step goes, both frameworks side by side (issue 45, item 1): the training step in PyTorch
 eager, PyTorch compiled (`rosetta train --compile`) and JAX, and the beam-4 search in PyTorch and JAX,
-each profiled by its framework's own profiler (torch.profiler; jax.profiler's perfetto trace), both
-traces read by the same plain functions into the same table of kinds.
+each profiled by its own framework's profiler (torch.profiler; jax.profiler's perfetto trace), both
+traces read by the same plain functions into the same kinds.
 
     python -m benchmarks.profile_step                        # a GPU: base bfloat16, within 6 minutes
     python -m benchmarks.profile_step --device cpu --preset tiny   # the CPU twin (the suite runs it smaller)
 
-What runs. Training: the trainers' own `Trainer.step` built through the registry with the settings
-`rosetta train` passes (benchmarks/common.py build_trainer), stepped by the harness's Stepper on the
-GPU suite's copy-task batches (benchmarks/run.py training_batches). Search: `generate` of the backend's
-`Model` (rosetta.backends: get_backend; torch_impl/decode.py, jax_impl/decode.py), beam 4, alpha 0.6,
-on `--sentences` random source sentences (benchmarks/run.py's decoding batch). Each part: `--warmup`
-unprofiled steps (the compiles), `--steps` timed, unprofiled (training: one stretch of the Stepper, as
-benchmarks.run times it; search: the median call), then `--profiled` steps under the profiler.
-Budget on a GPU at `base` bfloat16 (3 + 5 + 3 steps): the compiles dominate (torch.compile's graph and
-the two searches); the whole run is meant to stay within 6 minutes (not measured yet on a GPU).
+Training: the trainers' own `Trainer.step` built as `rosetta train` builds it (benchmarks/common.py
+build_trainer), stepped by the harness's Stepper on the GPU suite's copy-task batches. Search:
+`generate` of the backend's `Model` (rosetta.backends get_backend), beam 4, alpha 0.6, on
+`--sentences` random sources. Each part: `--warmup` steps (the compiles), `--steps` timed unprofiled
+(training: one Stepper stretch, as benchmarks.run times it; search: the median call), `--profiled`
+steps under the profiler; JAX's parts in a fresh process (run_parts). Budget on a GPU at `base`
+bfloat16 (3 + 5 + 3 steps): the compiles dominate; the run is meant to stay within 6 minutes (not
+measured yet on a GPU).
 
-What each part reports: the step (training: the mean step of the timed stretch; search: one
-`generate` call); real-token and padded MFU (rosetta/flops.py's model FLOPs over the peak of
-rosetta/harness/metrics.py peak_flops, the harness's one place; `--peak-tflops` where the table has
-none; on a CPU: not known); device time by kind (KINDS); the 15 largest kernels; kernel launches per
-step; the share of the step the device sits idle; host-device syncs per step. Search FLOPs
-(`search_flops`): the encoder once per sentence, the decoder and output projection per beam row at
-every position; real: each sentence at its own source length and output length; padded: the batch's
-source length and its longest output.
+Per part: the step; real-token and padded MFU (rosetta/flops.py's model FLOPs over the peak of
+rosetta/harness/metrics.py peak_flops, `--peak-tflops` where it has none; on a CPU not known); device
+time by kind (KINDS); the 15 largest kernels; kernel launches, idle share and host-device syncs per
+step. Search FLOPs (`search_flops`): real, each sentence at its source and output length; padded, the
+batch's source length and its longest output.
 
 How a trace is read (`summarize`: trace events in, a table out; parity_tests/test_profile_step.py
 feeds it synthetic traces with known intervals):
 - device work: torch on CUDA: the `kernel`, `gpu_memcpy`, `gpu_memset` events; torch on a CPU: the
   `cpu_op` events (operators); JAX on a GPU: the events on the `Stream` lines of a `/device:GPU`
-  process; JAX on a CPU: XLA's thunks (the events with an `hlo_op`). Each counts its self time
-  (nested device events taken out, per thread), so nested operators are not counted twice.
-- kind: the first KINDS entry one of whose fragments is in the event's name (lower case); for a
-  name that matches none, the same look at its `hlo_op`, `tf_op`, `long_name` and `name` arguments
-  (JAX's kernels). An inductor or XLA fusion that mixes kinds counts as the first kind it names.
-  torch's `copy_` (`copy_kernel` on CUDA) is a cast or a layout copy: it counts as a cast.
-- launches: device events with no device event nested in them (kernels; on a CPU the innermost
-  operators and thunks).
+  process; JAX on a CPU: XLA's thunks (events with an `hlo_op`). Each counts its self time (nested
+  device events taken out, per thread), so nested operators are not counted twice.
+- kind: the first KINDS entry one of whose fragments is in the event's name (lower case); for a name
+  that matches none, the same look at its `hlo_op`, `tf_op`, `long_name`, `name` arguments (JAX's
+  kernels). A fusion that mixes kinds counts as the first kind it names; torch's `copy_`
+  (`copy_kernel` on CUDA), a cast or a layout copy, counts as a cast.
+- launches: device events with no device event nested in them (on a CPU the innermost operators).
 - idle: 1 - (the union of the device events' intervals) / (first start to last end of the profiled
-  steps, run back to back). On a CPU that is the time in no operator (Python, dispatch).
+  steps, run back to back). On a CPU: the time in no operator (Python, dispatch).
 - syncs (the host waiting for the device): torch on CUDA: the runtime's cudaStreamSynchronize,
   cudaDeviceSynchronize, cudaEventSynchronize and synchronous cudaMemcpy calls; torch on a CPU:
-  aten::_local_scalar_dense (every .item(), bool(), int() of a tensor); JAX on a GPU: the
-  device-to-host copies on its streams (MemcpyD2H); JAX on a CPU, where nothing is copied: the
-  host's reads in its trace, `np.asarray(jax.Array)` (jax.Array._value: float(), jax.device_get)
-  and `CommonPjRtBuffer::Await` outside one (NumPy's np.asarray of an array not computed yet: a
-  read of an array already computed does not wait and is not seen, so this count varies).
-  The profiled stretch ends with the Stepper's flush, one read: 1/--profiled of a sync per step.
-On a CPU, XLA's thunks run on several threads (their sum can exceed the span) and most of them are
-fusions whose names do not say what they compute ("other"): benchmarks.profile_cpu maps them through
-the optimized HLO. Results: benchmarks/results/profile-step_<preset>-<dtype>_<device>_<date>.{json,md}.
-GPU figures: none measured yet.
+  aten::_local_scalar_dense (.item(), bool(), int() of a tensor); JAX on a GPU: the device-to-host
+  copies on its streams (MemcpyD2H); JAX on a CPU, where nothing is copied: the host's reads,
+  `np.asarray(jax.Array)` (jax.Array._value: float(), jax.device_get) and `CommonPjRtBuffer::Await`
+  outside one (np.asarray of an array not computed yet: a read of one already computed is not seen,
+  so this count varies). A profiled stretch ends with the Stepper's flush: one read.
+On a CPU, XLA's thunks run on several threads (their sum can exceed the span) and most are fusions
+whose names do not say what they compute ("other"; benchmarks.profile_cpu maps them through the HLO).
+Results: benchmarks/results/profile-step_<preset>-<dtype>_<device>_<date>.{json,md}. GPU figures:
+none measured yet.
 """
 
 from __future__ import annotations
@@ -58,12 +52,14 @@ from __future__ import annotations
 import datetime as dt
 import gzip
 import json
+import multiprocessing
 import os
 import re
 import statistics
 import tempfile
 import time
 from collections.abc import Callable
+from concurrent.futures import ProcessPoolExecutor
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -290,10 +286,6 @@ def search_flops(cfg, rows: int, beam: int, src_len: int, tgt_len: int) -> int:
     return once + beam * (forward_flops(cfg, rows, src_len, tgt_len) - once)
 
 
-def _jax_device(device: str):
-    return jax.default_device(jax.devices("gpu" if device == "cuda" else "cpu")[0])
-
-
 def profile_impl(part: Part, cfg, params, size: Size, args, folder: Path) -> dict:
     """One part measured (unprofiled), then profiled: its row of the results."""
     trace = (lambda fn: jax_trace(fn, folder)) if part.framework == "jax" else \
@@ -316,7 +308,7 @@ def profile_impl(part: Part, cfg, params, size: Size, args, folder: Path) -> dic
         def search():
             return model.generate(src, BEAM, ALPHA, size.margin)
 
-        with _jax_device(args.device):
+        with jax.default_device(jax.devices("gpu" if args.device == "cuda" else "cpu")[0]):
             t = measure(search, repeats=args.steps, warmup=args.warmup)
             out = search()
             events = trace(lambda: [search() for _ in range(args.profiled)])
@@ -339,6 +331,22 @@ def profile_impl(part: Part, cfg, params, size: Size, args, folder: Path) -> dic
     return row
 
 
+def run_parts(parts: list[Part], cfg, params, size: Size, args, tmp: Path) -> list[dict]:
+    """Each part's row: PyTorch's in this process, then JAX's in a fresh one, on every device (the CPU
+    twin runs the GPU's path): torch.profiler (Kineto) and XLA's profiler each subscribe to CUPTI, which
+    takes one subscriber a process; and JAX's allocator keeps what it took until its process ends."""
+    rows, jax_parts = [], [p for p in parts if p.framework == "jax"]
+    for i, part in enumerate(p for p in parts if p.framework == "torch"):
+        (tmp / str(i)).mkdir()
+        rows.append(profile_impl(part, cfg, params, size, args, tmp / str(i)))
+    if jax_parts:
+        with ProcessPoolExecutor(max_workers=1, mp_context=multiprocessing.get_context("spawn")) as pool:
+            for i, part in enumerate(jax_parts, start=len(rows)):
+                (tmp / str(i)).mkdir()
+                rows.append(pool.submit(profile_impl, part, cfg, params, size, args, tmp / str(i)).result())
+    return rows
+
+
 def loss_timings(cfg, size: Size, dtype: str, device: str, steps: int) -> str:
     """Forward + backward of the label-smoothed loss alone, on logits of the step's shape (--loss-alone)."""
     rng = np.random.default_rng(0)
@@ -355,9 +363,8 @@ def loss_timings(cfg, size: Size, dtype: str, device: str, steps: int) -> str:
             fn(z, y, cfg.pad_id, 0.1)[0].backward()
         return run
 
-    def wall(fn) -> float:
+    def wall(fn) -> float:  # seconds a call, over `steps` calls after 3
         return measure(fn, repeats=1, warmup=3, inner=steps)["median_s"]
-
     rows = [("PyTorch eager", wall(torch_loss(torch_train.loss_fn))),
             ("torch.compile", wall(torch_loss(torch.compile(torch_train.loss_fn))))]
     grad = jax.jit(jax.value_and_grad(lambda z, y: jax_train.loss_fn(z, y, cfg.pad_id, 0.1)[0]))
@@ -471,13 +478,8 @@ def main(argv: list[str] | None = None) -> None:
     batches = training_batches(cfg, args.preset, size)
     print(f"profile_step: {args.preset} {args.dtype} on {args.device}, parts "
           f"{' '.join(p.key for p in parts)}", flush=True)
-    rows = []
     with tempfile.TemporaryDirectory(prefix="profile-step-") as tmp:
-        # JAX last: its allocator keeps what it took (benchmarks/run.py bench_training).
-        for i, part in enumerate(sorted(parts, key=lambda p: p.framework == "jax")):
-            folder = Path(tmp) / str(i)
-            folder.mkdir()
-            rows.append(profile_impl(part, cfg, params, size, args, folder))
+        rows = run_parts(parts, cfg, params, size, args, Path(tmp))
     rows.sort(key=lambda r: [p.key for p in PARTS].index(r["part"]))
     settings = {"preset": args.preset, "dtype": args.dtype, "device": args.device, "batch": size.batch,
                 "length": size.length, "sentences": size.decode_batch, "decode_len": size.decode_len,
