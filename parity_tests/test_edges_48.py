@@ -10,6 +10,7 @@ import json
 import os
 import shutil
 import threading
+from pathlib import Path
 
 import pytest
 
@@ -111,3 +112,64 @@ def test_a_zero_rate_and_zero_norms_are_accepted(plain, tmp_path, capsys):
     capsys.readouterr()
     assert main(["diff", str(ok), str(plain)]) == 1  # a difference in lr, not a refusal
     assert "rosetta: error" not in capsys.readouterr().err
+
+
+# -- the compile cache, before any data is prepared ------------------------------------------------
+
+def _cache_cases(tmp_path):
+    loop = tmp_path / "loop"
+    loop.symlink_to(loop)  # Path.resolve raises RuntimeError("Symlink loop ...") on Python 3.11
+    a_file = tmp_path / "a_file"
+    a_file.write_text("not a folder")
+    return {"symlink loop": (loop, "cannot resolve it"), "a file": (a_file, "is a file, not a directory"),
+            "under /proc": (Path("/proc/rosetta-cache"), "a file cannot be created in /proc")}
+
+
+@pytest.mark.parametrize("case", ["symlink loop", "a file", "under /proc"])
+def test_a_bad_compile_cache_is_refused_before_the_data(case, tmp_path, capsys, monkeypatch):
+    if case == "under /proc" and not Path("/proc/self").is_dir():
+        pytest.skip("Linux's /proc: the other two cases cover the check")
+    folder, message = _cache_cases(tmp_path)[case]
+    prepared = []
+    import rosetta.harness.loop as loop
+
+    monkeypatch.setattr(loop, "run_task", lambda *a, **k: prepared.append(a))  # data preparation
+    out = tmp_path / "out"
+    err = assert_refused(["train", "--backend", "jax", "--task", "copy", "--preset", "tiny", "--steps", "1",
+                          "--out", str(out), "--compile-cache", str(folder)], message, capsys)
+    assert f"--compile-cache {folder}" in err
+    assert not prepared and not out.exists()
+
+
+def test_the_compile_cache_is_not_checked_without_jax_or_when_off(tmp_path):
+    from rosetta.harness.run_config import RunConfig, check_compile_cache
+
+    loop = _cache_cases(tmp_path)["symlink loop"][0]
+    check_compile_cache(RunConfig(backends=("torch",), compile_cache=str(loop)))  # torch keeps no cache
+    check_compile_cache(RunConfig(backends=("jax",), compile_cache="off"))
+    check_compile_cache(RunConfig(backends=("jax",), compile_cache=str(tmp_path / "new" / "cache")))
+    assert not (tmp_path / "new").exists()  # checked, not made: the trainer makes it
+
+
+@pytest.mark.parametrize("compile_flag", [True, False])
+def test_compile_with_jax_gets_a_one_line_note(compile_flag, tmp_path, capsys, monkeypatch):
+    """--compile is PyTorch's torch.compile; JAX jits every step anyway: the run says so, once."""
+    import rosetta.harness.loop as loop
+
+    class NoTraining:  # the run up to its first step; the training itself is not this test's
+        def __init__(self, *args):
+            pass
+
+        def train(self):
+            return {}
+
+    monkeypatch.setattr(loop, "_Run", NoTraining)
+    monkeypatch.setattr(loop, "write_combined_report", lambda *a: None)
+    argv = ["train", "--backend", "jax", "--task", "copy", "--preset", "tiny", "--steps", "1",
+            "--train-size", "50", "--eval-size", "4", "--out", str(tmp_path / "out"), "--compile-cache",
+            "off", "--device", "cpu", "--no-progress"]
+    capsys.readouterr()
+    assert main(argv + (["--compile"] if compile_flag else [])) == 0
+    notes = [line for line in capsys.readouterr().err.splitlines() if "--compile" in line]
+    note = "rosetta: jax: --compile changes nothing here (JAX compiles every step with jit already)"
+    assert notes == ([note] if compile_flag else [])

@@ -246,7 +246,7 @@ class _Run:
             with self.checkpoints.kept_on_failure(trainer.step_count, what, trainer):
                 result = averaged(self.dir, run.average_last, BACKENDS[self.backend].decoder, run.dtype,
                                   self.task, self.gen_batches, self.num_gen, run.beam, run.alpha,
-                                  run.max_len_margin)
+                                  run.max_len_margin, score=bool(run.eval_every))  # 0: written, not scored
             emit({"kind": "eval_average", "backend": self.backend, "step": trainer.step_count, **result})
         if stop is not None:
             log.info("%s: stopped at step %d of %d (%s); --resume continues the run", self.backend,
@@ -299,6 +299,8 @@ def train(run: RunConfig) -> dict[str, dict[str, Any]]:
         for backend in run.backends:
             log.info("%s: training %s (%s) for the %s task in %s", backend, run.preset, run.dtype, run.task,
                      out / backend)
+            if backend == "jax" and run.compile and env.is_main:
+                log.info("jax: --compile changes nothing here (JAX compiles every step with jit already)")
             results[backend] = _Run(run, backend, task, cfg, params0, env, baseline).train()
         if env.is_main:
             with os_errors(out, "write the summary in"):

@@ -17,6 +17,7 @@ from rosetta.backends import check_trainable
 from rosetta.config import PRESETS, preset
 from rosetta.device import cache_dir, parse_device
 from rosetta.errors import RosettaError
+from rosetta.files import check_writable
 from rosetta.generation import check_alpha
 from rosetta.harness.tasks import check_task, parse_pair
 from rosetta.training import DEFAULT_LOSS, LOSSES, TrainConfig
@@ -285,3 +286,21 @@ def check_run(run: RunConfig) -> None:
                 raise RosettaError(f"{given}: --backend peer does not support it ({why})")
     run.train_config()  # TrainConfig checks its own fields (ConfigError names the field)
     preset(run.preset, **run.overrides)  # the preset and --set (a text task sets the vocabulary later)
+    check_compile_cache(run)
+
+
+def check_compile_cache(run: RunConfig) -> None:
+    """The JAX compilation cache's folder (jax_impl/compilation.py: configure makes `DIR/jax`) must
+    resolve and be creatable, before any data is prepared: a symlink loop, a file in its place, /proc."""
+    folder = run.compile_cache_dir()
+    if folder is None or "jax" not in run.backends:
+        return  # off, or no backend that uses it
+    given = f"--compile-cache {run.compile_cache}" if run.compile_cache else f"the compile cache {folder}"
+    try:
+        wanted = (folder.expanduser() / "jax").resolve()
+    except (OSError, RuntimeError) as e:  # RuntimeError: Python 3.11's "Symlink loop from ..."
+        raise RosettaError(f"{given}: cannot resolve it ({e}); give another folder or off") from None
+    try:
+        check_writable(wanted / "probe")
+    except RosettaError as e:
+        raise RosettaError(f"{given}: {e}; give another folder or off") from None
