@@ -42,6 +42,7 @@ from rosetta import init_params, preset
 from rosetta.backends import from_params, get_backend, get_trainer
 from rosetta.cli_args import positive_int, positive_real
 from rosetta.config import PRESETS, ModelConfig
+from rosetta.device import check_device
 from rosetta.harness.batching import BatchIterator
 from rosetta.harness.loop import train
 from rosetta.harness.run_config import RunConfig
@@ -278,7 +279,7 @@ def main(argv: list[str] | None = None) -> int:
     cli = parser(__file__, __doc__)
     cli.add_argument("--preset", default="base", choices=sorted(PRESETS))
     cli.add_argument("--device", default=None,
-                     help="torch's device (default: cuda if there is one, else cpu)")
+                     help="torch's device: cpu, cuda or cuda:N (default: cuda if there is one, else cpu)")
     cli.add_argument("--out-dir", type=given_path, default=RESULTS)
     cli.add_argument("--no-write", action="store_true", help="print the lines only")
     cli.add_argument("--seed", type=positive_int, default=1)
@@ -290,7 +291,9 @@ def main(argv: list[str] | None = None) -> int:
     args = cli.parse_args(argv)
     import torch
 
-    device = args.device or ("cuda" if torch.cuda.is_available() else "cpu")
+    with cli.refusing():  # the one device parser (rosetta/device.py), before anything is measured
+        given = check_device(args.device, torch.cuda.device_count())
+    device = given.torch if given else "cuda" if torch.cuda.is_available() else "cpu"
     started = time.perf_counter()
     env = environment()
     name = re.sub(r"[^a-z0-9]+", "-", (env.get("gpu") or "cpu").lower()).strip("-")
@@ -300,7 +303,7 @@ def main(argv: list[str] | None = None) -> int:
         cli.check_out_dir(args.out_dir, [f"{name}.json", f"{name}.md"])
     cfg = preset(args.preset, **NO_DROPOUT)
     params = init_params(cfg, seed=args.seed)
-    gpu = device == "cuda"
+    gpu = device.startswith("cuda")
     length, rows = (64, 64) if gpu else (24, 16)
     checks: list[Check] = []
     groups = {

@@ -77,6 +77,9 @@ CASES = [
      "argument --peak-tflops: must be a finite number > 0, got 'nan'"),
     ("run", ["--suite", "smoke", "--presets", "huge"], "argument --presets: huge: suite smoke has tiny"),
     ("gpu_check", ["--peak-tflops", "-1"], "argument --peak-tflops: must be a finite number > 0, got '-1'"),
+    # Devices through rosetta/device.py (issue 48: cuda:99 and tpu started measuring on the CPU).
+    ("gpu_check", ["--device", "tpu"], "--device tpu: not a device name; give {any}"),
+    ("gpu_check", ["--device", "cuda:99"], "--device cuda:99: {any}"),
     ("time_to_quality", ["--out", "{tmp}/run", "--budget", "inf"],
      "argument --budget: must be a finite number > 0, got 'inf'"),
     ("time_to_quality", ["--out", "{tmp}/run", "--bleu-at", "101"],
