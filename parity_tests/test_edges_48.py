@@ -173,3 +173,57 @@ def test_compile_with_jax_gets_a_one_line_note(compile_flag, tmp_path, capsys, m
     notes = [line for line in capsys.readouterr().err.splitlines() if "--compile" in line]
     note = "rosetta: jax: --compile changes nothing here (JAX compiles every step with jit already)"
     assert notes == ([note] if compile_flag else [])
+
+
+# -- rosetta example: build folders of processes that no longer exist, a folder as a data file -----
+
+def _dead_pid() -> int:
+    """The id of a process that has exited and been reaped (the kernel reuses ids only after
+    wrapping around pid_max: not within this test)."""
+    import subprocess
+    import sys
+
+    child = subprocess.Popen([sys.executable, "-c", "pass"])
+    child.wait()
+    return child.pid
+
+
+def test_example_sweeps_the_partial_folders_of_dead_processes(tmp_path, capsys):
+    from rosetta.harness.example import check_example_args
+
+    dead, live = _dead_pid(), os.getpid()
+    for name in (f".ex.partial-{dead}-0a1b2c3d", f".ex.partial-{live}-00ff00ff", ".ex.partial-mine",
+                 f".other.partial-{dead}-0a1b2c3d"):
+        (tmp_path / name).mkdir()
+        (tmp_path / name / "source.spm").write_bytes(b"half")  # about 500 KB in the issue's case
+    capsys.readouterr()
+    check_example_args(tmp_path / "ex")
+    err = capsys.readouterr().err
+    assert err == (f"rosetta: removed {tmp_path}/.ex.partial-{dead}-0a1b2c3d (left by process {dead}, which "
+                   f"no longer exists)\n")
+    # A live process's build, a folder not named as a build's, another DIR's: left as they are.
+    assert sorted(p.name for p in tmp_path.iterdir()) == sorted(
+        [f".ex.partial-{live}-00ff00ff", ".ex.partial-mine", f".other.partial-{dead}-0a1b2c3d"])
+
+
+def test_example_names_a_dead_processs_folder_it_cannot_remove(tmp_path, capsys, monkeypatch):
+    from rosetta.harness import example
+
+    dead = _dead_pid()
+    (tmp_path / f".ex.partial-{dead}-0a1b2c3d").mkdir()
+
+    def refuse(path):
+        raise PermissionError(13, "Permission denied")
+
+    monkeypatch.setattr(example.shutil, "rmtree", refuse)
+    assert_refused(["example", "opus-mt", str(tmp_path / "ex")],
+                   f".ex.partial-{dead}-0a1b2c3d: a build folder left by process {dead}, which no longer "
+                   f"exists, cannot be removed (Permission denied); remove it", capsys)
+
+
+def test_example_data_dir_with_a_folder_for_a_data_file_says_so(tmp_path, capsys):
+    data = tmp_path / "data"
+    (data / "train.de.gz").mkdir(parents=True)
+    assert_refused(["example", "opus-mt", str(tmp_path / "ex"), "--data-dir", str(data)],
+                   f"data file {str(data / 'train.de.gz')!r} is a directory", capsys)
+    assert not (tmp_path / "ex").exists()

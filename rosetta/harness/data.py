@@ -90,8 +90,10 @@ def read_lines(path: str | os.PathLike[str]) -> list[str]:
     """The lines of a UTF-8 text file, gzipped if its name ends in `.gz`, each stripped of
     surrounding whitespace. Only `\\n` separates lines. DataError names a missing or bad file."""
     path = Path(path)
-    if not path.is_file():
-        raise DataError(f"data file {str(path)!r} does not exist")
+    if not path.is_file():  # a folder or a FIFO in its place is named as such (a FIFO is never opened)
+        state = ("is a directory" if path.is_dir() else "is not a regular file" if path.exists()
+                 else "does not exist")
+        raise DataError(f"data file {str(path)!r} {state}")
     try:
         raw = path.read_bytes()
         if path.suffix == ".gz":

@@ -20,12 +20,15 @@ and renamed into place, so an interrupted build never leaves a DIR that looks co
 from __future__ import annotations
 
 import contextlib
+import glob
 import importlib
 import io
 import json
 import os
+import re
 import secrets
 import shutil
+import sys
 import warnings
 from collections.abc import Iterator
 from pathlib import Path
@@ -92,6 +95,7 @@ def check_example_args(out: str | os.PathLike[str], steps: int = 250) -> Path:
         raise RosettaError(f"{out}: exists and is not a folder; name a new or empty folder")
     out = Path(os.path.abspath(out))  # "." has no name to put the build's folder beside
     check_writable(out.with_name(f".{out.name}.partial"))  # the build's folder beside it, probed
+    sweep_partials(out)
     if steps < 1:
         raise RosettaError(f"--steps {steps}: the model trains for at least 1 step")
     for name in REQUIRED:
@@ -101,6 +105,37 @@ def check_example_args(out: str | os.PathLike[str], steps: int = 250) -> Path:
             raise RosettaError(f"the example model needs {name!r}, which is not installed "
                                f"(pip install {name}; or pip install 'rosetta-transformer[dev]')") from None
     return out
+
+
+def sweep_partials(out: Path) -> list[Path]:
+    """Remove the build folders `.DIR.partial-<pid>-<hex>` beside `out` whose process no longer
+    exists (a build killed with -9 cannot remove its own); say so on stderr, and return them. One
+    that cannot be removed is named in a RosettaError; a live process's is left to it."""
+    swept = []
+    for work in sorted(out.parent.glob(f".{glob.escape(out.name)}.partial-*")):
+        match = re.fullmatch(rf"\.{re.escape(out.name)}\.partial-([0-9]+)-[0-9a-f]+", work.name)
+        if match is None or not work.is_dir() or work.is_symlink() or _alive(int(match[1])):
+            continue
+        try:
+            shutil.rmtree(work)
+        except OSError as e:
+            raise RosettaError(f"{work}: a build folder left by process {match[1]}, which no longer exists, "
+                               f"cannot be removed ({e.strerror or e}); remove it") from None
+        print(f"rosetta: removed {work} (left by process {match[1]}, which no longer exists)",
+              file=sys.stderr)
+        swept.append(work)
+    return swept
+
+
+def _alive(pid: int) -> bool:
+    """Whether process `pid` exists here (signal 0 checks without sending; another user's: alive)."""
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except (PermissionError, OverflowError, ValueError):
+        return pid > 0
+    return True
 
 
 def build_opus_mt_dir(out: str | os.PathLike[str], separate: bool = False, steps: int = 250, seed: int = 0,
