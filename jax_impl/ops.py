@@ -1,9 +1,10 @@
 """JAX-only speed paths and helpers of jax_impl/model.py: attention through
-jax.nn.dot_product_attention where it is faster (and the choice of when), dropout's CPU draw, the
-output projection's backward, the incremental-decoding cache (a pytree, written and reordered into
-new caches), and the variable type of the positional table. torch_impl/ops.py holds PyTorch's, under
-the same names where they match, in the same order (parity_tests/test_structure.py);
-numpy_ref/model.py computes the same numbers the plain way (and decodes without a cache).
+jax.nn.dot_product_attention where it is faster (and the choice of when), dropout's CPU draw and
+its key per platform, the output projection's backward, the incremental-decoding cache (a pytree,
+written and reordered into new caches), and the variable type of the positional table.
+torch_impl/ops.py holds PyTorch's, under the same names where they match, in the same order
+(parity_tests/test_structure.py); numpy_ref/model.py computes the same numbers the plain way (and
+decodes without a cache).
 
 Shapes: B batch, h heads, Tq query length, Tk key length, dh d_head.
 """
@@ -95,6 +96,21 @@ class Dropout(nnx.Dropout):
         if off or self.rate == 0.0 or not isinstance(rngs, nnx.Rngs) or jax.default_backend() != "cpu":
             return super().__call__(x, deterministic=deterministic, rngs=rngs)
         return cpu_dropout(x, self.rate, rngs[self.rng_collection]())
+
+
+def dropout_rng(seed: int, platform: str) -> nnx.Rngs:
+    """The trainer's dropout generator, nnx.Rngs(dropout=...), by platform. The CPU keeps the integer
+    seed's threefry key (the stream the determinism tests pin). GPUs and TPUs take an `rbg` key: its
+    bits come from XLA's RngBitGenerator, one op instead of threefry's hash rounds: the lever for
+    masks regenerated in the backward pass rather than kept (whether XLA does so is for a GPU
+    profile to show); its split and fold_in stay threefry's. Another stream, backend-dependent
+    (docs/training.md: dropout streams), but the same whatever the mesh's layout (JAX's table of
+    key implementations), so the draws of a global batch and a resume on another number of devices
+    stay as with threefry; rbg is not "efficiently shardable" there: on a mesh each device may
+    generate more bits than its own. GPU effect (memory, time): not measured."""
+    if platform == "cpu":
+        return nnx.Rngs(dropout=seed)
+    return nnx.Rngs(dropout=jax.random.key(seed, impl="rbg"))
 
 
 @jax.custom_vjp

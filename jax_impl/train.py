@@ -41,6 +41,7 @@ from jax_impl.distributed import (
 )
 from jax_impl.loss import chunked_loss, cross_entropy, generator_params
 from jax_impl.model import Transformer
+from jax_impl.ops import dropout_rng
 from rosetta.checkpoint import check_params
 from rosetta.config import ModelConfig
 from rosetta.device import cpu_name, max_rss_bytes, parse_device
@@ -256,7 +257,7 @@ class Trainer:
     here, PITFALLS 9). `dtype` "bfloat16" computes in bfloat16 (the model's dtype) with float32
     weights and optimizer state. `parity` (default: on CPU only) pins full-precision float32
     matmuls (PITFALLS 5); on a GPU the trainer leaves JAX's default (TF32), for speed. The
-    dropout generator is the trainer's own explicit `nnx.Rngs(dropout=seed)`.
+    dropout generator is the trainer's own explicit `nnx.Rngs` (ops.dropout_rng: its key per platform).
 
     Data-parallel: a Mesh with one axis "data" over `num_devices` devices of `device`'s platform
     (None: all of them) of every process; under a launcher (torchrun; launch_env) the processes
@@ -301,7 +302,7 @@ class Trainer:
             self.optimizer = make_optimizer(self.model, train_cfg)
             if self.shard:
                 shard_variables(self.model, self.optimizer, self.world_size)  # after the optimizer exists
-            self.rngs = nnx.Rngs(dropout=train_cfg.seed)
+            self.rngs = dropout_rng(train_cfg.seed, self.device.platform)  # jax_impl/ops.py
             place((self.model, self.optimizer, self.rngs), self.mesh)
             self._train_step = make_train_step(self.model, self.optimizer, self.rngs, train_cfg, self.mesh,
                                                loss)

@@ -1,7 +1,7 @@
 """PyTorch-only speed paths of torch_impl/model.py: attention as one fused SDPA kernel (explicit
-on CPUs with attention dropout), dropout from 16 random bits a value on CPUs, the
-incremental-decoding cache (written in place), weights packed once for CPU decoding, and the
-positional buffer's growth outside compiled graphs.
+on CPUs with attention dropout), dropout from 16 random bits a value on CPUs (and functionalised
+RNG for compiled CUDA steps), the incremental-decoding cache (written in place), weights packed
+once for CPU decoding, and the positional buffer's growth outside compiled graphs.
 jax_impl/ops.py holds JAX's, under the same names where they match, in the same order
 (parity_tests/test_structure.py); numpy_ref/model.py computes the same numbers the plain way (and
 decodes without a cache).
@@ -81,6 +81,20 @@ class Dropout(nn.Dropout):
         if not self.training or self.p == 0.0 or x.device.type != "cpu" or torch.compiler.is_compiling():
             return super().forward(x)
         return cpu_dropout(x, self.p)
+
+
+def dropout_rng(device_type: str, compiled: bool) -> contextlib.AbstractContextManager:
+    """torch.compile's functionalised RNG around a compiled training step on CUDA (AOTAutograd's
+    `functionalize_rng_ops`): each random op becomes a philox draw from a (seed, offset) read off
+    the CUDA generator, a pure function of them, so the partitioner may regenerate a dropout mask in
+    the backward pass from the saved (seed, offset) instead of saving the mask, and inductor fuses
+    it with the bias and residual add around it. The masks come from another stream than inductor's
+    own seeds (docs/training.md: dropout streams). CUDA only: torch 2.13 functionalises only CUDA's
+    philox generator and refuses a CPU random op with it on (parity_tests/test_dropout_streams.py);
+    eager steps never see it. Not yet run on a GPU, nor with CUDA graphs (compilation.training_mode):
+    it passes the (seed, offset) as host tensors, which may keep inductor from capturing a graph (its
+    log says "skipping cudagraphs"): for the GPU session to check. GPU effect: not measured."""
+    return torch._functorch.config.patch(functionalize_rng_ops=compiled and device_type == "cuda")
 
 
 @dataclass

@@ -33,7 +33,7 @@ from rosetta.training import (
     check_trainer_args,
     learning_rate,
 )
-from torch_impl import compilation
+from torch_impl import compilation, ops
 from torch_impl.backend import DTYPES, Model, compute_context, float32_matmul_precision, parity_mode
 from torch_impl.convert import build_model, from_state_dict
 from torch_impl.distributed import (
@@ -93,9 +93,8 @@ def make_optimizer(module: Transformer, train_cfg: TrainConfig
 def forward_loss(module: Transformer, src: torch.Tensor, tgt: torch.Tensor, labels: torch.Tensor,
                  label_smoothing: float, compute: torch.dtype | None = None,
                  num_tokens: torch.Tensor | None = None, packing: Packing | None = None) -> torch.Tensor:
-    """The loss of one batch, forward only: what `compiled_forward` compiles (`rosetta train --compile`),
-    in the dtype `compute` (backend.compute_context). `packing`: a packed batch's segment and position
-    arrays (docs/packing.md); the peer (peer_impl/model.py) takes none: an unpacked batch passes none."""
+    """The loss of one batch, forward only, in the dtype `compute` (backend.compute_context): what
+    `compiled_forward` compiles. `packing`: a packed batch's (docs/packing.md); none if unpacked (peer)."""
     with compute_context(module, compute):
         logits = module(src, tgt) if packing is None else module(src, tgt, packing=packing)
         return loss_fn(logits, labels, unwrap(module).cfg.pad_id, label_smoothing, num_tokens)[0]
@@ -307,8 +306,9 @@ class Trainer:
 
     @contextlib.contextmanager
     def _context(self) -> Iterator[None]:
-        """The trainer's generator in place of torch's global one, and the matmul precision."""
-        with torch.random.fork_rng(devices=self._rng_devices()), self._precision():
+        """The trainer's generator in place of torch's global one, its RNG mode, the matmul precision."""
+        rng = ops.dropout_rng(self.device.type, self.compile)  # functionalised: compiled, on CUDA
+        with torch.random.fork_rng(devices=self._rng_devices()), self._precision(), rng:
             torch.set_rng_state(self._rng["cpu"])
             if "cuda" in self._rng:
                 torch.cuda.set_rng_state(self._rng["cuda"], self.device)

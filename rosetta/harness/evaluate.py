@@ -102,13 +102,16 @@ def validation(trainer: Trainer, task: TaskData, loss_batches: list[Batch], gen_
 
 
 def averaged(run_dir: Path, last: int, decoder: str, dtype: str, task: TaskData, gen_batches: list[Batch],
-             count: int, beam: int, alpha: float, max_len_margin: int) -> dict[str, Any]:
+             count: int, beam: int, alpha: float, max_len_margin: int, score: bool = True) -> dict[str, Any]:
     """`rosetta train --average-last N`: the average of the run's last `last` checkpoints (paper
-    §6.1, rosetta/harness/average.py), written beside them as averaged.safetensors and scored
-    like a checkpoint, in backend `decoder`'s model (the registry's) at `dtype`."""
+    §6.1, rosetta/harness/average.py), written beside them as averaged.safetensors and, with
+    `score` (a run at --eval-every 0 evaluates nothing), scored like a checkpoint, in backend
+    `decoder`'s model (the registry's) at `dtype`."""
     paths = resolve_checkpoints([run_dir], last).paths
     with os_errors(run_dir, "write the averaged checkpoint in"):
         out = write_average(paths, run_dir / "averaged.safetensors")
+    if not score:
+        return {"checkpoints": [p.parent.name for p in paths]}
     ckpt = load_checkpoint(out)
     start = time.perf_counter()
     scores = score_batches(from_params(ckpt.config, ckpt.params, decoder, dtype), task, gen_batches, count,

@@ -1,0 +1,146 @@
+"""Dropout without stored masks where the framework allows it (issue 45, item 6): the dropout
+generator's kind chosen by device in one function per framework (torch_impl/ops.py and
+jax_impl/ops.py: dropout_rng), tested here as pure functions on the CPU; the CPU streams stay what
+they were; JAX's `rbg` key resumes bit for bit. Their GPU effect (memory, time) is not measured."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+import torch
+
+from rosetta import init_params, preset
+from rosetta.parity import random_batch
+from rosetta.training import Batch, TrainConfig
+
+CFG = preset("tiny")  # dropout 0.1
+PARAMS = init_params(CFG, seed=0)
+TRAIN = TrainConfig(warmup_steps=4, seed=5)
+
+
+def _batch(seed: int = 0) -> Batch:
+    src, tgt = random_batch(CFG, batch=4, src_len=9, tgt_len=8, seed=seed)
+    labels = np.where(tgt == CFG.pad_id, CFG.pad_id, np.roll(tgt, -1, axis=1))
+    counts = int((src != CFG.pad_id).sum()), int((labels != CFG.pad_id).sum())
+    return Batch(src, tgt, labels, np.arange(4), *counts)
+
+
+# -- PyTorch: functionalised RNG for compiled training on CUDA only ----------------------------
+
+@pytest.mark.parametrize("device_type, compiled, on", [("cuda", True, True), ("cuda", False, False),
+                                                       ("cpu", True, False), ("cpu", False, False)])
+def test_torch_dropout_rng_functionalises_compiled_cuda_steps_only(device_type, compiled, on):
+    from torch._functorch import config
+
+    from torch_impl.ops import dropout_rng
+
+    before = config.functionalize_rng_ops
+    with dropout_rng(device_type, compiled):
+        assert config.functionalize_rng_ops is on
+    assert config.functionalize_rng_ops is before
+
+
+def test_torch_refuses_functionalised_rng_on_a_cpu():
+    """Why dropout_rng leaves the CPU alone: torch 2.13 functionalises CUDA's philox generator only:
+    compiling a CPU random op under it fails (without CUDA, reading CUDA's generator state; with it,
+    "does not use Philox"). The day this test fails, dropout_rng may turn it on for CPUs too."""
+    import torch._dynamo
+    from torch._functorch import config
+
+    torch._dynamo.reset()
+
+    def f(x: torch.Tensor) -> torch.Tensor:
+        return torch.nn.functional.dropout(x, 0.5, training=True).sum()
+
+    x = torch.ones(8, 8, requires_grad=True)
+    refused = pytest.raises(Exception, match="Philox|CUDA not available")
+    with config.patch(functionalize_rng_ops=True), refused:
+        torch.compile(f, backend="aot_eager", fullgraph=True)(x).backward()
+    torch._dynamo.reset()
+
+
+def test_torch_compiled_cpu_training_is_unchanged(monkeypatch):
+    """Two compiled steps (dropout on) of the trainer, which enters dropout_rng every step, against
+    the same with dropout_rng a no-op (the trainer before this item): the same losses and weights,
+    bit for bit; inside the compiled step functionalize_rng_ops is off."""
+    import contextlib
+
+    import torch._dynamo.testing
+    from torch._functorch import config
+
+    from torch_impl import compilation, ops
+    from torch_impl.train import Trainer
+
+    monkeypatch.setattr(compilation, "BACKEND", torch._dynamo.testing.CompileCounterWithBackend("aot_eager"))
+    batch = _batch()
+
+    def run() -> tuple[list[float], dict[str, np.ndarray]]:
+        torch._dynamo.reset()
+        trainer = Trainer(CFG, PARAMS, TRAIN, device="cpu", compile=True)
+        forward, seen = trainer.forward, []
+        trainer.forward = lambda *a: (seen.append(config.functionalize_rng_ops), forward(*a))[1]
+        losses = [trainer.read(trainer.step(batch))["loss"] for _ in range(2)]
+        assert seen == [False, False]
+        return losses, trainer.params()
+
+    losses, params = run()
+    monkeypatch.setattr(ops, "dropout_rng", lambda device_type, compiled: contextlib.nullcontext())
+    before_losses, before_params = run()
+    assert losses == before_losses
+    for name, value in params.items():
+        np.testing.assert_array_equal(value, before_params[name], err_msg=name)
+
+
+# -- JAX: an rbg key on one accelerator, threefry on the CPU and on meshes ----------------------
+
+def test_jax_dropout_rng_by_platform():
+    """The CPU keeps nnx.Rngs(dropout=seed)'s threefry key (its stream unchanged, bit for bit); GPUs
+    and TPUs take an rbg key, whose bits are another stream than threefry's."""
+    import jax
+    from flax import nnx
+
+    from jax_impl.ops import dropout_rng
+
+    def key(rngs: nnx.Rngs) -> jax.Array:
+        return rngs.dropout.key.get_value()
+
+    plain, rngs = nnx.Rngs(dropout=7), dropout_rng(7, "cpu")
+    assert jax.random.key_impl(key(rngs)) == jax.random.key_impl(key(plain))
+    np.testing.assert_array_equal(jax.random.key_data(key(rngs)), jax.random.key_data(key(plain)))
+    bits = jax.random.bits(rngs.dropout(), (64,))
+    np.testing.assert_array_equal(bits, jax.random.bits(plain.dropout(), (64,)))
+    for platform in ("gpu", "tpu"):
+        rbg = dropout_rng(7, platform)
+        assert str(jax.random.key_impl(key(rbg))) == "rbg"
+        threefry = nnx.Rngs(dropout=7).dropout()
+        assert (jax.random.bits(rbg.dropout(), (64,)) != jax.random.bits(threefry, (64,))).any()
+
+
+def test_jax_rbg_dropout_resumes_bit_for_bit(monkeypatch):
+    """The trainer with the GPU's rbg key, on the CPU: 4 steps uninterrupted against a new trainer
+    built from the weights and state saved after step 2 (its key data: rbg's 4 words), 2 more steps:
+    the same losses and weights, bit for bit (load_state_dict wraps the saved words with the
+    trainer's own key implementation)."""
+    import jax
+
+    from jax_impl import ops, train
+
+    monkeypatch.setattr(train, "dropout_rng", lambda seed, platform: ops.dropout_rng(seed, "gpu"))
+    batches = [_batch(seed) for seed in range(4)]
+
+    def trainer(params=PARAMS) -> train.Trainer:
+        t = train.Trainer(CFG, params, TRAIN, device="cpu")
+        assert str(jax.random.key_impl(t.rngs.dropout.key.get_value())) == "rbg"
+        return t
+
+    whole = trainer()
+    want = [whole.read(whole.step(b))["loss"] for b in batches[:2]]
+    state, params = whole.state_dict(), whole.params()
+    assert state["rng.dropout.key"].shape == (4,)
+    want += [whole.read(whole.step(b))["loss"] for b in batches[2:]]
+    resumed = trainer(params)
+    resumed.load_state_dict(state)
+    assert [resumed.read(resumed.step(b))["loss"] for b in batches[2:]] == want[2:]
+    end, want_end = resumed.params(), whole.params()
+    for name, value in want_end.items():
+        np.testing.assert_array_equal(end[name], value, err_msg=name)
