@@ -29,6 +29,7 @@ import json
 import multiprocessing
 import os
 import re
+import statistics
 import tempfile
 import time
 from concurrent.futures import ProcessPoolExecutor
@@ -68,7 +69,9 @@ from rosetta.flops import forward_flops, mfu, peak_flops, training_flops
 from rosetta.harness.batching import BatchIterator
 from rosetta.harness.loop import train
 from rosetta.harness.metrics import batch_work
+from rosetta.harness.report import read_log
 from rosetta.harness.run_config import RunConfig
+from rosetta.harness.stepping import HOST_PHASES
 from rosetta.harness.tasks import load_task
 from rosetta.parity import random_batch
 from rosetta.training import Batch
@@ -226,25 +229,29 @@ def bench_training(cfg, params, batches: list[Batch], dtype: str, suite: Suite, 
 
 def bench_harness(cfg, preset_name: str, size: Size, dtype: str, suite: Suite, impls: list[str],
                   device: str) -> list[dict]:
-    """`rosetta train` itself (rosetta/harness/loop.py) on the batches of bench_training, for as many
-    steps as a benchmark row times after its warm-up, read every `suite.steps` steps: its median
-    step time (summary.json's, the first step of the shape left out)."""
+    """`rosetta train` itself (rosetta/harness/loop.py) on the batches of bench_training: a warm-up
+    stretch, then `suite.repeats` stretches of `suite.steps` steps as the benchmark row times them
+    (the loop's summary would also take a shorter last one); their median step from the run's log,
+    and the host's seconds per step by phase (rosetta/harness/stepping.py: host-bound if they reach it)."""
     rows = []
     for name in [n for n in suite.harness if n in impls]:
         backend, settings = TRAINERS[name]
         run = replace(harness_run(cfg, preset_name, size), backends=(backend,), dtype=dtype, device=device,
-                      steps=1 + suite.repeats * suite.steps, log_every=suite.steps,
+                      steps=(1 + suite.repeats) * suite.steps, log_every=suite.steps,
                       peak_tflops=suite.peak_tflops, **settings)
         with tempfile.TemporaryDirectory() as out:
             result = train(replace(run, out=out))[backend]
+            timed = [r for r in read_log(Path(out) / backend / "log.jsonl")
+                     if r.get("kind") == "train" and r["step"] > suite.steps]
         release()
-        t = {"median_s": result["median_step_time_s"], "repeats": result["timed_steps"],
+        t = {"median_s": statistics.median(r["step_time_s"] for r in timed), "repeats": len(timed),
              "inner": suite.steps, "peak_memory_bytes": result["peak_memory_bytes"],
-             "compile_s": result["compile_time_total_s"]}
+             "compile_s": result["compile_time_total_s"],
+             "host_s": {p: statistics.median(r[f"host_{p}_s"] for r in timed) for p in HOST_PHASES}}
         log(f"train {name}{HARNESS}", t | {"warmup_s": result["compile_time_total_s"]})
         rows.append(dict(task="train", impl=name + HARNESS, **t,
-                         tokens_per_s=result["median_tgt_tokens_per_s"],
-                         padded_tokens_per_s=result["median_tgt_tokens_per_s_padded"],
+                         tokens_per_s=statistics.median(r["tgt_tokens_per_s"] for r in timed),
+                         padded_tokens_per_s=statistics.median(r["tgt_tokens_per_s_padded"] for r in timed),
                          flops_per_step=training_flops(cfg, size.batch, size.length, size.length)))
     return rows
 
@@ -274,15 +281,8 @@ def bench_forward(cfg, params, peer, size: Size, dtype: str, suite: Suite, devic
     for name, fn in impls.items():
         t = measure(fn, suite.repeats, suite.warmup, inner=max(1, suite.steps // 2))
         log(f"forward {name}", t)
-        rows.append(
-            dict(
-                task="forward",
-                impl=name,
-                **t,
-                sentences_per_s=size.batch / t["median_s"],
-                flops=forward_flops(cfg, size.batch, size.length, size.length),
-            )
-        )
+        rows.append(dict(task="forward", impl=name, **t, sentences_per_s=size.batch / t["median_s"],
+                         flops=forward_flops(cfg, size.batch, size.length, size.length)))
     return rows
 
 

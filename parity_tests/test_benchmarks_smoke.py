@@ -50,11 +50,11 @@ def test_benchmark_runner_smoke(tmp_path, monkeypatch):
     assert all(r["median_s"] > 0 for r in rows)
     train_rows = [r for r in rows if r["task"] == "train"]
     assert all(r["peak_memory_bytes"] > 0 for r in train_rows)
-    # Each benchmark row: max(warm-up, batches) steps, then repeats x steps; each loop row: 1 + repeats x
-    # steps (rosetta train --steps); all of them Trainer.step, per framework.
+    # Each benchmark row: max(warm-up, batches) steps, then repeats x steps; each loop row: a warm-up
+    # stretch of `steps`, then repeats x steps (rosetta train --steps); all of them Trainer.step.
     suite = SUITES["smoke"]
     bench = max(suite.warmup, 4) + suite.repeats * suite.steps  # 4: run.training_batches' count
-    loop = 1 + suite.repeats * suite.steps
+    loop = (1 + suite.repeats) * suite.steps
     per_framework: Counter = Counter()
     for r in train_rows:
         name = r["impl"].removesuffix(" (rosetta train)")
@@ -62,6 +62,10 @@ def test_benchmark_runner_smoke(tmp_path, monkeypatch):
     assert calls == per_framework
     loop_rows = [r for r in train_rows if r["impl"].endswith("(rosetta train)")]
     assert loop_rows and all(r["vs_benchmark"] > 0 for r in loop_rows)
+    # The loop's rows time the stretches after its warm-up one, as many as the benchmark's repeats,
+    # and say the host's seconds per step in each phase (where the loop may be host-bound).
+    assert all(r["repeats"] == suite.repeats and set(r["host_s"]) == {"step", "prepare", "work"}
+               and 0 < r["host_s"]["step"] for r in loop_rows)
     # Every measurement of ours has a ratio against the nn.Transformer peer where one exists.
     assert all("ratio_vs_peer" in r for r in rows if r["task"] == "train" and r["impl"] != "peer")
     # Bucketed and packed rows, each with the real-token share of the batches it timed: their non-pad
