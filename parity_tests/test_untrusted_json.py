@@ -170,7 +170,7 @@ def test_a_huge_marian_config_is_refused_by_its_size(marian_dir, tmp_path, capsy
     ({"vocab_size": 64.0}, "vocab_size must be an integer, got a number 64.0"),
     ({"dropout": "0.1"}, "dropout must be a number, got a string '0.1'"),
     ({"tie_word_embeddings": 1}, "tie_word_embeddings must be a boolean, got an integer 1"),
-    ({"activation_function": "tanh"}, "activation_function must be one of relu, gelu"),
+    ({"activation_function": "tanh"}, "activation_function 'tanh': rosetta's model cannot compute it"),
 ])
 def test_marian_config_fields_of_the_wrong_type_or_size_are_refused(changes, message, marian_dir, tmp_path,
                                                                      capsys):

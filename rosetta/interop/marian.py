@@ -51,6 +51,7 @@ from rosetta.checkpoint import DTYPES, check_params
 from rosetta.config import LIMITS, ModelConfig
 from rosetta.errors import CheckpointError, ConfigError, RosettaError
 from rosetta.files import atomic_write_bytes
+from rosetta.interop.marian_fields import resolve_fields
 from rosetta.json_input import Field, check_schema, field, read_json
 from rosetta.params import Params, embedding_names, param_shapes
 from rosetta.positional import positional_encoding
@@ -69,15 +70,18 @@ DEFAULTS: dict[str, Any] = {
     "pad_token_id": 58100, "eos_token_id": 0, "share_encoder_decoder_embeddings": True,
     "tie_word_embeddings": True,
 }
-# Hugging Face activation names (activations.py ACT2CLS) -> ours; "gelu" is the exact erf form.
-ACTIVATIONS_IN = {"relu": "relu", "gelu": "gelu", "gelu_new": "gelu_tanh", "gelu_pytorch_tanh": "gelu_tanh",
-                  "swish": "silu", "silu": "silu"}
+# Hugging Face activation names (activations.py ACT2CLS) -> ours: "gelu" and "gelu_python" are the
+# exact erf form; gelu_new, gelu_pytorch_tanh, gelu_python_tanh, gelu_accurate and gelu_fast the tanh
+# form (gelu_fast writes sqrt(2/pi) as 0.7978845608: 4e-12 relative, below float32's 6e-8).
+ACTIVATIONS_IN = {"relu": "relu", "gelu": "gelu", "gelu_python": "gelu", "gelu_new": "gelu_tanh",
+                  "gelu_pytorch_tanh": "gelu_tanh", "gelu_python_tanh": "gelu_tanh",
+                  "gelu_accurate": "gelu_tanh", "gelu_fast": "gelu_tanh", "swish": "silu", "silu": "silu"}
 # The JSON type of each field read from config.json (rosetta/json_input.py checks them first): null
 # only where MarianConfig gives null a meaning (decoder_vocab_size: "as vocab_size"); a null elsewhere
 # would silently become a default, and `scale_embedding: "yes"` would read as true.
 CONFIG_SCHEMA: dict[str, Field] = {
     "model_type": field("string"), "decoder_vocab_size": field("integer", "null"),
-    "activation_function": field("string", choices=tuple(ACTIVATIONS_IN)),
+    "activation_function": field("string"),
     **{name: field("integer") for name in (
         "vocab_size", "max_position_embeddings", "encoder_layers", "encoder_ffn_dim",
         "encoder_attention_heads", "decoder_layers", "decoder_ffn_dim", "decoder_attention_heads", "d_model",
@@ -126,9 +130,13 @@ def module_map(cfg: ModelConfig) -> dict[str, tuple[str, str]]:
 def config_from_marian(hf: Mapping[str, Any], *, source: str = CONFIG_FILE, **overrides: Any) -> ModelConfig:
     """Our config for a Marian `config.json` (MarianConfig's defaults for absent fields), its fields'
     types checked first; `source` names the file in the messages."""
+    hf = resolve_fields(hf, set(DEFAULTS), source)  # aliases, and the fields MarianMTModel ignores
     check_schema(hf, CONFIG_SCHEMA, source)
     if hf.get("model_type", "marian") != "marian":
         raise ConfigError(f"{source}: model_type {hf.get('model_type')!r} is not 'marian'")
+    if hf.get("activation_function", "gelu") not in ACTIVATIONS_IN:
+        raise ConfigError(f"{source}: activation_function {hf['activation_function']!r}: rosetta's model "
+                          f"cannot compute it (it computes {', '.join(ACTIVATIONS_IN)})")
     c = {**DEFAULTS, **{k: v for k, v in hf.items() if k in DEFAULTS and v is not None}}
     for mine, theirs in (("encoder_attention_heads", "decoder_attention_heads"),
                          ("encoder_ffn_dim", "decoder_ffn_dim")):
