@@ -299,3 +299,38 @@ def test_jax_three_bfloat16_steps_agree_with_the_per_use_cast_path(monkeypatch):
     with parity_mode():
         new, old = run("plain"), run("per-use casts")
     _check_three_steps(new, old, weights(build_model(CFG, PARAMS, jnp.float32)))
+
+
+def test_torch_ddp_replica_computes_on_the_cast_weights(tmp_path):
+    """compute_context around a DistributedDataParallel replica (a one-process gloo group): the cast
+    weights are swapped into the wrapped module, the logits are bfloat16, and the float32 gradients
+    equal the unwrapped module's bit for bit, through DDP's reducer (two passes: a reducer whose
+    hooks did not fire refuses the second forward)."""
+    import torch.distributed as dist
+    from torch.nn.parallel import DistributedDataParallel
+
+    from torch_impl.backend import compute_context
+    from torch_impl.convert import build_model
+    from torch_impl.train import loss_fn
+
+    src, tgt, labels = (torch.from_numpy(a) for a in _batch())
+
+    def grads(wrap: bool) -> dict[str, torch.Tensor]:
+        module = build_model(CFG, PARAMS, torch.float32, torch.device("cpu")).eval()
+        replica = DistributedDataParallel(module) if wrap else module
+        for _ in range(2):
+            module.zero_grad(set_to_none=True)
+            with compute_context(replica, torch.bfloat16):
+                logits = replica(src, tgt)
+            assert logits.dtype == torch.bfloat16
+            loss_fn(logits, labels, CFG.pad_id, 0.1)[0].backward()
+        return {name: p.grad for name, p in module.named_parameters()}
+
+    dist.init_process_group("gloo", init_method=f"file://{tmp_path / 'store'}", rank=0, world_size=1)
+    try:
+        wrapped = grads(True)
+    finally:
+        dist.destroy_process_group()
+    plain = grads(False)
+    assert all(g.dtype == torch.float32 for g in wrapped.values())
+    assert all(torch.equal(wrapped[name], plain[name]) for name in plain)

@@ -108,7 +108,7 @@ def compute_context(module: torch.nn.Module, dtype: torch.dtype | None, autocast
     trained with the AMP recipe a user of it writes, or one sharded by FSDP2, whose unsharding
     would put its float32 parameters back: its MixedPrecisionPolicy is the cast-once there, not
     wired yet) computes the matmuls in `dtype` from float32 weights, LayerNorm and the residual
-    stream in float32. DDP with bfloat16 is not run by the tests (the two-process ones are float64)."""
+    stream in float32. DDP: tested in a one-process group (parity_tests/test_bf16_compute.py)."""
     if dtype is None:
         return contextlib.nullcontext()
     inner = module.module if isinstance(module, torch.nn.parallel.DistributedDataParallel) else module
