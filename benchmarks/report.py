@@ -80,6 +80,13 @@ def tables(result: dict) -> str:
             f"{_fmt(mem, '.2f')} | {_fmt(r.get('ratio_vs_peer'), '.2f')} | "
             f"{_fmt(r.get('vs_benchmark'), '.2f')} |"
         )
+    hosted = [r for r in _sorted(result["rows"], "train") if "host_s" in r]
+    if hosted:  # rosetta/harness/stepping.py: a loop whose host phases reach its step is host-bound
+        lines += ["", "The loop's host, ms per step (dispatching the step, drawing and copying the next "
+                  "batch, counting its work) beside its step: "
+                  + "; ".join(f"{r['preset']} {r['dtype']} {r['impl']}: "
+                              + ", ".join(f"{p} {v * 1e3:.2f}" for p, v in r["host_s"].items())
+                              + f" of {r['median_s'] * 1e3:.1f}" for r in hosted)]
     lines += ["", "Forward latency (one batch)", "",
               "| preset | dtype | impl | ms | sentences/s | ratio vs peer |",
               "| --- | --- | --- | --- | --- | --- |"]

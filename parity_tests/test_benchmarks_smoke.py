@@ -83,6 +83,10 @@ def test_benchmark_runner_smoke(tmp_path, monkeypatch):
     result = {"environment": environment(), "settings": {"steps per repeat": 2}, **result}
     text = markdown(result)
     assert "| tiny | float32 | jax | bucketed |" in text and device in text and "steps per repeat 2" in text
+    row = loop_rows[0]  # the loop's host phases printed beside its step
+    assert (f"{row['impl']}: step {row['host_s']['step'] * 1e3:.2f}, prepare "
+            f"{row['host_s']['prepare'] * 1e3:.2f}, work {row['host_s']['work'] * 1e3:.2f} of "
+            f"{row['median_s'] * 1e3:.1f}") in text
     assert f"| tiny | float32 | jax | packed | {100 * share['packed']:.1f}% |" in text
     png = plot(result, tmp_path / "smoke.png")
     assert png.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
