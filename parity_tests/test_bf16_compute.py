@@ -4,9 +4,10 @@ compute_weights), the residual stream and LayerNorm's outputs are bfloat16, Laye
 float32. Against the float64 reference (the forward), a formula (LayerNorm), and the path it
 replaces (torch.autocast; JAX's per-use casts) over three training steps.
 
-Bounds: bfloat16 keeps 8 significant bits, a relative rounding of at most u = 2^-9 per operation
-(2^-8 between neighbours). `tiny` has 2 + 2 layers of 2-3 sublayers: k = 16 roundings on any path
-through the network is generous (a few per sublayer, in series)."""
+Bounds: bfloat16 keeps 8 significant bits, so one rounding moves a value by at most 2^-9 relative;
+u = 2^-8 (the spacing between neighbours: a factor 2 of margin) is used below. `tiny` has 2 + 2
+layers of 2-3 sublayers: K = 16 roundings on any path through the network is generous (a few per
+sublayer, in series)."""
 
 from __future__ import annotations
 
@@ -21,7 +22,7 @@ from rosetta.training import TrainConfig
 
 CFG = preset("tiny")
 PARAMS = init_params(CFG, seed=0)
-U = 2.0**-8  # bfloat16's relative spacing (twice its unit roundoff)
+U = 2.0**-8  # u: bfloat16's relative spacing (twice its unit roundoff)
 K = 16  # roundings in series along one path through `tiny` (module docstring)
 # Warmup 4: `tiny`'s learning rate climbs to 0.066 at step 3, large steps that move the weights visibly.
 TRAIN = TrainConfig(warmup_steps=4, seed=3)
