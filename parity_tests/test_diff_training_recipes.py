@@ -81,3 +81,28 @@ def test_a_mistake_in_the_pages_loop_is_named(mistake, reference, tmp_path, caps
     assert main(["diff", str(tmp_path / "mine"), str(reference), "--diagnose", "--json", str(out_json)]) == 1
     out = capsys.readouterr().out
     assert json.loads(out_json.read_text())["diagnosis"]["explained_by"] == [mistake], out
+
+
+# The page's JAX + optax loop with a mistake edited in as a user would. Issue 48: eq. 3 without the
+# + 1 crashed the page's former rate line (a Python int: 0.0 ** -0.5); the rate optax used, read from
+# optax.inject_hyperparams' state, is 0 at step 1, and the mistake is named.
+JAX_LOOP = "**Your JAX + optax loop**"
+JAX_MISTAKES = {
+    "schedule_from_zero": ("jnp.minimum((n + 1) ** -0.5, (n + 1) * warmup**-1.5)",
+                           "jnp.minimum(n ** -0.5, n * warmup**-1.5)"),
+}
+
+
+@pytest.mark.parametrize("mistake", sorted(JAX_MISTAKES))
+def test_a_mistake_in_the_pages_jax_loop_is_named(mistake, reference, tmp_path, capsys):
+    old, new = JAX_MISTAKES[mistake]
+    code = recipe(JAX_LOOP)
+    assert old in code
+    code = code.replace(old, new).replace('"runs/ref/torch"', repr(str(reference))).replace(
+        '"mine"', repr(str(tmp_path / "mine")))
+    run_loop(code, JAX_LOOP)
+    capsys.readouterr()
+    out_json = tmp_path / "d.json"
+    assert main(["diff", str(tmp_path / "mine"), str(reference), "--diagnose", "--json", str(out_json)]) == 1
+    out = capsys.readouterr().out
+    assert json.loads(out_json.read_text())["diagnosis"]["explained_by"] == [mistake], out
