@@ -227,3 +227,14 @@ def test_example_data_dir_with_a_folder_for_a_data_file_says_so(tmp_path, capsys
     assert_refused(["example", "opus-mt", str(tmp_path / "ex"), "--data-dir", str(data)],
                    f"data file {str(data / 'train.de.gz')!r} is a directory", capsys)
     assert not (tmp_path / "ex").exists()
+
+
+def test_every_fix_text_names_the_optax_form_too():
+    """Issue 48: the fix texts were written for PyTorch only ("LambdaLR passes 0 first" to an optax
+    user). Each now names the JAX side (optax, nnx or jax) beside PyTorch's, or is framework-free math
+    that says which optax call computes it."""
+    from rosetta.diff.training.catalogue import BY_NAME, ENTRIES
+
+    missing = [e.name for e in ENTRIES if not any(word in e.fix for word in ("optax", "nnx", "jax"))]
+    assert missing == []
+    assert "optax's schedule gets its count from 0" in BY_NAME["schedule_from_zero"].fix

@@ -90,37 +90,46 @@ ENTRIES: tuple[Entry, ...] = (
           "put ε outside the root, m̂ / (sqrt(v̂) + ε) (torch.optim.Adam, optax.adam; optax's eps_root is "
           "the inside one)", lambda s: Variant(eps_inside_sqrt=True)),
     Entry("no_bias_correction", "Adam without bias correction (m and v used as they are)",
-          "divide m by 1 - β1^t and v by 1 - β2^t (§5.3's Adam, Kingma & Ba alg. 1)",
+          "divide m by 1 - β1^t and v by 1 - β2^t (§5.3's Adam, Kingma & Ba alg. 1; torch.optim.Adam and "
+          "optax.adam do)",
           lambda s: Variant(bias_correction=False)),
     Entry("beta2_0.999", "β2 = 0.999 (torch's and optax's default) instead of the paper's",
-          "Adam(betas=(0.9, 0.98)) as §5.3", lambda s: Variant(b2=0.999), lambda s: s.train.adam_b2 != 0.999),
-    Entry("beta2_0.98", "β2 = 0.98 where the reference has 0.999", "β2 as the reference's",
+          "β2 = 0.98 as §5.3: Adam(betas=(0.9, 0.98)), optax.adam(lr, b2=0.98)",
+          lambda s: Variant(b2=0.999), lambda s: s.train.adam_b2 != 0.999),
+    Entry("beta2_0.98", "β2 = 0.98 where the reference has 0.999",
+          "β2 as the reference's: Adam(betas=(0.9, β2)), optax.adam(lr, b2=β2)",
           lambda s: Variant(b2=0.98), lambda s: s.train.adam_b2 != 0.98),
     Entry("eps_1e-8", "ε = 1e-8 (torch's and optax's default) instead of the paper's 1e-9",
-          "Adam(eps=1e-9) as §5.3", lambda s: Variant(eps=1e-8), lambda s: s.train.adam_eps != 1e-8),
+          "ε = 1e-9 as §5.3: Adam(eps=1e-9), optax.adam(lr, eps=1e-9)",
+          lambda s: Variant(eps=1e-8), lambda s: s.train.adam_eps != 1e-8),
     Entry("adamw_decay", "decoupled weight decay on every tensor (torch.optim.AdamW: default 0.01)",
-          "no weight decay (§5.3): Adam, or AdamW(weight_decay=0)",
+          "no weight decay (§5.3): Adam or AdamW(weight_decay=0); optax.adam, not optax.adamw",
           lambda s: Variant(decay=0.01), fit="decay"),
     Entry("adamw_decay_matrices", "decoupled weight decay on weight matrices only (not biases, norms)",
-          "no weight decay (§5.3): drop the decayed parameter group",
+          "no weight decay (§5.3): drop the decayed parameter group (optax: the adamw mask)",
           lambda s: Variant(decay=0.01, decay_all=False), fit="decay"),
     Entry("l2_in_gradient", "L2 added to the gradient (torch.optim.Adam(weight_decay=λ)), every tensor",
-          "no weight decay (§5.3); where decay is wanted, decoupled (AdamW), not L2 through Adam",
+          "no weight decay (§5.3); where decay is wanted, decoupled (AdamW, optax.adamw), not L2 through "
+          "Adam (Adam(weight_decay=λ), optax.chain(optax.add_decayed_weights(λ), optax.adam(...)))",
           lambda s: Variant(decay=0.01, decoupled=False), fit="decay"),
     Entry("l2_in_gradient_matrices", "L2 added to the gradient of weight matrices only",
-          "no weight decay (§5.3)", lambda s: Variant(decay=0.01, decoupled=False, decay_all=False),
+          "no weight decay (§5.3): no weight_decay in Adam, no optax.add_decayed_weights before optax.adam",
+          lambda s: Variant(decay=0.01, decoupled=False, decay_all=False),
           fit="decay"),
     Entry("schedule_from_zero", "eq. 3 counted from step 0: the first update's lr is min(0^-0.5, 0) = 0",
-          "count eq. 3's step from 1 (LambdaLR passes 0 first: use step + 1)",
+          "count eq. 3's step from 1 (LambdaLR passes 0 first, and optax's schedule gets its count from 0: "
+          "use step + 1 in either)",
           lambda s: Variant(schedule="from_zero")),
     Entry("schedule_from_zero_clamped", "eq. 3 counted from 0 with step 0 taken as 1 (the Annotated "
           "Transformer's rate()): steps 1 and 2 share lr(1), step k gets lr(k - 1)",
-          "count eq. 3's step from 1 (LambdaLR passes 0 first: use step + 1)",
+          "count eq. 3's step from 1 (LambdaLR passes 0 first, and optax's schedule gets its count from 0: "
+          "use step + 1 in either, no clamp)",
           lambda s: Variant(schedule="from_zero_clamped")),
     Entry("schedule_scaled", "eq. 3 times a constant: another factor in front of the schedule (ESPnet's "
           "and coqui's NoamLR peak at base_lr: base_lr·warmup^0.5·min(...) for d_model^-0.5)",
           "lr = lr_factor·d_model^-0.5·min(step^-0.5, step·warmup^-1.5) (eq. 3); a peak-normalised "
-          "NoamLR matches it with base_lr = lr_factor·(d_model·warmup)^-0.5",
+          "NoamLR matches it with base_lr = lr_factor·(d_model·warmup)^-0.5; an optax schedule is this "
+          "function of its count + 1",
           lambda s: Variant(lr_scale=2.0), fit="lr_scale"),
     Entry("clip_per_tensor", "gradients clipped per tensor instead of by their global norm",
           "clip by the global norm (clip_grad_norm_ over all parameters, optax.clip_by_global_norm)",
@@ -147,17 +156,21 @@ ENTRIES: tuple[Entry, ...] = (
           lambda s: Variant(loss="smooth_over_v_minus_1"), _smoothing),
     Entry("annotated_kl", "the Annotated Transformer's smoothing: KL divergence against ε/(V - 2) on every "
           "class but the label and pad, summed over tokens / tokens",
-          "cross entropy against (1 - ε)·onehot + ε/V (PITFALLS 11)",
+          "cross entropy against (1 - ε)·onehot + ε/V (PITFALLS 11): label_smoothing=ε, "
+          "optax.smooth_labels(onehot, ε)",
           lambda s: Variant(loss="annotated_kl"), _smoothing),
     Entry("pad_in_loss", "pad positions counted in the loss (the mean over every position)",
-          "mask the labels equal to pad_id out of the sum and the count (SPEC §4)",
+          "mask the labels equal to pad_id out of the sum and the count (SPEC §4): ignore_index=pad_id; "
+          "with optax, multiply by labels != pad_id and divide by its sum",
           lambda s: Variant(loss="pad_in_loss")),
     Entry("per_sentence", "the loss averaged per sentence, then over sentences",
-          "divide the batch's summed loss by its number of non-pad labels (per token, SPEC §4)",
+          "divide the batch's summed loss by its number of non-pad labels (per token, SPEC §4), in torch "
+          "as with optax's per-token losses",
           lambda s: Variant(loss="per_sentence")),
     Entry("loss_summed", "the loss summed over the tokens, not averaged (reduction='sum'): Adam nearly "
           "undoes the scale, not its ε",
-          "divide by the number of non-pad labels (reduction='mean' with ignore_index=pad_id, SPEC §4)",
+          "divide by the number of non-pad labels (SPEC §4): reduction='mean' with ignore_index=pad_id; "
+          "optax: (per_token * mask).sum() / mask.sum()",
           lambda s: Variant(loss="summed"), lambda s: s.accumulate == 1),
     Entry("no_label_smoothing", "label smoothing left out (ε = 0: nn.CrossEntropyLoss's and "
           "optax.softmax_cross_entropy's default)",
@@ -165,11 +178,13 @@ ENTRIES: tuple[Entry, ...] = (
           lambda s: Variant(smoothing=0.0), lambda s: s.train.label_smoothing > 0),
     Entry("scheduler_before_optimizer", "scheduler.step() before optimizer.step(): update k takes eq. 3's "
           "rate of step k + 1",
-          "step the optimizer, then the scheduler (PyTorch warns of the other order)",
+          "step the optimizer, then the scheduler (PyTorch warns of the other order; optax's schedule "
+          "is called inside the update, with the count before it)",
           lambda s: Variant(schedule="ahead")),
     Entry("clip_where_none", "gradients clipped to norm 1 by torch's clip_grad_norm_ (c / (‖g‖ + 1e-6)) "
           "where the reference clips none",
-          "no clipping, as the reference (the paper has none: rosetta train's --clip-norm default)",
+          "no clipping, as the reference (the paper has none: rosetta train's --clip-norm default): drop "
+          "clip_grad_norm_, or optax.clip_by_global_norm from the chain",
           lambda s: Variant(clip=1.0, clip_eps=1e-6), lambda s: s.train.clip_norm is None),
 )
 BY_NAME = {e.name: e for e in ENTRIES}
