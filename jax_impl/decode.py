@@ -15,6 +15,14 @@ from jax_impl.model import LayerCache, Transformer, source_mask
 from rosetta.config import ModelConfig
 from rosetta.generation import NEG, NO_CONSTRAINTS, Constraints, Generation, output_limits, strip
 
+# Issue 47's decoding levers (docs/decoding.md), on; False gives the search as it was before them
+# (parity_tests/test_decode_levers.py compares the two; their speed effect is to be measured, not
+# measured yet). Read when a search is called and passed as static arguments (one compilation each).
+# TWO_STAGE_TOPK: beam search's exact top-2K in two stages (beam_topk). SHARED_CROSS: the
+# cross-attention keys and values computed once per sentence, not per beam (Steps).
+TWO_STAGE_TOPK = True
+SHARED_CROSS = True
+
 
 def length_penalty(length: jax.Array | int, alpha: float, rule: str = "wu") -> jax.Array:
     """lp(Y) = ((5 + |Y|) / 6)^alpha, Wu et al. 2016, eq. 14; |Y|^alpha for rule "hf"."""
@@ -41,10 +49,17 @@ class Steps:
     """next_log_probs(cache, tokens, t) -> ([N, V] log-probabilities of output position t for
     rows whose emitted tokens are `tokens` [N, L] and limits `limits` [N], constrained, new
     cache); `reorder(cache, rows)` follows the beams' reordering. Functional: the cache is loop
-    state."""
+    state. `src` [B, S] and `memory` [B, S, d] are per sentence, the rows N = B x `beams` (beam k of
+    sentence b: row b*beams + k); the cache's cross-attention keys and values stay per sentence
+    (`shared`: SHARED_CROSS, ops.LayerCache.cross_attend), else they and the uncached path take them
+    per row."""
 
     def __init__(self, module: Transformer, src: jax.Array, memory: jax.Array, length: int,
-                 limits: jax.Array, constraints: Constraints = NO_CONSTRAINTS, cache: bool = True):
+                 limits: jax.Array, constraints: Constraints = NO_CONSTRAINTS, cache: bool = True,
+                 beams: int = 1, shared: bool = True):
+        self.beams = beams if cache and shared else 1  # self-attention rows a sentence's cache has
+        if self.beams != beams:
+            src, memory = jnp.repeat(src, beams, axis=0), jnp.repeat(memory, beams, axis=0)
         self.module, self.src, self.memory, self.cfg = module, src, memory, module.cfg
         self.limits, self.constraints = limits, constraints
         self.banned = constraints.banned_ids(self.cfg)
@@ -52,7 +67,7 @@ class Steps:
         self.cross_mask = source_mask(src, self.cfg.pad_id)
 
     def init_cache(self) -> list[LayerCache]:
-        return self.module.init_cache(self.memory, self.length) if self.use_cache else []
+        return self.module.init_cache(self.memory, self.length, self.beams) if self.use_cache else []
 
     def next_log_probs(self, cache: list[LayerCache], tokens: jax.Array,
                        t: jax.Array) -> tuple[jax.Array, list[LayerCache]]:
@@ -72,6 +87,20 @@ class Steps:
     def reorder(cache: list[LayerCache], rows: jax.Array) -> list[LayerCache]:
         """The previous step's selection: new caches (ops.LayerCache.reorder)."""
         return [layer_cache.reorder(rows) for layer_cache in cache]
+
+
+def beam_topk(cand: jax.Array, k: int, two_stage: bool = True) -> tuple[jax.Array, jax.Array]:
+    """The k best of a sentence's beams' continuations cand [B, K, V], ranked as jax.lax.top_k ranks
+    cand.reshape(B, K * V): by value, ties to the lower flat index beam * V + v; their values [B, k]
+    and flat indices. `two_stage` (TWO_STAGE_TOPK): each beam's top k over its V tokens, then the top
+    k of those K x k; exact, ties included (the argument: torch_impl/decode.py's beam_topk; it holds
+    for any top-k that ranks by value with ties to the lower index, as lax.top_k does)."""
+    B, K, V = cand.shape
+    if not two_stage or k >= V:
+        return jax.lax.top_k(cand.reshape(B, K * V), k)
+    values, token = jax.lax.top_k(cand, k)  # [B, K, k] each: a beam's top k, ties to the lower token
+    best, survivor = jax.lax.top_k(values.reshape(B, K * k), k)
+    return best, (survivor // k) * V + jnp.take_along_axis(token.reshape(B, K * k), survivor, axis=1)
 
 
 # XLA's CPU backend fuses the output projection with the log-softmax's max (a reduce) into one
@@ -127,20 +156,20 @@ _greedy = _search_jit(_greedy_search, ("graphdef", "length", "cache", "constrain
 
 
 def _beam_search(graphdef, state, src, limits, *, beam_size: int, alpha: float, length: int, cache: bool,
-                 rule: str, constraints: Constraints):
+                 rule: str, constraints: Constraints, two_stage: bool = True, shared: bool = True):
     module = nnx.merge(graphdef, state)
     cfg, B, K, L = module.cfg, src.shape[0], beam_size, length
-    memory = jnp.repeat(module.encode(src), K, axis=0)  # beam k of sentence b: row b*K+k
-    steps = Steps(module, jnp.repeat(src, K, axis=0), memory, L, jnp.repeat(limits, K), constraints,
-                  cache)
+    # Beam k of sentence b: row b*K+k; the encoder's output stays per sentence (Steps).
+    steps = Steps(module, src, module.encode(src), L, jnp.repeat(limits, K), constraints, cache,
+                  beams=K, shared=shared)
 
     def body(carry):
         t, seqs, alive, fin_seqs, fin_scores, done, broken, kv = carry
         logp, kv = steps.next_log_probs(kv, seqs.reshape(B * K, L), t)
         V = logp.shape[-1]
-        cand = (alive[:, :, None] + logp.reshape(B, K, V)).reshape(B, K * V)
-        broken = broken | (~done & jnp.isnan(cand).any(axis=-1))  # non-finite logits (see numpy_ref)
-        top_logp, top = jax.lax.top_k(cand, 2 * K)  # ties: lower index first
+        cand = alive[:, :, None] + logp.reshape(B, K, V)
+        broken = broken | (~done & jnp.isnan(cand).any(axis=(1, 2)))  # non-finite logits (see numpy_ref)
+        top_logp, top = beam_topk(cand, 2 * K, two_stage)  # ties: lower index first
         origin, token = top // V, top % V
         top_seqs = jnp.take_along_axis(seqs, origin[:, :, None], axis=1).at[:, :, t].set(token)
         final = (token == cfg.eos_id) | (t + 1 >= limits)[:, None]
@@ -177,7 +206,7 @@ def _beam_search(graphdef, state, src, limits, *, beam_size: int, alpha: float, 
 
 
 _beam = _search_jit(_beam_search, ("graphdef", "beam_size", "alpha", "length", "cache", "rule",
-                                   "constraints"))
+                                   "constraints", "two_stage", "shared"))
 
 
 def greedy_search(graphdef, state, cfg: ModelConfig, src: np.ndarray, max_len_margin: int = 50,
@@ -192,5 +221,6 @@ def beam_search(graphdef, state, cfg: ModelConfig, src: np.ndarray, beam_size: i
                 rule: str = "wu", constraints: Constraints = NO_CONSTRAINTS) -> Generation:
     limits, L = output_limits(cfg, src, max_len_margin, constraints.max_new_tokens)
     tokens, scores = _beam(graphdef, state, src, limits, beam_size=beam_size, alpha=float(alpha),
-                           length=L, cache=cache, rule=rule, constraints=constraints)
+                           length=L, cache=cache, rule=rule, constraints=constraints,
+                           two_stage=TWO_STAGE_TOPK, shared=SHARED_CROSS)
     return Generation(strip(cfg, np.asarray(tokens)), np.asarray(scores, dtype=np.float64))

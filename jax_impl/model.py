@@ -193,7 +193,7 @@ class DecoderLayer(nnx.Module):
 
         x = residual(self.self_attn_norm, x, self_attn, self.cfg, self.dropout, None)
         x = residual(self.cross_attn_norm, x,
-                     lambda h: self.cross_attn.attend(h, cache.cross_k, cache.cross_v, cross_mask),
+                     lambda h: cache.cross_attend(self.cross_attn.attend, h, cross_mask),
                      self.cfg, self.dropout, None)
         x = residual(self.ffn_norm, x, self.ffn, self.cfg, self.dropout, None)
         return x, written["cache"]
@@ -305,13 +305,13 @@ class Transformer(nnx.Module):
         stages["decoder"] = x
         return x
 
-    def init_cache(self, memory: Array, length: int) -> list[LayerCache]:
-        """Empty self-attention caches for `length` output positions; cross-attention keys and
-        values of `memory` [N, S, d], computed once."""
+    def init_cache(self, memory: Array, length: int, beams: int = 1) -> list[LayerCache]:
+        """Empty self-attention caches for `length` output positions and `beams` rows a sentence;
+        cross-attention keys and values of `memory` [B, S, d], computed once (LayerCache.cross_attend)."""
         caches = []
         for layer in self.decoder.layers:
             cross_k, cross_v = layer.cross_attn.project_kv(memory)
-            N, h, _, dh = cross_k.shape
+            N, h, _, dh = (cross_k.shape[0] * beams, *cross_k.shape[1:])  # self: beams a sentence
             caches.append(LayerCache(jnp.zeros((N, h, length, dh), cross_k.dtype),
                                      jnp.zeros((N, h, length, dh), cross_k.dtype), cross_k, cross_v))
         return caches

@@ -12,6 +12,7 @@ Shapes: B batch, h heads, Tq query length, Tk key length, dh d_head.
 from __future__ import annotations
 
 import math
+from collections.abc import Callable
 from typing import NamedTuple
 
 import jax
@@ -139,7 +140,8 @@ project.defvjp(_project_forward, _project_backward)
 class LayerCache(NamedTuple):
     """One decoder layer's keys and values (N, h, length, dh) for incremental decoding, a speed
     path: self-attention over the L output positions (filled as decoding goes), cross-attention
-    over the S source positions (computed once). A NamedTuple, so a pytree for lax loops."""
+    over the S source positions (computed once, per sentence: `cross_attend`; the self-attention rows
+    are N = B x beams, the cross ones B). A NamedTuple, so a pytree for lax loops."""
 
     self_k: jax.Array
     self_v: jax.Array
@@ -156,6 +158,16 @@ class LayerCache(NamedTuple):
     def reorder(self, rows: jax.Array) -> LayerCache:
         """Beam search's reordering: row i takes row rows[i] (a new cache: JAX arrays are immutable)."""
         return self._replace(self_k=self.self_k[rows], self_v=self.self_v[rows])
+
+    def cross_attend(self, attend: Callable[..., jax.Array], h: jax.Array, mask: jax.Array) -> jax.Array:
+        """Cross-attention of h [N, 1, d] over the cached encoder keys and values by `attend(x_q, k,
+        v, mask)` (MultiHeadAttention.attend). The keys and values (B, h, S, dh) may be a sentence's,
+        B dividing N (beam search: rows b*K .. b*K + K - 1 are sentence b's K beams): each sentence's
+        K rows are then K queries (B, K, d) of one attention over them, with `mask` [B, 1, 1, S]:
+        keys and values computed and read once per sentence, not per beam (issue 47). The same
+        numbers up to the dots' summation order (torch_impl/ops.py). B = N (greedy): each row its own."""
+        rows = self.cross_k.shape[0]
+        return attend(h.reshape(rows, -1, h.shape[-1]), self.cross_k, self.cross_v, mask).reshape(h.shape)
 
 
 class Positions(nnx.Variable):

@@ -31,6 +31,13 @@ State = tuple[torch.Tensor | int, ...]  # (t, done, ...): the step, sentences fi
 # time, never tokens; each read is a host sync that a CUDA graph replay would otherwise not wait for.
 SYNC_EVERY = 8
 
+# Issue 47's decoding levers (docs/decoding.md), on; False gives the search as it was before them
+# (parity_tests/test_decode_levers.py compares the two; their speed effect is to be measured, not
+# measured yet). TWO_STAGE_TOPK: beam search's exact top-2K in two stages (beam_topk). SHARED_CROSS:
+# the cross-attention keys and values computed once per sentence, not per beam (Steps).
+TWO_STAGE_TOPK = True
+SHARED_CROSS = True
+
 
 def length_penalty(length: torch.Tensor | int, alpha: float, rule: str = "wu") -> torch.Tensor:
     """lp(Y) = ((5 + |Y|) / 6)^alpha, Wu et al. 2016, eq. 14; |Y|^alpha for rule "hf"."""
@@ -58,16 +65,22 @@ class Steps:
     emitted tokens are `tokens` [N, L] and limits `limits` [N], constrained; `reorder(rows, t)`
     follows the beams' reordering. t is an int (eager) or a 0-d tensor (a compiled step). `static`:
     the tensors a compiled step reads keep their addresses (mark_static_address, as Hugging Face's
-    StaticCache), so that CUDA graphs mutate the cache in place and copy none of them per replay."""
+    StaticCache), so that CUDA graphs mutate the cache in place and copy none of them per replay.
+    `src` [B, S] and `memory` [B, S, d] are per sentence, the rows N = B x `beams` (beam k of sentence
+    b: row b*beams + k); the cache's cross-attention keys and values stay per sentence
+    (SHARED_CROSS, ops.LayerCache.cross_attend), else they and the uncached path take them per row."""
 
     def __init__(self, module: Transformer, src: torch.Tensor, memory: torch.Tensor, length: int,
                  limits: torch.Tensor, constraints: Constraints = NO_CONSTRAINTS, cache: bool = True,
-                 static: bool = False):
+                 static: bool = False, beams: int = 1):
+        self.beams = beams if cache and SHARED_CROSS else 1  # self-attention rows a sentence's cache has
+        if self.beams != beams:
+            src, memory = src.repeat_interleave(beams, dim=0), memory.repeat_interleave(beams, dim=0)
         self.module, self.src, self.memory, self.cfg = module, src, memory, module.cfg
         self.limits, self.constraints = limits, constraints
         self.banned = torch.as_tensor(constraints.banned_ids(self.cfg), device=src.device)
         module.position_table(length)  # grown here if too short, never inside a compiled step
-        self.cache = module.init_cache(memory, length) if cache else None
+        self.cache = module.init_cache(memory, length, self.beams) if cache else None
         self.cross_mask = source_mask(src, self.cfg.pad_id)
         if static:
             for x in self.tensors():
@@ -97,6 +110,31 @@ class Steps:
         """At the start of step t, the previous step's selection, in place (ops.LayerCache.reorder)."""
         for layer_cache in self.cache or []:
             layer_cache.reorder(rows, t)
+
+
+TopK = Callable[[torch.Tensor, int], tuple[torch.Tensor, torch.Tensor]]  # topk_stable, topk_exact
+
+
+def beam_topk(cand: torch.Tensor, k: int, topk: TopK) -> tuple[torch.Tensor, torch.Tensor]:
+    """The k best of a sentence's beams' continuations cand [B, K, V], ranked as `topk` (topk_stable
+    or topk_exact) ranks cand.view(B, K * V): by value, ties to the lower flat index beam * V + v;
+    their values [B, k] and flat indices. TWO_STAGE_TOPK: each beam's top k over its V tokens, then
+    the top k of those K x k (issue 47: B x K rows of V and B rows of K x k, instead of B rows of
+    K x V). Exact, ties included: (1) within a beam the flat index order is the token order, so a
+    beam's ranking is the whole ranking restricted to it; an element of the overall top k has fewer
+    than k elements before it overall, hence fewer than k in its beam: it is in its beam's top k,
+    and the K x k survivors hold the overall top k. (2) The second stage ranks survivor
+    p = beam * k + j by value, ties to the lower p; among equal values a lower beam is a lower flat
+    index, and within a beam the first stage put equal values in token order: the lower p is the
+    lower flat index. NaN: topk_stable and topk_exact order bit patterns (_topk_by_keys), one total
+    order in both stages."""
+    B, K, V = cand.shape
+    if not TWO_STAGE_TOPK or k >= V:
+        return topk(cand.view(B, K * V), k)
+    values, token = topk(cand, k)  # [B, K, k] each: a beam's top k, ties to the lower token
+    best, survivor = topk(values.view(B, K * k), k)
+    origin = survivor // k
+    return best, origin * V + token.view(B, K * k).gather(1, survivor)
 
 
 def column(x: torch.Tensor, t: int | torch.Tensor) -> torch.Tensor:
@@ -225,9 +263,9 @@ def beam_search(module: Transformer, cfg: ModelConfig, src: torch.Tensor, beam_s
     B, K, dev, compiled = src.shape[0], beam_size, src.device, compiled and cache
     limits_np, L = output_limits(cfg, src.cpu().numpy(), max_len_margin, constraints.max_new_tokens)
     limits = torch.as_tensor(limits_np, device=dev)
-    memory = module.encode(src).repeat_interleave(K, dim=0)  # beam k of sentence b: row b*K+k
-    steps = Steps(module, src.repeat_interleave(K, dim=0), memory, L, limits.repeat_interleave(K),
-                  constraints, cache, static=compiled)
+    # Beam k of sentence b: row b*K+k; the encoder's output stays per sentence (Steps).
+    steps = Steps(module, src, module.encode(src), L, limits.repeat_interleave(K), constraints, cache,
+                  static=compiled, beams=K)
     topk = topk_exact if compiled else topk_stable
     if compiled:  # per sentence, read by every step as Steps' tensors are
         torch._dynamo.mark_static_address(limits)
@@ -240,9 +278,9 @@ def beam_search(module: Transformer, cfg: ModelConfig, src: torch.Tensor, beam_s
         steps.reorder(rows, t)
         logp = steps.next_log_probs(seqs.view(B * K, L), t)
         V = logp.shape[-1]
-        cand = (alive[:, :, None] + logp.view(B, K, V)).view(B, K * V)
-        broken = broken | (~done & cand.isnan().any(dim=-1))  # non-finite logits: a NaN score (see numpy_ref)
-        top_logp, top = topk(cand, 2 * K)
+        cand = alive[:, :, None] + logp.view(B, K, V)
+        broken = broken | (~done & cand.isnan().flatten(1).any(dim=-1))  # non-finite logits (numpy_ref)
+        top_logp, top = beam_topk(cand, 2 * K, topk)
         origin, token = top // V, top % V
         top_seqs = put_column(seqs.gather(1, origin[:, :, None].expand(B, 2 * K, L)), t, token)
         final = (token == cfg.eos_id) | (t + 1 >= limits)[:, None]

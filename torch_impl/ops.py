@@ -14,7 +14,7 @@ from __future__ import annotations
 import contextlib
 import functools
 import math
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 
 import torch
@@ -101,7 +101,8 @@ def dropout_rng(device_type: str, compiled: bool) -> contextlib.AbstractContextM
 class LayerCache:
     """One decoder layer's keys and values (N, h, length, dh) for incremental decoding, a speed
     path: self-attention over the L output positions (filled as decoding goes, in place),
-    cross-attention over the S source positions (computed once). The decoding step's position t
+    cross-attention over the S source positions (computed once, per sentence: `cross_attend`). The
+    self-attention rows are N = B x beams; the cross ones B. The decoding step's position t
     is an int when eager, a 0-d tensor on the device when compiled (torch_impl/decode.py)."""
 
     self_k: torch.Tensor
@@ -136,6 +137,18 @@ class LayerCache:
                 cache[:, :, :t] = cache[rows, :, :t]
             else:
                 cache.copy_(cache.index_select(0, rows))
+
+    def cross_attend(self, attend: Callable[..., torch.Tensor], h: torch.Tensor,
+                     mask: torch.Tensor) -> torch.Tensor:
+        """Cross-attention of h [N, 1, d] over the cached encoder keys and values by `attend(x_q, k,
+        v, mask)` (MultiHeadAttention.attend). The keys and values (B, h, S, dh) may be a sentence's,
+        B dividing N (beam search: rows b*K .. b*K + K - 1 are sentence b's K beams): each sentence's
+        K rows are then K queries (B, K, d) of one attention over them, as the training forward's
+        target positions are, with `mask` [B, 1, 1, S]: keys and values computed and read once per
+        sentence, not per beam (issue 47). Attention is per query, so each row gets its own result:
+        the same numbers up to the GEMMs' summation order. B = N (greedy): each row its own."""
+        rows = self.cross_k.shape[0]
+        return attend(h.reshape(rows, -1, h.shape[-1]), self.cross_k, self.cross_v, mask).reshape(h.shape)
 
     def tensors(self) -> tuple[torch.Tensor, ...]:
         return self.self_k, self.self_v, self.cross_k, self.cross_v

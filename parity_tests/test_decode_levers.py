@@ -1,0 +1,237 @@
+"""Issue 47's decoding levers (docs/decoding.md) change no token and no score beyond summation order:
+the two-stage top-k of beam search (decode.beam_topk) against numpy's stable argsort over the flat
+K x V candidates and against the one-stage top-k; the searches with the levers on against the float64
+reference (numpy_ref) and against the searches with them off (decode.TWO_STAGE_TOPK, SHARED_CROSS:
+the path before issue 47), greedy and beam 4, float32, both frameworks, eager and PyTorch's static
+step; and bfloat16 weights cast once per model, never inside the search loop (a dispatch count in
+PyTorch, the loop's jaxpr in JAX). Speed effects: not measured here (benchmarks/decode_ct2.py)."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+
+from parity_tests.test_decoding import SCORE_TOLERANCE, _decision_margin, _perturbed
+from rosetta import from_params, preset
+from rosetta.generation import NEG
+from rosetta.parity import random_batch
+
+# Levers on against off, float32: the tokens are equal and the scores differ only where the cross-
+# attention's products are summed in another order (a sentence's K beams as K queries of one GEMM
+# instead of K GEMMs of one row); the top-k moves values, it computes none. Each log-probability then
+# moves by a few float32 eps (1.2e-7) of the logits' size, and a score, a sum of a few such terms
+# over a length penalty, by as much relative to itself: 1e-6, as parity_tests/test_decode_compiled.py
+# bounds another summation order of the same step.
+LEVERS_SCORE_RTOL = 1e-6
+
+
+def _flat_ranking(cand: np.ndarray, k: int, signed_zeros: bool = False) -> np.ndarray:
+    """The independent oracle: each sentence's K x V candidates ranked by value, descending, ties to
+    the lower flat index (numpy's stable sort), and with `signed_zeros` 0.0 above -0.0 (they compare
+    equal in numpy and in torch_impl's keys; jax.lax.top_k, XLA's total order, ranks 0.0 first, as
+    JAX's search did before issue 47 too)."""
+    flat = cand.reshape(cand.shape[0], -1)
+    index = np.broadcast_to(np.arange(flat.shape[1]), flat.shape)
+    sign = np.signbit(flat) if signed_zeros else np.zeros(flat.shape, bool)
+    return np.stack([np.lexsort((i, z, -x)) for i, z, x in zip(index, sign, flat, strict=True)])[:, :k]
+
+
+def _candidates(rng, B=16, K=4, V=50) -> np.ndarray:
+    """Candidate scores [B, K, V] full of ties: within a beam, across beams, at the top-k boundary;
+    -0.0 beside 0.0, the search's NEG and -inf; beams equal to one another (the first step's)."""
+    cand = rng.integers(-4, 4, size=(B, K, V)).astype(np.float32) * 0.5
+    cand[0, :, :5] = [-0.0, 0.0, -0.0, NEG, -np.inf]
+    cand[1] = cand[1, 0]  # every beam the same row: ties across beams everywhere
+    cand[2] = NEG  # a sentence with nothing but NEG
+    cand[3, 1:] = NEG + cand[3, 0]  # the first step: beams 1..K-1 at NEG plus beam 0's log-probabilities
+    cand[4] = rng.normal(size=(K, V)).astype(np.float32)  # distinct values: torch's fast path
+    cand[5, 2, 1] = cand[5, 0, 3] = cand[5].max() + 1  # the two best tie across beams
+    return cand
+
+
+@pytest.mark.parametrize("framework", ["torch", "jax"])
+@pytest.mark.parametrize("V", [50, 6])  # 6 < 2K: one stage over the flat candidates (beam_topk's fallback)
+def test_two_stage_topk_ranks_as_the_flat_stable_sort(framework, V):
+    rng = np.random.default_rng(0)
+    cand = _candidates(rng, V=V)
+    K = cand.shape[1]
+    k = 2 * K
+    want = _flat_ranking(cand, k, signed_zeros=framework == "jax")
+    if framework == "torch":
+        import torch
+
+        from torch_impl import decode
+
+        results = [decode.beam_topk(torch.from_numpy(cand), k, topk) for topk in (decode.topk_stable,
+                                                                                   decode.topk_exact)]
+        results = [(values.numpy(), index.numpy()) for values, index in results]
+    else:
+        from jax_impl import decode
+
+        results = [tuple(map(np.asarray, decode.beam_topk(cand, k, two_stage)))
+                   for two_stage in (True, False)]
+    for values, index in results:
+        np.testing.assert_array_equal(index, want)
+        np.testing.assert_array_equal(values, np.take_along_axis(cand.reshape(len(cand), -1), want, -1))
+
+
+def _case():
+    """A tiny model with padded sources (the per-sentence cross-attention mask must follow each
+    sentence to its beams) whose greedy decisions are far from ties (checked)."""
+    cfg = preset("tiny", max_len=40)
+    params = _perturbed(cfg, seed=9)
+    src, _ = random_batch(cfg, 4, 8, 2, seed=10)
+    src[1, 5:] = src[3, 3:] = cfg.pad_id
+    reference = from_params(cfg, params, "numpy")
+    assert _decision_margin(params, cfg, src, reference.generate(src, 1, max_len_margin=6).tokens) > 0.1
+    return cfg, params, src, reference
+
+
+@pytest.mark.parametrize("beam_size", [1, 4])
+@pytest.mark.parametrize("path", ["torch", "torch static step", "jax"])
+def test_levers_keep_the_tokens_and_scores(monkeypatch, path, beam_size):
+    """With the levers on and off, against the float64 reference and each other."""
+    cfg, params, src, reference = _case()
+    want = reference.generate(src, beam_size, max_len_margin=6)
+    if path.startswith("torch"):
+        from torch_impl import compilation, decode
+        from torch_impl.backend import Model
+
+        static = path.endswith("static step")
+        if static:  # the compiled search's own step (a tensor t, exact top-k), run uncompiled
+            monkeypatch.setattr(compilation, "compiled", lambda fn, **kwargs: fn)
+        model = Model(cfg, params, "float32", "cpu", compile=static)
+    else:
+        from jax_impl import decode
+
+        model = from_params(cfg, params, "jax", "float32")
+    on = model.generate(src, beam_size, max_len_margin=6)
+    monkeypatch.setattr(decode, "TWO_STAGE_TOPK", False)
+    monkeypatch.setattr(decode, "SHARED_CROSS", False)
+    off = model.generate(src, beam_size, max_len_margin=6)
+    assert on.tokens == off.tokens == want.tokens
+    np.testing.assert_allclose(on.scores, off.scores, rtol=LEVERS_SCORE_RTOL)
+    np.testing.assert_allclose(on.scores, want.scores, rtol=SCORE_TOLERANCE)
+
+
+def test_shared_cross_attention_keys_are_per_sentence(monkeypatch):
+    """The beam search's cache holds B rows of cross-attention keys (one a sentence) and B x K of
+    self-attention ones; with SHARED_CROSS off, B x K of both (the path before issue 47)."""
+    import torch
+
+    from torch_impl import decode
+    from torch_impl.backend import Model
+
+    cfg, params, src, _ = _case()
+    model = Model(cfg, params, "float32", "cpu", compile=False)
+    shapes = []
+    init_cache = model.module.init_cache
+
+    def recorded(*args, **kwargs):
+        caches = init_cache(*args, **kwargs)
+        shapes.append([(c.cross_k.shape[0], c.self_k.shape[0]) for c in caches])
+        return caches
+
+    monkeypatch.setattr(model.module, "init_cache", recorded)
+    with torch.inference_mode():
+        model.generate(src, 4, max_len_margin=6)
+        monkeypatch.setattr(decode, "SHARED_CROSS", False)
+        model.generate(src, 4, max_len_margin=6)
+    B = len(src)
+    assert shapes == [[(B, 4 * B)] * cfg.num_decoder_layers, [(4 * B, 4 * B)] * cfg.num_decoder_layers]
+
+
+def _unbuilt_weights(model, run) -> int:
+    """How many of `run()`'s GEMMs (aten.linear, seen at dispatch: every nn.Linear and the output
+    projection) read a bfloat16 weight that the model did not cast when it was built (Model._weights):
+    a cast made during the search. (torch.autocast's own casts are not dispatched to a Python mode,
+    so the GEMMs' operands are checked, not the casts.)"""
+    import torch
+    from torch.utils._python_dispatch import TorchDispatchMode
+
+    built = {w.data_ptr() for w in (model._weights or {}).values()}
+    count = [0]
+
+    class Reads(TorchDispatchMode):
+        def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+            if func is torch.ops.aten.linear.default and args[1].dtype == torch.bfloat16:
+                count[0] += args[1].data_ptr() not in built
+            return func(*args, **(kwargs or {}))
+
+    with Reads():
+        run()
+    return count[0]
+
+
+@pytest.mark.parametrize("static", [False, True])
+def test_torch_bfloat16_search_casts_no_weight_per_step(monkeypatch, static):
+    """bfloat16 decoding reads the weights the model cast once when built (torch_impl/backend.py's
+    compute_weights, kept in Model._weights): no GEMM of a search reads a weight cast during it,
+    however many steps it runs. The check sees per-step casts where they happen: under torch.autocast
+    every Linear reads a copy of its weight made at the step (more reads than two steps' GEMMs)."""
+    import torch
+
+    from torch_impl import compilation
+    from torch_impl.backend import Model
+
+    if static:
+        monkeypatch.setattr(compilation, "compiled", lambda fn, **kwargs: fn)
+    cfg, params, src, _ = _case()
+    model = Model(cfg, params, "bfloat16", "cpu", compile=static)
+    assert model._weights
+    assert _unbuilt_weights(model, lambda: model.generate(src, 4, max_len_margin=6)) == 0
+    plain = Model(cfg, params, "float32", "cpu", compile=static)
+
+    def autocast() -> None:
+        with torch.autocast("cpu", dtype=torch.bfloat16):
+            plain.generate(src, 4, max_len_margin=6)
+
+    linears = sum(isinstance(m, torch.nn.Linear) for m in plain.module.decoder.modules())
+    assert _unbuilt_weights(plain, autocast) > 2 * linears
+
+
+def _loop_weight_casts(graphdef, state, src, limits, length) -> int:
+    """convert_element_type equations inside the beam search's while loop (its body and the jaxprs
+    nested in it) that cast a floating array shaped as one of the model's weight matrices: a weight
+    cast per iteration. (The case's other floating arrays in the loop, [N, ...] activations with
+    N = 16 rows and logits [16, 64], have no weight's shape: the weights are [32, 32], [32, 64],
+    [64, 32] and the table [64, 32].)"""
+    import jax
+    import jax.numpy as jnp
+    from jax.extend.core import jaxprs_in_params
+
+    from jax_impl import decode
+
+    shapes = {x.shape for x in jax.tree.leaves(state) if x.ndim == 2}
+    jaxpr = jax.make_jaxpr(lambda s: decode._beam_search(
+        graphdef, s, src, limits, beam_size=4, alpha=0.6, length=length, cache=True, rule="wu",
+        constraints=decode.NO_CONSTRAINTS))(state)
+
+    def casts(j, inside: bool) -> int:
+        n = 0
+        for eqn in j.eqns:
+            if inside and eqn.primitive.name == "convert_element_type":
+                x, y = eqn.invars[0].aval, eqn.outvars[0].aval
+                n += x.shape in shapes and jnp.issubdtype(x.dtype, jnp.floating) and x.dtype != y.dtype
+            for sub in jaxprs_in_params(eqn.params):
+                n += casts(sub, inside or eqn.primitive.name == "while")
+        return n
+
+    assert len(src) * 4 == 16 and all(16 not in shape for shape in shapes)  # the docstring's premise
+    return casts(jaxpr.jaxpr, False)
+
+
+def test_jax_bfloat16_search_loop_casts_no_weight():
+    """JAX's bfloat16 model holds bfloat16 weights (jax_impl/backend.py's compute_weights, cast once
+    when built): the traced search loop converts no weight matrix. The same check finds the casts of
+    float32 weights into the bfloat16 layers inside the loop when the state is left uncast."""
+    from flax import nnx
+
+    from rosetta.generation import output_limits
+
+    cfg, params, src, _ = _case()
+    model = from_params(cfg, params, "jax", "bfloat16")
+    limits, length = output_limits(cfg, src, 6, None)
+    assert _loop_weight_casts(model.graphdef, model.state, src, limits, length) == 0
+    graphdef, state = nnx.split(model.module)  # float32 weights, bfloat16 layers: cast where used
+    assert _loop_weight_casts(graphdef, state, src, limits, length) > 0
