@@ -176,8 +176,8 @@ ENTRIES: tuple[Entry, ...] = (
           "optax.softmax_cross_entropy's default)",
           "smooth the targets with the reference's ε (§5.4: 0.1): label_smoothing=ε, optax.smooth_labels",
           lambda s: Variant(smoothing=0.0), lambda s: s.train.label_smoothing > 0),
-    Entry("scheduler_before_optimizer", "scheduler.step() before optimizer.step(): update k takes eq. 3's "
-          "rate of step k + 1",
+    Entry("scheduler_before_optimizer", "scheduler.step() before optimizer.step(): update k uses eq. 3's "
+          "rate of step k + 1 (the trace's lr: the rate the update used)",
           "step the optimizer, then the scheduler (PyTorch warns of the other order; optax's schedule "
           "is called inside the update, with the count before it)",
           lambda s: Variant(schedule="ahead")),
@@ -357,11 +357,8 @@ def replay(ref: Trace, settings: Settings, variant: Variant, steps: int, grads_c
         lr = schedule_lr(k, ref.cfg.d_model, tc, variant)
         c = tc.clip_norm if variant.clip is None else variant.clip
         params, state = adam_step(params, clip(grads, c, variant), state, lr, tc, variant)
-        # scheduler_before_optimizer: the loop reads the rate before its two steps (param_groups'),
-        # eq. 3's of step k; the update takes k + 1's.
-        shown = schedule_lr(k, ref.cfg.d_model, tc, replace(variant, schedule="eq3")) \
-            if variant.schedule == "ahead" else lr
-        yield ReplayStep(loss, shown, grads, params)
+        # The trace's lr is the rate the update used (trace.py): scheduler_before_optimizer's k + 1's too.
+        yield ReplayStep(loss, lr, grads, params)
 
 
 def first_step(ref: Trace, settings: Settings, variant: Variant, grads_cache: dict | None = None,
