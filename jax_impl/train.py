@@ -24,6 +24,7 @@ from flax import nnx
 from jax.sharding import Mesh, NamedSharding
 from jax.sharding import PartitionSpec as P
 
+import rosetta.training as training  # for DEFAULT_LOSS: the from-import below is at the line limit
 from jax_impl import compilation
 from jax_impl.backend import DTYPES, Model, compute_weights, parity_mode, x64
 from jax_impl.convert import build_model, flax_name, to_params
@@ -117,7 +118,7 @@ FORWARDS: dict[str, Callable[..., jax.Array]] = {"plain": forward_loss, "chunked
 def _train_step(model: Transformer, optimizer: nnx.Optimizer, rngs: nnx.Rngs, src: jax.Array,
                 tgt: jax.Array, labels: jax.Array, num_tokens: jax.Array | None, train_cfg: TrainConfig,
                 mesh: Mesh | None = None, packing: Packing | None = None,
-                loss: str = "plain", keep_grads: bool = False) -> tuple[jax.Array, ...]:
+                loss: str = training.DEFAULT_LOSS, keep_grads: bool = False) -> tuple[jax.Array, ...]:
     """`train_step` on K micro-batches `src, tgt, labels` [K, rows, L] (K = 1: one batch), also
     returning the global gradient norm before clipping (a 0-d array): the harness stops a run at
     the first non-finite one (rosetta/harness/loop.py). Each micro-batch's loss is its label sum
@@ -184,19 +185,24 @@ def train_step(model: Transformer, optimizer: nnx.Optimizer, rngs: nnx.Rngs, src
     return loss, lr
 
 
+# make_train_step's step donates the weights and Adam's state: XLA writes the update into their buffers
+# (one model and moments alive, not two), deleting the arrays held before (one the host views is copied
+# instead). `train_step` keeps its inputs: its caller may hold them (nnx.clone shares arrays).
+_donating_step = nnx.jit(_train_step.fun, static_argnames=("train_cfg", "mesh", "loss", "keep_grads"),
+                         donate_argnames=("model", "optimizer"))
+
+
 def make_train_step(model: Transformer, optimizer: nnx.Optimizer, rngs: nnx.Rngs,
-                    train_cfg: TrainConfig, mesh: Mesh | None = None, loss: str = "plain"
+                    train_cfg: TrainConfig, mesh: Mesh | None = None, loss: str = training.DEFAULT_LOSS
                     ) -> Callable[..., tuple[jax.Array, jax.Array, jax.Array]]:
     """`train_step` with the model, optimizer and generator bound: step(src, tgt, labels,
     num_tokens=None, packing=None) -> (loss, lr, global gradient norm before clipping); 2-d ids are one
-    batch, 3-d ones [K, rows, L] K micro-batches of one update (`_train_step`). nnx.jit walks
-    the whole object graph in Python on every call (about 50 ms per call for a 6+6-layer model
-    on this project's CPU, as long as a whole `base` step on an H100); nnx.cached_partial walks
-    it once and reuses the traversal, as Flax's guide advises. The bound model stays in train
-    mode (its cached copy was taken in train mode); the weights, Adam's state and the generator
-    are the same Variables, so every update lands in `model`, `optimizer`, `rngs`."""
+    batch, 3-d ones [K, rows, L] K micro-batches of one update (`_train_step`, donating the weights and
+    Adam's state). nnx.jit walks the object graph in Python every call (about 50 ms for a 6+6-layer model
+    on this project's CPU, a whole `base` step on an H100); nnx.cached_partial walks it once (Flax's
+    guide). The bound model stays in train mode; every update lands in `model`, `optimizer`, `rngs`."""
     model.train()
-    cached = nnx.cached_partial(_train_step, model, optimizer, rngs)
+    cached = nnx.cached_partial(_donating_step, model, optimizer, rngs)
 
     def step(src: jax.Array, tgt: jax.Array, labels: jax.Array, num_tokens: jax.Array | int | None = None,
              packing: Packing | None = None, keep_grads: bool = False) -> tuple[jax.Array, ...]:
@@ -282,7 +288,7 @@ class Trainer:
     def __init__(self, cfg: ModelConfig, params: Mapping[str, np.ndarray], train_cfg: TrainConfig,
                  device: str | None = None, dtype: str = "float32", parity: bool | None = None,
                  accumulate: int = 1, shard: bool = False, num_devices: int | None = None,
-                 loss: str = "plain", compile: bool = True, compile_cache: str | None = None):
+                 loss: str = training.DEFAULT_LOSS, compile: bool = True, compile_cache: str | None = None):
         check_trainer_args("jax", self.dtypes, dtype, loss, accumulate)
         compilation.configure(compile_cache)  # before JAX starts its backends: XLA reads its flags then
         self.cfg, self.train_cfg, self.dtype = cfg, train_cfg, dtype
@@ -355,24 +361,24 @@ class Trainer:
         return self._steps
 
     def prepare(self, batch: Batch) -> Prepared:
-        """The global batch laid out over the mesh (`_global_batch`), copied without waiting."""
+        """The global batch on the mesh (`_global_batch`) and its label count, copied without waiting."""
         with self._context():
-            return Prepared(batch, self._global_batch(batch))
+            count = put(np.asarray(batch.num_tgt_tokens, np.int32), NamedSharding(self.mesh, P()))
+            return Prepared(batch, (*self._global_batch(batch), count))
 
     def step(self, batch: Batch | Prepared, keep_grads: bool = False) -> dict[str, Any]:
         """One update on the global `batch` (§5.3), a Batch or `prepare`'s copy of one; returns {step,
-        loss, lr, grad_norm, num_src_tokens, num_tgt_tokens, world_size, worker_rows}: the global
-        batch's loss and counts, grad_norm the global gradient norm before clipping, worker_rows the
-        rows of one device's micro-batch; loss, lr and grad_norm are device arrays, not waited for
-        (`read`). With `keep_grads` `grads`, the gradients before clipping, canonical (for `rosetta
-        train --trace`; this waits)."""
+        loss, lr, grad_norm, num_src_tokens, num_tgt_tokens, world_size, worker_rows}: the global batch's
+        loss and counts, grad_norm the global norm before clipping, worker_rows one device's micro-batch
+        rows; loss, lr, grad_norm device arrays: nothing here transfers (test_step_levers.py) but
+        `keep_grads`: `grads`, before clipping, canonical (`rosetta train --trace`; this waits)."""
         prepared = batch if isinstance(batch, Prepared) else self.prepare(batch)
-        batch, ((src, tgt, labels), packing, rows) = prepared.batch, prepared.arrays
+        batch, ((src, tgt, labels), packing, rows, count) = prepared.batch, prepared.arrays
         with self._context():
-            loss, lr, grad_norm, *grads = self._train_step(src, tgt, labels, int(batch.num_tgt_tokens),
-                                                           packing, keep_grads=keep_grads)
-            self._steps += 1
-            self._non_finite = _watch(self._non_finite, self._steps, loss, grad_norm)
+            loss, lr, grad_norm, *grads = self._train_step(src, tgt, labels, count, packing,
+                                                           keep_grads=keep_grads)
+            self._steps += 1  # the host's count; _watch reads the optimizer's, on the device
+            self._non_finite = _watch(self._non_finite, self.optimizer.step[...], loss, grad_norm)
         metrics = {"step": self.step_count, "loss": loss, "lr": lr, "grad_norm": grad_norm,
                    "num_src_tokens": int(batch.num_src_tokens), "num_tgt_tokens": int(batch.num_tgt_tokens),
                    "world_size": self.world_size, "worker_rows": rows}

@@ -134,6 +134,7 @@ MIRRORED = ("ops", "loss", "distributed", "train", "decode", "convert", "compila
 TORCH_ONLY: dict[str, dict[str, str]] = {
     "ops": {
         "LayerCache.tensors": "a compiled step marks the cache's tensors static (CUDA graphs)",
+        "sdpa_backends": "SDPA's kernel order (cuDNN first on CUDA); JAX's fused_attention asks cuDNN",
         "grow_positions": "the positional buffer is replaced eagerly; JAX builds a longer table when tracing",
         "_can_pack": "oneDNN's packed float32 linears for CPU decoding (a torch build's kernel)",
         "_packed_linear": "the same",
@@ -176,6 +177,9 @@ TORCH_ONLY: dict[str, dict[str, str]] = {
     },
     "compilation": {
         "compiled": "torch.compile with our settings; JAX jits each step where it is defined",
+        "training_mode": "inductor's mode per device (CUDA graphs); XLA on a GPU launches whole programs",
+        "host_copy": "pinned, non-blocking copies per process; JAX lays the batch on the mesh (put)",
+        "to_device": "the same",
     },
     "backend": {
         "Precision": "torch's dtypes: parameter dtype, compute dtype, autocast or not, CUDA-only",

@@ -1,7 +1,9 @@
 """torch.compile in the PyTorch backend, said once: the training step (`rosetta train --compile`,
 torch_impl/train.py) and the decoding step (torch_impl/decode.py) are both compiled here, whole
 (`fullgraph`: a graph break is an error, not a silent fall back to Python), and the compiler's
-own wall time is counted, so that the harness reports it apart from step time.
+own wall time is counted, so that the harness reports it apart from step time. Also what a step
+needs to run ahead of the device and be captured whole (issue 45): inductor's mode per device
+(CUDA graphs on a GPU) and the host-to-device copies that do not make the host wait.
 jax_impl/compilation.py holds JAX's (jit is always on there: its persistent cache and XLA flags).
 """
 
@@ -32,6 +34,33 @@ def compiled(fn: Callable, *, dynamic: bool | None, mode: str | None = None) -> 
                                                            limit)
     options = {"mode": mode} if BACKEND == "inductor" and mode is not None else {}
     return torch.compile(fn, fullgraph=True, dynamic=dynamic, backend=BACKEND, **options)
+
+
+def training_mode(device_type: str, accumulate: int = 1) -> str | None:
+    """Inductor's mode for the compiled training step: "reduce-overhead" on CUDA, the forward and
+    backward graphs replayed as CUDA graphs (inductor's cudagraph trees: one launch per graph instead
+    of one per kernel; the graph's outputs are rewritten by its next replay, so the trainer copies
+    the loss it keeps). None (the default mode) on a CPU, where no CUDA graphs exist, and with
+    `accumulate` > 1: the second micro-batch's replay would overwrite the first one's gradients,
+    which the backward graph wrote as .grad (cudagraph trees refuse it). GPU effect: not measured."""
+    return "reduce-overhead" if device_type == "cuda" and accumulate == 1 else None
+
+
+def host_copy(device_type: str) -> tuple[bool, bool] | None:
+    """How host values reach a `device_type` device in a step: None, not copied (a CPU tensor shares
+    NumPy's memory); else (pinned first, non_blocking). A GPU's copy from pageable memory makes the
+    host wait for the device, and a step that waits can neither run ahead of it nor be captured."""
+    return None if device_type == "cpu" else (device_type == "cuda", device_type == "cuda")
+
+
+def to_device(host: torch.Tensor, device: torch.device) -> torch.Tensor:
+    """`host` on `device` as `host_copy` says (a pinned block is kept until its copy is done: torch's
+    caching host allocator records the copy's stream)."""
+    plan = host_copy(device.type)
+    if plan is None:
+        return host
+    pin, non_blocking = plan
+    return (host.pin_memory() if pin else host).to(device, non_blocking=non_blocking)
 
 
 def compile_totals() -> tuple[float, int]:

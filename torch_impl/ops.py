@@ -20,6 +20,7 @@ from dataclasses import dataclass
 import torch
 import torch.nn.functional as F
 from torch import nn
+from torch.nn.attention import SDPBackend, sdpa_kernel
 
 from rosetta.positional import grown_rows, model_table
 
@@ -53,9 +54,23 @@ def attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Ten
         # replaced below, whatever kernel ran (as jax_impl/ops.py's fused_attention). Its gradient
         # to q and k is then exactly zero, as uniform weights' is.
         no_key = ~mask.any(dim=-1, keepdim=True)  # (B, h or 1, Tq, 1)
-        y = F.scaled_dot_product_attention(q, k, v, attn_mask=mask | no_key, dropout_p=dropout)  # B,h,Tq,dh
+        backends = sdpa_backends(q.device.type, q.dtype)
+        with contextlib.nullcontext() if backends is None else sdpa_kernel(backends, set_priority=True):
+            y = F.scaled_dot_product_attention(q, k, v, attn_mask=mask | no_key, dropout_p=dropout)
         y = torch.where(no_key, v.mean(dim=-2, keepdim=True), y)
     return y.transpose(1, 2), probabilities if weights else None
+
+
+def sdpa_backends(device_type: str, dtype: torch.dtype) -> list[SDPBackend] | None:
+    """SDPA's kernels in order of preference for `attention`, or None: torch's own choice. On CUDA in
+    bfloat16/float16, cuDNN's attention first: torch's default order (flash, memory-efficient, math,
+    cuDNN) never reaches it, and sends a boolean mask to the memory-efficient kernel (issue 45). A GPU
+    or shape that cuDNN cannot take falls to the next; the row-without-keys rule is applied after the
+    kernel, whichever ran. GPU effect: not measured yet. CPUs and float32 keep torch's choice."""
+    if device_type != "cuda" or dtype not in (torch.bfloat16, torch.float16):
+        return None
+    return [SDPBackend.CUDNN_ATTENTION, SDPBackend.FLASH_ATTENTION, SDPBackend.EFFICIENT_ATTENTION,
+            SDPBackend.MATH]
 
 
 def cpu_dropout(x: torch.Tensor, p: float) -> torch.Tensor:

@@ -25,6 +25,7 @@ from rosetta.errors import RosettaError
 from rosetta.inputs import Packing
 from rosetta.params import Params, canonical_dtype
 from rosetta.training import (
+    DEFAULT_LOSS,
     Batch,
     HostTimer,
     Prepared,
@@ -138,7 +139,7 @@ def _train_step(replica: torch.nn.Module, optimizer: torch.optim.Optimizer,
                            *packing)
             # DDP and FSDP2 average gradients over the W workers; the global mean needs their sum.
             (loss * world_size if world_size > 1 else loss).backward()
-        total = loss.detach() if total is None else total + loss.detach()
+        total = loss.detach().clone() if total is None else total + loss.detach()  # CUDA graphs reuse outputs
     if world_size > 1:
         all_sum(total)  # the global batch's loss, reported identically on every process
     grads = [p.grad for p in module.parameters() if p.grad is not None]
@@ -166,14 +167,13 @@ def train_step(module: Transformer, optimizer: torch.optim.Optimizer,
     return loss, lr
 
 
-def compiled_forward(loss: str) -> Callable[..., torch.Tensor]:
-    """FORWARDS[loss] compiled whole, its backward too (AOTAutograd): `rosetta train --compile`. The
-    loss over a 37k vocabulary alone is ~3x faster compiled than eager on an H100 (docs/benchmarks.md).
-    Static shapes, one graph per batch shape (the harness's batches come in a few bucket shapes): on
-    this project's CPU a `small` step compiled per shape ran 3.5% faster than with dynamic shapes
-    (1.70 against 1.76 s) after compiling 20 s per shape against 47 s once; inductor's cache
-    (TORCHINDUCTOR_CACHE_DIR) keeps the graphs for the next run. docs/training.md: --compile."""
-    return compilation.compiled(FORWARDS[loss], dynamic=False)
+def compiled_forward(loss: str, device_type: str = "cpu", accumulate: int = 1) -> Callable[..., torch.Tensor]:
+    """FORWARDS[loss] compiled whole with its backward (AOTAutograd), inductor's mode per device
+    (compilation.training_mode): `rosetta train --compile`. The loss over a 37k vocabulary alone is
+    ~3x faster compiled than eager on an H100 (docs/benchmarks.md). One graph per batch shape: a CPU
+    `small` step ran 3.5% faster than with dynamic shapes (1.70 against 1.76 s; docs/training.md)."""
+    return compilation.compiled(FORWARDS[loss], dynamic=False,
+                                mode=compilation.training_mode(device_type, accumulate))
 
 
 def gradients(module: Transformer, src: torch.Tensor, tgt: torch.Tensor, labels: torch.Tensor,
@@ -235,9 +235,9 @@ class Trainer:
     trains on this process's blocks of it (rosetta/distributed.py).
 
     `compile`: the forward pass, the loss and the backward as torch.compile graphs, one per batch
-    shape (`compiled_forward`). A step never waits for the device (rosetta.training.Trainer): the
-    batch is copied from pinned memory without blocking, the loss and gradient norm stay on the
-    device until `read`, and the step times of a GPU come from CUDA events (`timer`).
+    shape, replayed as CUDA graphs on a GPU (`compiled_forward`). A step never waits for the device:
+    every host value is copied in `prepare` (pinned, non-blocking), the loss and gradient norm stay on
+    the device until `read`, and the step times of a GPU come from CUDA events (`timer`).
     """
 
     framework: ClassVar[str] = "torch"
@@ -248,12 +248,10 @@ class Trainer:
     def __init__(self, cfg: ModelConfig, params: Mapping[str, np.ndarray], train_cfg: TrainConfig,
                  device: str | None = None, dtype: str = "float32", parity: bool | None = None,
                  accumulate: int = 1, shard: bool = False, num_devices: int | None = None,
-                 loss: str = "plain", compile: bool = False, compile_cache: str | None = None):
+                 loss: str = DEFAULT_LOSS, compile: bool = False, compile_cache: str | None = None):
         check_trainer_args("torch", self.dtypes, dtype, loss, accumulate)
         if loss == "chunked" and shard:  # FSDP2 reshards the tied table once the forward pass ends
             raise RosettaError("--loss chunked does not combine with --shard yet: use one of them")
-        # compile_cache: inductor keeps its own cache of compiled graphs (TORCHINDUCTOR_CACHE_DIR).
-        self.forward = compiled_forward(loss) if compile else FORWARDS[loss]
         self.compile = bool(compile)
         if num_devices not in (None, 1):
             raise RosettaError("torch trains on one device per process: launch one process per device "
@@ -268,6 +266,8 @@ class Trainer:
         self.world_size, self.num_processes, self.rank = env.num_processes, env.num_processes, env.rank
         self.is_main = env.is_main
         self.device = local_device(device, env)
+        # compile_cache: inductor keeps its own cache of compiled graphs (TORCHINDUCTOR_CACHE_DIR).
+        self.forward = compiled_forward(loss, self.device.type, accumulate) if compile else FORWARDS[loss]
         if env.distributed:
             if compile:  # DDP's and FSDP2's hooks under torch.compile are not tested here yet
                 raise RosettaError("--compile trains in one process for now: leave out --nproc or --compile")
@@ -323,10 +323,8 @@ class Trainer:
         return contextlib.nullcontext()
 
     def _tensor(self, ids: np.ndarray) -> torch.Tensor:
-        """Host ids on the device without waiting: from pinned memory on a GPU (a copy from pageable
-        memory blocks the host), shared with NumPy on a CPU (no copy at all)."""
-        host = torch.from_numpy(np.ascontiguousarray(ids))
-        return host.pin_memory().to(self.device, non_blocking=True) if self.device.type == "cuda" else host
+        """Host values on the device without waiting (compilation.host_copy): every copy of `prepare`."""
+        return compilation.to_device(torch.from_numpy(np.asarray(ids, order="C")), self.device)  # 0-d stays
 
     # -- training and evaluation -------------------------------------------------------------
     @property
@@ -341,19 +339,20 @@ class Trainer:
         micro = [(self._tensor(b.src), self._tensor(b.tgt_in), self._tensor(b.labels),
                   Packing(*(self._tensor(a) for a in b.packing())) if b.packed else None)
                  for b in mine]
-        num_tokens = torch.tensor(batch.num_tgt_tokens, device=self.device)
+        num_tokens = self._tensor(np.asarray(batch.num_tgt_tokens, dtype=np.int64))  # torch.tensor: a sync
         return Prepared(batch, (micro, num_tokens, int(mine[0].shape[0])))
 
     def step(self, batch: Batch | Prepared, keep_grads: bool = False) -> dict[str, Any]:
-        """One update on `batch` (§5.3), a Batch or `prepare`'s copy of one; returns {step, loss, lr,
-        grad_norm, num_src_tokens, num_tgt_tokens, world_size, worker_rows}, loss and grad_norm (the
-        global gradient norm before clipping) as 0-d tensors on the device: nothing here waits for
-        it (`read` does). With `keep_grads` also `grads`: the gradients before clipping, canonical
-        (for `rosetta train --trace`; this waits)."""
+        """One update on `batch` (§5.3), a Batch or `prepare`'s copy; returns {step, loss, lr, grad_norm,
+        num_src_tokens, num_tgt_tokens, world_size, worker_rows}, loss and grad_norm (global, before
+        clipping) 0-d device tensors, not waited for (`read` waits). Nothing here waits for the device
+        (parity_tests/test_step_levers.py) but `keep_grads`: `grads`, canonical, before clipping (--trace)."""
         prepared = batch if isinstance(batch, Prepared) else self.prepare(batch)
         batch, (micro, num_tokens, rows) = prepared.batch, prepared.arrays
-        if self.compile and isinstance(self.module, Transformer):  # the table grows outside the graph
-            self.module.position_table(batch.shape[1])
+        if self.compile:  # a new step for CUDA graphs (outputs kept from the last one were copied)
+            torch.compiler.cudagraph_mark_step_begin()
+            if isinstance(self.module, Transformer):  # the table grows outside the graph
+                self.module.position_table(batch.shape[1])
         with self._context():
             loss, lr, grad_norm = _train_step(self.replica, self.optimizer, self.scheduler, micro, num_tokens,
                                               self.train_cfg, self.autocast, self.forward, self.world_size)
