@@ -22,6 +22,10 @@ from rosetta.generation import NEG, NO_CONSTRAINTS, Constraints, Generation, out
 # cross-attention keys and values computed once per sentence, not per beam (Steps).
 TWO_STAGE_TOPK = True
 SHARED_CROSS = True
+# Steps run between two evaluations of the loop's condition (`_search_loop`) on GPUs and TPUs, where
+# each evaluation is a device-to-host copy of the predicate (issue 47); 1 on the CPU (no transfer
+# there, and every step past the last sentence's end is wasted). torch_impl/decode.py's SYNC_EVERY.
+SYNC_EVERY = 8
 
 
 def length_penalty(length: jax.Array | int, alpha: float, rule: str = "wu") -> jax.Array:
@@ -132,7 +136,27 @@ def _search_jit(fn, static_argnames: tuple[str, ...]):
     return call
 
 
-def _greedy_search(graphdef, state, src, limits, *, length: int, cache: bool, constraints: Constraints):
+def _search_loop(body, init: tuple, length: int, done: int, every: int) -> tuple:
+    """`init` through `body` while t (init[0]) < length and some sentence is not done (init[done]),
+    the condition read every `every` steps: a lax.while_loop whose body is a fixed-length
+    lax.fori_loop of `every` steps (XLA knows its trip count: no predicate goes to the host inside
+    it). The up to every - 1 steps after the stop change nothing: a search freezes its finished
+    sentences, and every sentence is finished once t reaches `length` (limits <= length), where the
+    writes past the buffer are dropped (JAX's out-of-bounds scatter) or land in a cache no step reads
+    again."""
+    def keep_going(c: tuple) -> jax.Array:
+        return (c[0] < length) & ~c[done].all()
+
+    if every == 1:
+        return jax.lax.while_loop(keep_going, body, init)
+    def chunk(c: tuple) -> tuple:
+        return jax.lax.fori_loop(0, every, lambda _, c: body(c), c)
+
+    return jax.lax.while_loop(keep_going, chunk, init)
+
+
+def _greedy_search(graphdef, state, src, limits, *, length: int, cache: bool, constraints: Constraints,
+                   every: int = 1):
     module = nnx.merge(graphdef, state)
     cfg, B = module.cfg, src.shape[0]
     steps = Steps(module, src, module.encode(src), length, limits, constraints, cache)
@@ -147,16 +171,16 @@ def _greedy_search(graphdef, state, src, limits, *, length: int, cache: bool, co
         return t + 1, tokens, scores, done, kv
 
     init = (0, jnp.full((B, length), cfg.pad_id), jnp.zeros(B), jnp.zeros(B, bool), steps.init_cache())
-    _, tokens, scores, _, _ = jax.lax.while_loop(
-        lambda c: (c[0] < length) & ~c[3].all(), body, init)
+    _, tokens, scores, _, _ = _search_loop(body, init, length, 3, every)
     return tokens, scores
 
 
-_greedy = _search_jit(_greedy_search, ("graphdef", "length", "cache", "constraints"))
+_greedy = _search_jit(_greedy_search, ("graphdef", "length", "cache", "constraints", "every"))
 
 
 def _beam_search(graphdef, state, src, limits, *, beam_size: int, alpha: float, length: int, cache: bool,
-                 rule: str, constraints: Constraints, two_stage: bool = True, shared: bool = True):
+                 rule: str, constraints: Constraints, two_stage: bool = True, shared: bool = True,
+                 every: int = 1):
     module = nnx.merge(graphdef, state)
     cfg, B, K, L = module.cfg, src.shape[0], beam_size, length
     # Beam k of sentence b: row b*K+k; the encoder's output stays per sentence (Steps).
@@ -201,18 +225,19 @@ def _beam_search(graphdef, state, src, limits, *, beam_size: int, alpha: float, 
     alive = jnp.tile(jnp.array([0.0] + [NEG] * (K - 1)), (B, 1))  # beam 0 expands first
     init = (0, seqs, alive, seqs, jnp.full((B, K), NEG), jnp.zeros(B, bool), jnp.zeros(B, bool),
             steps.init_cache())
-    out = jax.lax.while_loop(lambda c: (c[0] < L) & ~c[5].all(), body, init)
+    out = _search_loop(body, init, L, 5, every)
     return out[3][:, 0], jnp.where(out[6], jnp.nan, out[4][:, 0])
 
 
 _beam = _search_jit(_beam_search, ("graphdef", "beam_size", "alpha", "length", "cache", "rule",
-                                   "constraints", "two_stage", "shared"))
+                                   "constraints", "two_stage", "shared", "every"))
 
 
 def greedy_search(graphdef, state, cfg: ModelConfig, src: np.ndarray, max_len_margin: int = 50,
                   cache: bool = True, constraints: Constraints = NO_CONSTRAINTS) -> Generation:
     limits, L = output_limits(cfg, src, max_len_margin, constraints.max_new_tokens)
-    tokens, scores = _greedy(graphdef, state, src, limits, length=L, cache=cache, constraints=constraints)
+    tokens, scores = _greedy(graphdef, state, src, limits, length=L, cache=cache, constraints=constraints,
+                             every=_sync_every())
     return Generation(strip(cfg, np.asarray(tokens)), np.asarray(scores, dtype=np.float64))
 
 
@@ -222,5 +247,10 @@ def beam_search(graphdef, state, cfg: ModelConfig, src: np.ndarray, beam_size: i
     limits, L = output_limits(cfg, src, max_len_margin, constraints.max_new_tokens)
     tokens, scores = _beam(graphdef, state, src, limits, beam_size=beam_size, alpha=float(alpha),
                            length=L, cache=cache, rule=rule, constraints=constraints,
-                           two_stage=TWO_STAGE_TOPK, shared=SHARED_CROSS)
+                           two_stage=TWO_STAGE_TOPK, shared=SHARED_CROSS, every=_sync_every())
     return Generation(strip(cfg, np.asarray(tokens)), np.asarray(scores, dtype=np.float64))
+
+
+def _sync_every() -> int:
+    """SYNC_EVERY on GPUs and TPUs, 1 on the CPU (see SYNC_EVERY)."""
+    return 1 if jax.default_backend() == "cpu" else SYNC_EVERY

@@ -4,7 +4,8 @@ K x V candidates and against the one-stage top-k; the searches with the levers o
 reference (numpy_ref) and against the searches with them off (decode.TWO_STAGE_TOPK, SHARED_CROSS:
 the path before issue 47), greedy and beam 4, float32, both frameworks, eager and PyTorch's static
 step; and bfloat16 weights cast once per model, never inside the search loop (a dispatch count in
-PyTorch, the loop's jaxpr in JAX). Speed effects: not measured here (benchmarks/decode_ct2.py)."""
+PyTorch, the loop's jaxpr in JAX); JAX's loop reading its condition every few steps changes nothing.
+Speed effects: not measured here (benchmarks/decode_ct2.py, a GPU session)."""
 
 from __future__ import annotations
 
@@ -235,3 +236,39 @@ def test_jax_bfloat16_search_loop_casts_no_weight():
     assert _loop_weight_casts(model.graphdef, model.state, src, limits, length) == 0
     graphdef, state = nnx.split(model.module)  # float32 weights, bfloat16 layers: cast where used
     assert _loop_weight_casts(graphdef, state, src, limits, length) > 0
+
+
+@pytest.mark.parametrize("beam_size", [1, 4])
+def test_jax_loop_reading_its_condition_every_few_steps_changes_nothing(beam_size):
+    """jax_impl/decode.py's _search_loop with its condition read every 3 or 8 steps (GPUs: SYNC_EVERY)
+    gives the every-step loop's tokens and scores bit for bit, and the float64 reference's tokens: the
+    steps run after the stop (8 > the 6-step margin: past the output buffer too) change nothing. The
+    chunk is a fixed-length loop (a scan of `every` steps) inside the while loop."""
+    import jax
+
+    from jax_impl import decode
+    from rosetta.generation import NO_CONSTRAINTS, output_limits, strip
+
+    cfg, params, src, reference = _case()
+    want = reference.generate(src, beam_size, max_len_margin=6)
+    model = from_params(cfg, params, "jax", "float32")
+    limits, length = output_limits(cfg, src, 6, None)
+
+    def search(every: int, trace: bool = False):
+        if beam_size == 1:
+            fn, kwargs = decode._greedy_search, {}
+        else:
+            fn, kwargs = decode._beam_search, dict(beam_size=beam_size, alpha=0.6, rule="wu")
+        run = (lambda *a, **k: jax.make_jaxpr(lambda s: fn(*a[:1], s, *a[2:], **k))(a[1])) if trace else fn
+        with model._context():
+            return run(model.graphdef, model.state, src, limits, length=length, cache=True,
+                       constraints=NO_CONSTRAINTS, every=every, **kwargs)
+
+    outputs = {every: [np.asarray(x) for x in search(every)] for every in (1, 3, 8)}
+    for every in (3, 8):
+        for got, base in zip(outputs[every], outputs[1], strict=True):
+            np.testing.assert_array_equal(got, base)
+    assert strip(cfg, outputs[8][0]) == want.tokens
+    loops = [eqn for eqn in search(8, trace=True).jaxpr.eqns if eqn.primitive.name == "while"]
+    inner = [e for e in loops[0].params["body_jaxpr"].jaxpr.eqns if e.primitive.name == "scan"]
+    assert len(loops) == 1 and [e.params["length"] for e in inner] == [8]

@@ -227,6 +227,8 @@ JAX_ONLY: dict[str, dict[str, str]] = {
         "_search_jit": "jax.jit with XLA's CPU options for the searches",
         "_greedy_search": "the jitted search: one lax.while_loop (torch: greedy_search through run)",
         "_beam_search": "the same for beam search",
+        "_search_loop": "the searches' lax loop, its condition read every SYNC_EVERY steps (torch: run)",
+        "_sync_every": "SYNC_EVERY by backend, a static argument of the jitted searches",
     },
     "convert": {
         "flax_name": "a state path's canonical name; Flax kernels need no transpose",
