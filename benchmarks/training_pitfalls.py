@@ -74,8 +74,9 @@ PITFALLS: dict[str, int] = {
     "beta2_0.999": 18, "beta2_0.98": 18, "no_bias_correction": 18,
     "adamw_decay": 19, "adamw_decay_matrices": 19, "l2_in_gradient": 19, "l2_in_gradient_matrices": 19,
     "schedule_from_zero": 20, "schedule_from_zero_clamped": 20, "scheduler_before_optimizer": 20,
-    "schedule_scaled": 20,
-    "clip_per_tensor": 21, "clip_torch_eps": 21, "clip_where_none": 21, "clip_before_accumulation": 21,
+    "schedule_scaled": 20, "constant_rate": 20,
+    "clip_per_tensor": 21, "clip_after_adam": 21, "clip_torch_eps": 21, "clip_where_none": 21,
+    "clip_before_accumulation": 21,
     "no_label_smoothing": 22, "smooth_over_v_minus_1": 22, "annotated_kl": 22,
     "pad_in_loss": 23, "per_sentence": 23, "loss_summed": 23,
 }

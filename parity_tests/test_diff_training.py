@@ -185,10 +185,12 @@ def test_every_entry_has_a_loop():
     # ours is 0.98: beta2_0.98 cannot be made here; the docs' loop makes the others
     # (test_diff_training_recipes.py: a user's loop, not ours; no_label_smoothing by docs/journeys.md's
     # own edit of it, in test_journeys.py)
+    from parity_tests.test_diff_training_recipes import JAX_MISTAKES as RECIPE_JAX_MISTAKES
     from parity_tests.test_diff_training_recipes import MISTAKES as RECIPE_MISTAKES
     from parity_tests.test_journeys import MISTAKE as JOURNEY_MISTAKE
 
-    made = set(TORCH_MISTAKES) | set(JUDGED) | set(RECIPE_MISTAKES) | {JOURNEY_MISTAKE}
+    made = set(TORCH_MISTAKES) | set(JUDGED) | set(RECIPE_MISTAKES) | set(RECIPE_JAX_MISTAKES)
+    made |= {JOURNEY_MISTAKE}
     assert made == set(BY_NAME) - {"beta2_0.98"}
     assert set(JAX_MISTAKES) <= set(BY_NAME) and len(JAX_MISTAKES) >= 4
 

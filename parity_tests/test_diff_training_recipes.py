@@ -36,13 +36,23 @@ def run_loop(code: str, heading: str) -> None:
     assert done.returncode == 0, done.stderr[-2000:]
 
 
-@pytest.fixture(scope="module")
-def reference(tmp_path_factory):
-    out = tmp_path_factory.mktemp("ref")
+def traced_run(out, *flags) -> Path:
     assert main(["train", "--task", "copy", "--preset", "tiny", "--backend", "torch", "--steps", "3",
                  "--trace", "3", "--set", "dropout=0", "--dtype", "float64", "--eval-every", "0",
-                 "--checkpoint-every", "0", "--bleu-samples", "4", "--no-progress", "--out", str(out)]) == 0
+                 "--checkpoint-every", "0", "--bleu-samples", "4", "--no-progress", "--out", str(out),
+                 *flags]) == 0
     return out / "torch"
+
+
+@pytest.fixture(scope="module")
+def reference(tmp_path_factory):
+    return traced_run(tmp_path_factory.mktemp("ref"))
+
+
+@pytest.fixture(scope="module")
+def clipped_reference(tmp_path_factory):
+    """The reference clipped at 0.1, below its gradients' norms: the gradient clip acts at every step."""
+    return traced_run(tmp_path_factory.mktemp("clipped"), "--clip-norm", "0.1")
 
 
 @pytest.mark.parametrize("heading", ["**Your PyTorch loop**", "**Your JAX + optax loop**"])
@@ -87,22 +97,31 @@ def test_a_mistake_in_the_pages_loop_is_named(mistake, reference, tmp_path, caps
 # + 1 crashed the page's former rate line (a Python int: 0.0 ** -0.5); the rate optax used, read from
 # optax.inject_hyperparams' state, is 0 at step 1, and the mistake is named.
 JAX_LOOP = "**Your JAX + optax loop**"
+# constant_rate and clip_after_adam (issue 48's two optax orderings the catalogue lacked): the rate
+# as a constant, and the chain's clip after adam, the optimizer state indexed as the chain's first.
+ADAM = 'optax.inject_hyperparams(optax.adam)(  # keeps the rate it uses'
 JAX_MISTAKES = {
-    "schedule_from_zero": ("jnp.minimum((n + 1) ** -0.5, (n + 1) * warmup**-1.5)",
-                           "jnp.minimum(n ** -0.5, n * warmup**-1.5)"),
+    "schedule_from_zero": [("jnp.minimum((n + 1) ** -0.5, (n + 1) * warmup**-1.5)",
+                            "jnp.minimum(n ** -0.5, n * warmup**-1.5)")],
+    "constant_rate": [("learning_rate=schedule", "learning_rate=1e-3")],
+    "clip_after_adam": [(ADAM, "optax.chain(" + ADAM),
+                        ("eps=1e-9), wrt", "eps=1e-9), optax.clip_by_global_norm(0.1)), wrt"),
+                        ("opt_state.hyperparams", "opt_state[0].hyperparams")],
 }
 
 
 @pytest.mark.parametrize("mistake", sorted(JAX_MISTAKES))
-def test_a_mistake_in_the_pages_jax_loop_is_named(mistake, reference, tmp_path, capsys):
-    old, new = JAX_MISTAKES[mistake]
+def test_a_mistake_in_the_pages_jax_loop_is_named(mistake, reference, clipped_reference, tmp_path, capsys):
+    against = clipped_reference if mistake == "clip_after_adam" else reference
     code = recipe(JAX_LOOP)
-    assert old in code
-    code = code.replace(old, new).replace('"runs/ref/torch"', repr(str(reference))).replace(
-        '"mine"', repr(str(tmp_path / "mine")))
+    for old, new in JAX_MISTAKES[mistake]:
+        assert old in code
+        code = code.replace(old, new)
+    code = code.replace('"runs/ref/torch"', repr(str(against)))
+    code = code.replace('"mine"', repr(str(tmp_path / "mine")))
     run_loop(code, JAX_LOOP)
     capsys.readouterr()
     out_json = tmp_path / "d.json"
-    assert main(["diff", str(tmp_path / "mine"), str(reference), "--diagnose", "--json", str(out_json)]) == 1
+    assert main(["diff", str(tmp_path / "mine"), str(against), "--diagnose", "--json", str(out_json)]) == 1
     out = capsys.readouterr().out
     assert json.loads(out_json.read_text())["diagnosis"]["explained_by"] == [mistake], out

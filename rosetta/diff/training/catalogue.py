@@ -29,7 +29,7 @@ from rosetta.params import Params
 from rosetta.training import TrainConfig, learning_rate
 
 LOSS_VARIANTS = ("ours", "smooth_over_v_minus_1", "annotated_kl", "pad_in_loss", "per_sentence", "summed")
-SCHEDULES = ("eq3", "from_zero", "from_zero_clamped", "ahead")
+SCHEDULES = ("eq3", "from_zero", "from_zero_clamped", "ahead", "constant")
 
 
 @dataclass(frozen=True)
@@ -52,6 +52,7 @@ class Variant:
     smoothing: float | None = None  # label smoothing ε; None: the reference's
     clip: float | None = None      # a clipping norm where the reference has none; None: the reference's
     tf32: bool = False             # matmul operands rounded to TF32's 10-bit mantissa (tf32.py)
+    clip_update: bool = False      # Adam's update clipped to the norm (optax.chain(adam, clip)), not g
 
 
 @dataclass(frozen=True)
@@ -131,6 +132,16 @@ ENTRIES: tuple[Entry, ...] = (
           "NoamLR matches it with base_lr = lr_factor·(d_model·warmup)^-0.5; an optax schedule is this "
           "function of its count + 1",
           lambda s: Variant(lr_scale=2.0), fit="lr_scale"),
+    Entry("constant_rate", "a constant learning rate (Adam(lr=...) without a scheduler, optax.adam(1e-3)) "
+          "instead of eq. 3's warm-up and decay",
+          "eq. 3's schedule: LambdaLR(optimizer, lambda n: rate(n + 1)) with lr=1.0, or optax.adam(schedule) "
+          "with schedule(count) = rate(count + 1)",
+          lambda s: Variant(schedule="constant"), fit="lr_scale"),
+    Entry("clip_after_adam", "Adam's update clipped by its global norm instead of the gradient "
+          "(optax.chain(optax.adam(...), optax.clip_by_global_norm(c)))",
+          "clip the gradient before Adam: optax.chain(optax.clip_by_global_norm(c), optax.adam(...)); "
+          "clip_grad_norm_ before optimizer.step()",
+          lambda s: Variant(clip_update=True), lambda s: s.train.clip_norm is not None),
     Entry("clip_per_tensor", "gradients clipped per tensor instead of by their global norm",
           "clip by the global norm (clip_grad_norm_ over all parameters, optax.clip_by_global_norm)",
           lambda s: Variant(clip_per_tensor=True), lambda s: s.train.clip_norm is not None),
@@ -277,6 +288,8 @@ def schedule_lr(k: int, d_model: int, tc: TrainConfig, variant: Variant) -> floa
         lr = learning_rate(max(k - 1, 1), d_model, tc.warmup_steps, tc.lr_factor)
     elif variant.schedule == "ahead":
         lr = learning_rate(k + 1, d_model, tc.warmup_steps, tc.lr_factor)
+    elif variant.schedule == "constant":
+        lr = 1.0  # the rate itself is lr_scale, fitted to the recorded rates
     else:
         lr = learning_rate(k, d_model, tc.warmup_steps, tc.lr_factor)
     return variant.lr_scale * lr
@@ -312,7 +325,7 @@ def adam_step(params: Params, grads: Params, state: AdamState, lr: float, tc: Tr
     b1, b2 = tc.adam_b1, variant.b2 if variant.b2 is not None else tc.adam_b2
     eps = variant.eps if variant.eps is not None else tc.adam_eps
     t = state.t + 1
-    new, m, v = {}, {}, {}
+    new, m, v, step_of = {}, {}, {}, {}
     for n, theta in params.items():
         g = grads[n]
         if variant.decay and decayed(n, theta, variant) and not variant.decoupled:
@@ -323,8 +336,11 @@ def adam_step(params: Params, grads: Params, state: AdamState, lr: float, tc: Tr
         step = m_hat / np.sqrt(v_hat + eps) if variant.eps_inside_sqrt else m_hat / (np.sqrt(v_hat) + eps)
         if variant.decay and decayed(n, theta, variant) and variant.decoupled:
             theta = theta * (1 - lr * variant.decay)  # AdamW: decay first, on the lr
-        new[n] = theta - lr * step
-    return new, AdamState(t, m, v)
+        new[n] = theta
+        step_of[n] = lr * step
+    if variant.clip_update:  # optax.chain(adam(lr), clip_by_global_norm(c)): the scaled update clipped
+        step_of = clip(step_of, tc.clip_norm, replace(variant, clip_per_tensor=False, clip_eps=0.0))
+    return {n: new[n] - step_of[n] for n in new}, AdamState(t, m, v)
 
 
 # -- the replay -----------------------------------------------------------------------------------------
@@ -356,7 +372,8 @@ def replay(ref: Trace, settings: Settings, variant: Variant, steps: int, grads_c
                 grads_cache[key] = (loss, grads)
         lr = schedule_lr(k, ref.cfg.d_model, tc, variant)
         c = tc.clip_norm if variant.clip is None else variant.clip
-        params, state = adam_step(params, clip(grads, c, variant), state, lr, tc, variant)
+        params, state = adam_step(params, clip(grads, None if variant.clip_update else c, variant), state, lr,
+                                  tc, variant)
         # The trace's lr is the rate the update used (trace.py): scheduler_before_optimizer's k + 1's too.
         yield ReplayStep(loss, lr, grads, params)
 

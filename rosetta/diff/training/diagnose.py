@@ -112,7 +112,9 @@ def _entry(name: str) -> Entry:
 def _decay_note(entry: Entry, variant: Variant) -> str:
     if entry.fit == "decay":
         return f" (λ fitted: {variant.decay:.3g})"
-    return f" (factor fitted: {variant.lr_scale:.6g})" if entry.fit == "lr_scale" else ""
+    if entry.fit == "lr_scale":
+        return f" ({'rate' if variant.schedule == 'constant' else 'factor'} fitted: {variant.lr_scale:.6g})"
+    return ""
 
 
 def error_against(observed: Trace, ours: Iterable[ReplayStep], initial: dict) -> tuple[float, int | None]:
