@@ -240,10 +240,11 @@ def test_jax_bfloat16_search_loop_casts_no_weight():
 
 @pytest.mark.parametrize("beam_size", [1, 4])
 def test_jax_loop_reading_its_condition_every_few_steps_changes_nothing(beam_size):
-    """jax_impl/decode.py's _search_loop with its condition read every 3 or 8 steps (GPUs: SYNC_EVERY)
+    """jax_impl/decode.py's _search_loop with its condition read every 8 steps (GPUs: SYNC_EVERY)
     gives the every-step loop's tokens and scores bit for bit, and the float64 reference's tokens: the
-    steps run after the stop (8 > the 6-step margin: past the output buffer too) change nothing. The
-    chunk is a fixed-length loop (a scan of `every` steps) inside the while loop."""
+    steps run after the stop change nothing (a sentence that reaches its limit of 14 takes the loop
+    past the buffer's 14 positions, not a multiple of 8). The chunk is a fixed-length loop (a scan of
+    `every` steps) inside the while loop."""
     import jax
 
     from jax_impl import decode
@@ -253,6 +254,7 @@ def test_jax_loop_reading_its_condition_every_few_steps_changes_nothing(beam_siz
     want = reference.generate(src, beam_size, max_len_margin=6)
     model = from_params(cfg, params, "jax", "float32")
     limits, length = output_limits(cfg, src, 6, None)
+    assert length % 8 != 0
 
     def search(every: int, trace: bool = False):
         if beam_size == 1:
@@ -264,10 +266,9 @@ def test_jax_loop_reading_its_condition_every_few_steps_changes_nothing(beam_siz
             return run(model.graphdef, model.state, src, limits, length=length, cache=True,
                        constraints=NO_CONSTRAINTS, every=every, **kwargs)
 
-    outputs = {every: [np.asarray(x) for x in search(every)] for every in (1, 3, 8)}
-    for every in (3, 8):
-        for got, base in zip(outputs[every], outputs[1], strict=True):
-            np.testing.assert_array_equal(got, base)
+    outputs = {every: [np.asarray(x) for x in search(every)] for every in (1, 8)}
+    for got, base in zip(outputs[8], outputs[1], strict=True):
+        np.testing.assert_array_equal(got, base)
     assert strip(cfg, outputs[8][0]) == want.tokens
     loops = [eqn for eqn in search(8, trace=True).jaxpr.eqns if eqn.primitive.name == "while"]
     inner = [e for e in loops[0].params["body_jaxpr"].jaxpr.eqns if e.primitive.name == "scan"]
