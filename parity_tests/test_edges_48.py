@@ -238,3 +238,31 @@ def test_every_fix_text_names_the_optax_form_too():
     missing = [e.name for e in ENTRIES if not any(word in e.fix for word in ("optax", "nnx", "jax"))]
     assert missing == []
     assert "optax's schedule gets its count from 0" in BY_NAME["schedule_from_zero"].fix
+
+
+def test_the_pair_search_stops_a_replay_past_the_best_error(plain):
+    """Issue 48: "not explained" verdicts cost minutes in the pair search. The error is a maximum over
+    steps, so a replay whose error passes the best so far cannot rank first: it stops there. The
+    bound changes no error below it, and an unbounded replay reads every step."""
+    import numpy as np
+
+    from rosetta.diff.training.catalogue import Settings, Variant, replay
+    from rosetta.diff.training.diagnose import errors_against
+    from rosetta.diff.training.trace import read_trace
+
+    trace = read_trace(plain)
+    settings = Settings.from_trace(trace.train_config)
+    initial = {k: v.astype(np.float64) for k, v in trace.initial().items()}
+    variant = Variant(eps_inside_sqrt=True)  # off from step 1
+
+    def counted(read):
+        for step in replay(trace, settings, variant, 3):
+            read.append(step)
+            yield step
+
+    everything, stopped = [], []
+    (full, where), = errors_against((trace,), counted(everything), initial)
+    (part, _), = errors_against((trace,), counted(stopped), initial, bound=0.0)
+    assert len(everything) == 3 and len(stopped) == 1 and 0 < part <= full
+    (same, same_where), = errors_against((trace,), replay(trace, settings, variant, 3), initial, bound=full)
+    assert (same, same_where) == (full, where)

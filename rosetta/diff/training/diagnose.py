@@ -123,10 +123,11 @@ def error_against(observed: Trace, ours: Iterable[ReplayStep], initial: dict) ->
     return errors_against((observed,), ours, initial)[0]
 
 
-def errors_against(observed: Sequence[Trace], ours: Iterable[ReplayStep],
-                   initial: dict) -> list[tuple[float, int | None]]:
+def errors_against(observed: Sequence[Trace], ours: Iterable[ReplayStep], initial: dict,
+                   bound: float = math.inf) -> list[tuple[float, int | None]]:
     """error_against for several traces in one pass of the replay, which is read one step at a
-    time (memory: the weights before the step, whatever the number of steps)."""
+    time (memory: the weights before the step, whatever the number of steps). Once every error is
+    over `bound` the replay stops: the error is a maximum over steps, so it can only grow."""
     worst = [(0.0, None) for _ in observed]
     before = initial
     for k, step in enumerate(ours, 1):
@@ -138,6 +139,8 @@ def errors_against(observed: Sequence[Trace], ours: Iterable[ReplayStep],
             if not error <= worst[i][0]:
                 worst[i] = (error, k)
         before = step.params
+        if all(w[0] > bound for w in worst):
+            break
     return worst
 
 
@@ -187,6 +190,7 @@ def _diagnose_steps(a: Trace, b: Trace, tolerance: float, steps: int) -> Trainin
     ranked = list(singles)
     if not (singles and singles[0].error <= tolerance):
         lead = [_entry(c.names[0]) for c in singles[:PAIR_LEAD]]
+        best = singles[0].error if singles else math.inf
         others = [_entry(c.names[0]) for c in singles]
         tried = set()
         for x in lead:
@@ -194,7 +198,12 @@ def _diagnose_steps(a: Trace, b: Trace, tolerance: float, steps: int) -> Trainin
                 key = frozenset((x.name, y.name))
                 if x is not y and key not in tried and _compatible(x, y, settings):
                     tried.add(key)
-                    ranked.append(_candidate(a, b, settings, n, cache, initial, (x, y)))
+                    # A pair over the best error so far cannot rank first (errors are maxima over
+                    # steps): its replay stops there and it is not listed.
+                    pair = _candidate(a, b, settings, n, cache, initial, (x, y), bound=best)
+                    if pair.error <= best:
+                        ranked.append(pair)
+                        best = pair.error
         ranked.sort(key=_rank)
     result.ranked = ranked
     if result.explained is None and "float32" in (a.dtype, a.compute_dtype):
@@ -218,7 +227,7 @@ def _compatible(x: Entry, y: Entry, settings: Settings) -> bool:
 
 
 def _candidate(a: Trace, b: Trace, settings: Settings, n: int, cache: dict, initial: dict,
-               entries: tuple[Entry, ...]) -> Candidate:
+               entries: tuple[Entry, ...], bound: float = math.inf) -> Candidate:
     variant = Variant()
     for entry in entries:
         switched = entry.variant(settings)
@@ -229,7 +238,7 @@ def _candidate(a: Trace, b: Trace, settings: Settings, n: int, cache: dict, init
     if any(e.fit == "decay" for e in entries):
         variant = with_decay(variant, _fit_decay(a, b, settings, variant, cache, initial, n))
     ours = replay(b, settings, variant, n, cache)
-    error, where = error_against(a, ours, initial)
+    error, where = errors_against((a,), ours, initial, bound)[0]
     return Candidate(tuple(e.name for e in entries), variant, error, where)
 
 
