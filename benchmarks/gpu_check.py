@@ -160,8 +160,9 @@ def training_checks(checks: list[Check], cfg: ModelConfig, params: dict, device:
           lambda: compiled_steps(cfg, params, device, made["bucketed"]))
 
 
-def compiled_steps(cfg: ModelConfig, params: dict, device: str, batch: Batch) -> tuple[bool, str]:
-    """Three updates, eager and compiled, from the same weights on the same batch (dropout off). Step
+def compiled_steps(cfg: ModelConfig, params: dict, device: str, batch: Batch,
+                   steps: int = 3) -> tuple[bool, str]:
+    """`steps` updates, eager and compiled, from the same weights on the same batch (dropout off). Step
     1: the same weights, so |ΔL| <= 2 F ||z|| (F the float32 bound) for each against float64, twice
     that between them. After update r each weight may differ by up to 2 lr_r R_r (R: adam_ratio;
     rounding can flip a near-zero gradient's sign, and Adam then steps a full lr either way), which
@@ -171,7 +172,7 @@ def compiled_steps(cfg: ModelConfig, params: dict, device: str, batch: Batch) ->
     _, norm = reference_loss(cfg, params, batch, TRAIN.label_smoothing)
     rounding = 4 * PARITY["float32"] * norm
     drift, worst, lines = 0.0, 0.0, []
-    for t in range(1, 4):
+    for t in range(1, steps + 1):
         step = eager.step(batch, keep_grads=True)
         grads = step.pop("grads")
         a, b = eager.read(step), compiled.read(compiled.step(batch))
