@@ -17,12 +17,14 @@ README = Path(__file__).resolve().parent.parent / "README.md"
 def block() -> list[str]:
     text = README.read_text(encoding="utf-8")
     start = text.index("\n## Train your own translation model")
-    return [line for line in re.search(r"```bash\n(.*?)```", text[start:], re.S)[1].splitlines() if line.strip()]
+    block = re.search(r"```bash\n(.*?)```", text[start:], re.S)[1]
+    return [line for line in block.splitlines() if line.strip()]
 
 
 def test_train_translate_evaluate_resume_average_as_the_readme_writes(tmp_path, monkeypatch, capsys):
     lines = block()
-    assert [line.split()[1] for line in lines if line.startswith("rosetta")] == ["train", "evaluate", "train", "average"]
+    commands = [line.split()[1] for line in lines if line.startswith("rosetta")]
+    assert commands == ["train", "evaluate", "train", "average"]
     outputs = run(lines, tmp_path, monkeypatch, capsys)
     run_dir = tmp_path / "runs" / "m30k" / "torch"
     translation = outputs[1].splitlines()
@@ -33,7 +35,8 @@ def test_train_translate_evaluate_resume_average_as_the_readme_writes(tmp_path, 
     assert checkpoints[-1] == "step-00000020"  # --resume went on to the new --steps
     assert (run_dir / "checkpoints" / "latest").read_text().strip() == "step-00000020"
     averaged = load_checkpoint(tmp_path / "runs" / "m30k" / "averaged.safetensors")
-    assert averaged.config == load_checkpoint(run_dir / "checkpoints" / "step-00000020" / "model.safetensors").config
+    newest = load_checkpoint(run_dir / "checkpoints" / "step-00000020" / "model.safetensors")
+    assert averaged.config == newest.config
     for name in ("log.jsonl", "result.json", "plot.png", "averaged.safetensors", "run.json"):
         assert (run_dir / name).is_file(), name
     assert (tmp_path / "runs" / "m30k" / "summary.md").is_file()
