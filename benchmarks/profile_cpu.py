@@ -217,13 +217,13 @@ def main(argv: list[str] | None = None) -> None:
     for what in (("train", "decode") if args.what == "both" else (args.what,)):
         setup = train_cases(args.quick) if what == "train" else decode_cases(args.quick)
         parts += [f"## {setup['what']}", ""]
-        for name, module, fn in setup["cases"]:  # module: the jitted function's name for JAX
+        for impl, module, fn in setup["cases"]:  # module: the jitted function's name for JAX
             if module == "torch":
                 wall, kinds = profile_torch(fn, setup["vocab"])
             else:
                 wall, kinds = profile_jax(fn, setup["vocab"], module, hlo_dir)
-            parts.append(table(name, wall, kinds))
-            result["profiles"].append({"what": what, "impl": name, "wall_s": wall, "kinds_s": dict(kinds)})
+            parts.append(table(impl, wall, kinds))
+            result["profiles"].append({"what": what, "impl": impl, "wall_s": wall, "kinds_s": dict(kinds)})
             print(parts[-1], flush=True)
     text = "\n".join(parts)
     if not args.no_write and not args.quick:
