@@ -269,7 +269,7 @@ def add_parsers(cmds: argparse._SubParsersAction) -> None:
     p.add_argument("--separate", action="store_true",
                    help="separate source and target vocabularies (target_vocab.json) instead of a joint one")
     p.add_argument("--steps", type=positive_int, default=DEFAULT_STEPS,
-                   help=f"training steps (default {DEFAULT_STEPS}: about 45 s on 2 CPU cores)")
+                   help=f"training steps (default {DEFAULT_STEPS}: under a minute on 2 CPU cores)")
     p.add_argument("--seed", type=non_negative_int, default=0, help="init and batch seed (default 0)")
     p.add_argument("--data-dir", type=nonempty_path,
                    help="Multi30k directory (default $ROSETTA_DATA_DIR, else the package's bundled copy)")
