@@ -19,7 +19,10 @@ from rosetta.generation import NEG, NO_CONSTRAINTS, Constraints, Generation, out
 # (parity_tests/test_decode_levers.py compares the two; their speed effect is to be measured, not
 # measured yet). Read when a search is called and passed as static arguments (one compilation each).
 # TWO_STAGE_TOPK: beam search's exact top-2K in two stages (beam_topk). SHARED_CROSS: the
-# cross-attention keys and values computed once per sentence, not per beam (Steps).
+# cross-attention keys and values computed once per sentence, not per beam (Steps). torch_impl's
+# STACKED_CACHE, STEP_ATTENTION and DROP_FINISHED have no twin here: they cut eager PyTorch's per-op
+# dispatch, mask and kernel choice, and its batch; the JAX search is one XLA program with static
+# shapes whose CPU attention is already plain dots (docs/decoding.md).
 TWO_STAGE_TOPK = True
 SHARED_CROSS = True
 # Steps run between two evaluations of the loop's condition (`_search_loop`) on GPUs and TPUs, where

@@ -182,21 +182,27 @@ def test_static_cache_step_logits_equal_the_reference():
     assert relative_error(got, want) <= STEP_TOLERANCE
 
 
-def test_inductor_compiles_the_beam_cache_update_as_eager():
+@pytest.mark.parametrize("stacked", [False, True])
+def test_inductor_compiles_the_beam_cache_update_as_eager(stacked):
     """The one test through inductor's code generation (a small graph: a few seconds): a beam step's
-    cache update, reorder then write (torch_impl/ops.py's LayerCache), as eager computes it. In the
-    other order inductor reads rows it has already overwritten (pytorch/pytorch#198270)."""
-    from torch_impl.ops import LayerCache
+    cache update, reorder then write (torch_impl/ops.py's LayerCache; `stacked`: reorder_stack over
+    every layer's stacked cache, decode.STACKED_CACHE, the layer a slice of it), as eager computes
+    it. In the other order inductor reads rows it has already overwritten (pytorch/pytorch#198270)."""
+    from torch_impl.ops import LayerCache, reorder_stack
 
     def update(cache: LayerCache, rows: torch.Tensor, t: torch.Tensor, k: torch.Tensor) -> torch.Tensor:
-        cache.reorder(rows, t)
+        if stacked:
+            reorder_stack(cache.stack, rows, t)
+        else:
+            cache.reorder(rows, t)
         return cache.write(t, k, -k, torch.ones(10, dtype=torch.bool))[0] * 2.0  # read after the write
 
     torch._dynamo.reset()
     generator = torch.Generator().manual_seed(0)
     N, h, L, dh = 12, 2, 10, 8
-    want = LayerCache(*(torch.randn(N, h, n, dh, generator=generator) for n in (L, L, 3, 3)))
-    got = LayerCache(*(x.clone() for x in want.tensors()))
+    want = LayerCache(torch.randn(3, 2, N, h, L, dh, generator=generator), 1,  # layer 1 of 3
+                      *(torch.randn(N, h, 3, dh, generator=generator) for _ in range(2)))
+    got = LayerCache(want.stack.clone(), 1, want.cross_k.clone(), want.cross_v.clone())
     for x in got.tensors():
         torch._dynamo.mark_static_address(x)
     step = compilation.compiled(update, dynamic=None)

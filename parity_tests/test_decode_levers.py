@@ -1,11 +1,14 @@
 """Issue 47's decoding levers (docs/decoding.md) change no token and no score beyond summation order:
 the two-stage top-k of beam search (decode.beam_topk) against numpy's stable argsort over the flat
 K x V candidates and against the one-stage top-k; the searches with the levers on against the float64
-reference (numpy_ref) and against the searches with them off (decode.TWO_STAGE_TOPK, SHARED_CROSS:
-the path before issue 47), greedy and beam 4, float32, both frameworks, eager and PyTorch's static
-step; and bfloat16 weights cast once per model, never inside the search loop (a dispatch count in
-PyTorch, the loop's jaxpr in JAX); JAX's loop reading its condition every few steps changes nothing.
-Speed effects: not measured here (benchmarks/decode_ct2.py, a GPU session)."""
+reference (numpy_ref) and against the searches with them off (decode.TWO_STAGE_TOPK, SHARED_CROSS,
+and PyTorch's STACKED_CACHE, STEP_ATTENTION, DROP_FINISHED: the path before issue 47), greedy and beam
+4, float32, both frameworks, eager and PyTorch's static step, and PyTorch's new levers one at a time on
+sentences that finish at different steps (the batch shrinking as they do); the step's attention against
+eq. 1; the stacked cache's one gather a step (counted; its compiled update through inductor:
+parity_tests/test_decode_compiled.py); and bfloat16 weights cast once per model, never inside the search
+loop (a dispatch count in PyTorch, the loop's jaxpr in JAX); JAX's loop reading its condition every few
+steps changes nothing. Speed effects: not measured here (benchmarks/decode_ct2.py, a GPU session)."""
 
 from __future__ import annotations
 
@@ -17,13 +20,17 @@ from rosetta import from_params, preset
 from rosetta.generation import NEG
 from rosetta.parity import random_batch
 
-# Levers on against off, float32: the tokens are equal and the scores differ only where the cross-
-# attention's products are summed in another order (a sentence's K beams as K queries of one GEMM
-# instead of K GEMMs of one row); the top-k moves values, it computes none. Each log-probability then
-# moves by a few float32 eps (1.2e-7) of the logits' size, and a score, a sum of a few such terms
-# over a length penalty, by as much relative to itself: 1e-6, as parity_tests/test_decode_compiled.py
-# bounds another summation order of the same step.
+# Levers on against off, float32: the tokens are equal and the scores differ only where the same
+# products are summed in another order (a sentence's K beams as K queries of one cross-attention GEMM
+# instead of K GEMMs of one row; attention by two matmuls instead of SDPA's kernel; q, k and v from one
+# GEMM; fewer rows once finished sentences leave); the top-k and the reorders move values, they
+# compute none. Each log-probability then moves by a few float32 eps (1.2e-7) of the logits' size,
+# and a score, a sum of a few such terms over a length penalty, by as much relative to itself: 1e-6,
+# as parity_tests/test_decode_compiled.py bounds another summation order of the same step.
 LEVERS_SCORE_RTOL = 1e-6
+# Each framework's lever switches (module constants of its decode.py; off: the search before them).
+LEVERS = {"torch": ("TWO_STAGE_TOPK", "SHARED_CROSS", "STACKED_CACHE", "STEP_ATTENTION", "DROP_FINISHED"),
+          "jax": ("TWO_STAGE_TOPK", "SHARED_CROSS")}
 
 
 def _flat_ranking(cand: np.ndarray, k: int, signed_zeros: bool = False) -> np.ndarray:
@@ -107,8 +114,8 @@ def test_levers_keep_the_tokens_and_scores(monkeypatch, path, beam_size):
 
         model = from_params(cfg, params, "jax", "float32")
     on = model.generate(src, beam_size, max_len_margin=6)
-    monkeypatch.setattr(decode, "TWO_STAGE_TOPK", False)
-    monkeypatch.setattr(decode, "SHARED_CROSS", False)
+    for lever in LEVERS[path.split()[0]]:
+        monkeypatch.setattr(decode, lever, False)
     off = model.generate(src, beam_size, max_len_margin=6)
     assert on.tokens == off.tokens == want.tokens
     np.testing.assert_allclose(on.scores, off.scores, rtol=LEVERS_SCORE_RTOL)
@@ -142,16 +149,29 @@ def test_shared_cross_attention_keys_are_per_sentence(monkeypatch):
     assert shapes == [[(B, 4 * B)] * cfg.num_decoder_layers, [(4 * B, 4 * B)] * cfg.num_decoder_layers]
 
 
-def _unbuilt_weights(model, run) -> int:
+def _unbuilt_weights(model, run, monkeypatch) -> int:
     """How many of `run()`'s GEMMs (aten.linear, seen at dispatch: every nn.Linear and the output
     projection) read a bfloat16 weight that the model did not cast when it was built (Model._weights):
     a cast made during the search. (torch.autocast's own casts are not dispatched to a Python mode,
-    so the GEMMs' operands are checked, not the casts.)"""
+    so the GEMMs' operands are checked, not the casts.) The eager step's q, k and v weights
+    concatenated once per search (decode.STEP_ATTENTION: ops.fused_linear, once a layer, checked)
+    count as built: made before the first step, from the built weights."""
     import torch
     from torch.utils._python_dispatch import TorchDispatchMode
 
+    from torch_impl import decode
+
     built = {w.data_ptr() for w in (model._weights or {}).values()}
-    count = [0]
+    count, fused = [0], []
+    make = decode.fused_linear
+
+    def once(linears, rows):
+        fn = make(linears, rows)
+        fused.append(fn.keywords["weight"] if fn.keywords else fn.args[0])
+        built.add(fused[-1].data_ptr())
+        return fn
+
+    monkeypatch.setattr(decode, "fused_linear", once)
 
     class Reads(TorchDispatchMode):
         def __torch_dispatch__(self, func, types, args=(), kwargs=None):
@@ -161,6 +181,7 @@ def _unbuilt_weights(model, run) -> int:
 
     with Reads():
         run()
+    assert len(fused) in (0, model.config.num_decoder_layers)  # static: none; eager: one a layer
     return count[0]
 
 
@@ -180,7 +201,7 @@ def test_torch_bfloat16_search_casts_no_weight_per_step(monkeypatch, static):
     cfg, params, src, _ = _case()
     model = Model(cfg, params, "bfloat16", "cpu", compile=static)
     assert model._weights
-    assert _unbuilt_weights(model, lambda: model.generate(src, 4, max_len_margin=6)) == 0
+    assert _unbuilt_weights(model, lambda: model.generate(src, 4, max_len_margin=6), monkeypatch) == 0
     plain = Model(cfg, params, "float32", "cpu", compile=static)
 
     def autocast() -> None:
@@ -188,7 +209,7 @@ def test_torch_bfloat16_search_casts_no_weight_per_step(monkeypatch, static):
             plain.generate(src, 4, max_len_margin=6)
 
     linears = sum(isinstance(m, torch.nn.Linear) for m in plain.module.decoder.modules())
-    assert _unbuilt_weights(plain, autocast) > 2 * linears
+    assert _unbuilt_weights(plain, autocast, monkeypatch) > 2 * linears
 
 
 def _loop_weight_casts(graphdef, state, src, limits, length) -> int:
@@ -273,3 +294,121 @@ def test_jax_loop_reading_its_condition_every_few_steps_changes_nothing(beam_siz
     loops = [eqn for eqn in search(8, trace=True).jaxpr.eqns if eqn.primitive.name == "while"]
     inner = [e for e in loops[0].params["body_jaxpr"].jaxpr.eqns if e.primitive.name == "scan"]
     assert len(loops) == 1 and [e.params["length"] for e in inner] == [8]
+
+
+def _finishing_case(padded: bool = True):
+    """A tiny model leaning to eos (an output bias) and padded sources of different lengths: its
+    sentences end at different steps (their limits differ, and beam search ends one with eos at
+    once), so that finished sentences leave the batch while others go on. Unpadded: no cross-attention
+    mask (the single-query path's mask-free case)."""
+    cfg = preset("tiny", max_len=40, output_bias=True)
+    params = _perturbed(cfg, seed=9)
+    params["generator.bias"][cfg.eos_id] += EOS_BIAS
+    src, _ = random_batch(cfg, 6, 8, 2, seed=10, pad=padded)
+    reference = from_params(cfg, params, "numpy")
+    return cfg, params, src, reference
+
+
+EOS_BIAS = 2.0  # a logit added to eos: beam search ends a sentence with eos (checked)
+
+
+@pytest.mark.parametrize("beam_size", [1, 4])
+@pytest.mark.parametrize("lever", ["STACKED_CACHE", "STEP_ATTENTION", "STEP_ATTENTION unpadded",
+                                   "DROP_FINISHED"])
+def test_each_new_torch_lever_alone_keeps_the_tokens_and_scores(monkeypatch, lever, beam_size):
+    """Issue 47's PyTorch levers one at a time (the others off) against all off and the float64
+    reference, on sentences that finish at different steps: the same tokens, the scores within a few
+    float32 eps of all off. With DROP_FINISHED the rows a step computes shrink as sentences finish
+    (the lever acts); without it they stay B x beams throughout (the control)."""
+    import torch
+
+    from torch_impl import decode
+    from torch_impl.backend import Model
+
+    lever, padded = lever.split()[0], not lever.endswith("unpadded")
+    cfg, params, src, reference = _finishing_case(padded)
+    want = reference.generate(src, beam_size, max_len_margin=6)
+    if padded:  # sentences end at different steps (limits: real length + 6), one with eos in beam search
+        assert len({len(row) for row in want.tokens}) > 3
+        assert beam_size == 1 or min(map(len, want.tokens)) == 0
+    model = Model(cfg, params, "float32", "cpu", compile=False)
+    for name in LEVERS["torch"]:
+        monkeypatch.setattr(decode, name, False)
+    off = model.generate(src, beam_size, max_len_margin=6)
+    monkeypatch.setattr(decode, lever, True)
+    rows = []
+    next_log_probs = decode.Steps.next_log_probs
+    monkeypatch.setattr(decode.Steps, "next_log_probs",
+                        lambda self, tokens, t: rows.append(len(tokens)) or next_log_probs(self, tokens, t))
+    with torch.inference_mode():
+        on = model.generate(src, beam_size, max_len_margin=6)
+    assert on.tokens == off.tokens == want.tokens
+    np.testing.assert_allclose(on.scores, off.scores, rtol=LEVERS_SCORE_RTOL)
+    np.testing.assert_allclose(on.scores, want.scores, rtol=SCORE_TOLERANCE)
+    full = len(src) * beam_size
+    if lever == "DROP_FINISHED":
+        assert rows[0] == full and rows[-1] < full and rows == sorted(rows, reverse=True)
+    else:
+        assert set(rows) == {full}
+
+
+def test_plain_attention_is_the_formula():
+    """ops.plain_attention (the eager step's attention) against eq. 1 in float64 NumPy, with a mask
+    that hides some keys, and a query whose keys are all hidden: uniform weights, the values' mean
+    (SPEC §2). float32 inputs of size ~1, sums of 16 products: a few float32 eps, bound 1e-5."""
+    import torch
+
+    from torch_impl.ops import plain_attention
+
+    rng = np.random.default_rng(0)
+    q, k, v = (rng.standard_normal(shape).astype(np.float32) for shape in ((3, 2, 4, 16), (3, 2, 5, 16),
+                                                                           (3, 2, 5, 16)))
+    mask = rng.random((3, 1, 4, 5)) < 0.6
+    mask[0, 0, 1] = False  # no key left
+    scores = np.where(mask, q.astype(np.float64) @ k.transpose(0, 1, 3, 2) / 4.0, -np.inf)
+    scores = np.where(mask.any(-1, keepdims=True), scores, 0.0)  # uniform where nothing is left
+    weights = np.exp(scores - scores.max(-1, keepdims=True))
+    want = (weights / weights.sum(-1, keepdims=True)) @ v
+    for m, expected in ((mask, want), (None, None)):
+        got = plain_attention(*map(torch.from_numpy, (q, k, v)), None if m is None else torch.from_numpy(m))
+        if expected is None:  # no mask: every key
+            s = q.astype(np.float64) @ k.transpose(0, 1, 3, 2) / 4.0
+            w = np.exp(s - s.max(-1, keepdims=True))
+            expected = (w / w.sum(-1, keepdims=True)) @ v
+        np.testing.assert_allclose(got.numpy(), expected.transpose(0, 2, 1, 3), atol=1e-5)
+    np.testing.assert_allclose(want[0, 0, 1], v[0, 0].mean(0), atol=1e-6)  # the oracle's own rule
+
+
+@pytest.mark.parametrize("stacked", [True, False])
+def test_stacked_cache_reorders_every_layer_by_one_gather(monkeypatch, stacked):
+    """A beam step's reordering of the self-attention cache: one gather over the stacked cache's row
+    axis (STACKED_CACHE) against one per layer and keys/values (off): counted at dispatch
+    (aten.index and index_select, any overload) inside Steps.reorder, over a whole beam-4 search."""
+    import torch
+    from torch.utils._python_dispatch import TorchDispatchMode
+
+    from torch_impl import decode
+    from torch_impl.backend import Model
+
+    cfg, params, src, _ = _case()
+    monkeypatch.setattr(decode, "STACKED_CACHE", stacked)
+    monkeypatch.setattr(decode, "DROP_FINISHED", False)
+    gathers, calls = [0], [0]
+
+    class Gathers(TorchDispatchMode):
+        def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+            gathers[0] += func.overloadpacket in (torch.ops.aten.index, torch.ops.aten.index_select)
+            return func(*args, **(kwargs or {}))
+
+    reorder = decode.Steps.reorder
+
+    def counted(self, rows, t):
+        calls[0] += 1
+        with Gathers():
+            reorder(self, rows, t)
+
+    monkeypatch.setattr(decode.Steps, "reorder", counted)
+    Model(cfg, params, "float32", "cpu", compile=False).generate(src, 4, max_len_margin=6)
+    assert calls[0] > 3
+    assert gathers[0] == calls[0] * (1 if stacked else 2 * cfg.num_decoder_layers)
+

@@ -139,6 +139,12 @@ TORCH_ONLY: dict[str, dict[str, str]] = {
         "_can_pack": "oneDNN's packed float32 linears for CPU decoding (a torch build's kernel)",
         "_packed_linear": "the same",
         "packed_linears": "the same",
+        "plain_attention": "the eager step's attention by matmuls (JAX's CPU path is already explicit)",
+        "fused_linear": "the eager step's q, k, v in one GEMM (a torch eager lever; JAX's three dots stay)",
+        "LayerCache.self_k": "a layer's slice of the stacked cache (JAX keeps a cache per layer)",
+        "LayerCache.self_v": "the same",
+        "LayerCache.self_attend": "the eager single-query path; JAX's step attends through attend",
+        "reorder_stack": "every layer's cache reordered by one gather (JAX keeps a cache per layer)",
     },
     "loss": {
         "_ChunkedCrossEntropy": "the autograd.Function binding _chunked_forward/_backward (JAX: defvjp)",
@@ -168,6 +174,8 @@ TORCH_ONLY: dict[str, dict[str, str]] = {
         "_topk_by_keys": "the same",
         "run": "the Python loop over compiled or eager steps; JAX's is one lax.while_loop",
         "_dynamic_dims": "the sizes torch.compile keeps dynamic; jax.jit compiles per shape",
+        "Steps.keep": "finished sentences dropped from an eager search; JAX's loop has static shapes",
+        "drop_finished": "the same",
     },
     "convert": {
         "torch_name": "nn.Linear stores [out, in] and other modules name their tensors `weight`",

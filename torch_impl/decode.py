@@ -23,6 +23,7 @@ from rosetta.config import ModelConfig
 from rosetta.generation import NEG, NO_CONSTRAINTS, Constraints, Generation, output_limits, strip
 from torch_impl import compilation
 from torch_impl.model import Transformer, source_mask
+from torch_impl.ops import fused_linear, reorder_stack
 
 State = tuple[torch.Tensor | int, ...]  # (t, done, ...): the step, sentences finished [B], the rest
 
@@ -35,8 +36,16 @@ SYNC_EVERY = 8
 # (parity_tests/test_decode_levers.py compares the two; their speed effect is to be measured, not
 # measured yet). TWO_STAGE_TOPK: beam search's exact top-2K in two stages (beam_topk). SHARED_CROSS:
 # the cross-attention keys and values computed once per sentence, not per beam (Steps).
+# STACKED_CACHE: beam search reorders every layer's self-attention cache (one tensor: ops.LayerCache)
+# by one gather a step, not one per layer and keys/values (Steps.reorder). STEP_ATTENTION, eager:
+# the decoder step's attention by plain matmuls, no mask where nothing is masked, q, k and v from one
+# GEMM over weights concatenated once per search (ops.LayerCache.self_attend). DROP_FINISHED, eager:
+# finished sentences leave the batch, their results kept (run).
 TWO_STAGE_TOPK = True
 SHARED_CROSS = True
+STACKED_CACHE = True
+STEP_ATTENTION = True
+DROP_FINISHED = True
 
 
 def length_penalty(length: torch.Tensor | int, alpha: float, rule: str = "wu") -> torch.Tensor:
@@ -62,12 +71,13 @@ def constrain(logp: torch.Tensor, cfg: ModelConfig, constraints: Constraints, la
 
 class Steps:
     """next_log_probs(tokens, t): [N, V] log-probabilities of output position t for rows whose
-    emitted tokens are `tokens` [N, L] and limits `limits` [N], constrained; `reorder(rows, t)`
-    follows the beams' reordering. t is an int (eager) or a 0-d tensor (a compiled step). `static`:
-    the tensors a compiled step reads keep their addresses (mark_static_address, as Hugging Face's
-    StaticCache), so that CUDA graphs mutate the cache in place and copy none of them per replay.
-    `src` [B, S] and `memory` [B, S, d] are per sentence, the rows N = B x `beams` (beam k of sentence
-    b: row b*beams + k); the cache's cross-attention keys and values stay per sentence
+    emitted tokens are `tokens` [N, L], constrained; `reorder(rows, t)` follows the beams'
+    reordering; `keep(sentences)` drops the others (DROP_FINISHED). t is an int (eager) or a 0-d
+    tensor (a compiled step). `static`: the tensors a compiled step reads keep their addresses
+    (mark_static_address, as Hugging Face's StaticCache), so that CUDA graphs mutate the cache in
+    place and copy none of them per replay. `src` [B, S], `memory` [B, S, d] and `limits` [B] are
+    per sentence (`sentence_limits`; `limits`: per row), the rows N = B x `beams` (beam k of
+    sentence b: row b*beams + k); the cache's cross-attention keys and values stay per sentence
     (SHARED_CROSS, ops.LayerCache.cross_attend), else they and the uncached path take them per row."""
 
     def __init__(self, module: Transformer, src: torch.Tensor, memory: torch.Tensor, length: int,
@@ -77,19 +87,29 @@ class Steps:
         if self.beams != beams:
             src, memory = src.repeat_interleave(beams, dim=0), memory.repeat_interleave(beams, dim=0)
         self.module, self.src, self.memory, self.cfg = module, src, memory, module.cfg
-        self.limits, self.constraints = limits, constraints
+        self.per_sentence, self.sentence_limits, self.limits = beams, limits, limits.repeat_interleave(beams)
+        self.constraints = constraints
         self.banned = torch.as_tensor(constraints.banned_ids(self.cfg), device=src.device)
         module.position_table(length)  # grown here if too short, never inside a compiled step
         self.cache = module.init_cache(memory, length, self.beams) if cache else None
+        self.full = self.cache[0].stack if cache else None  # the stacked cache's buffer (reorder)
+        self.spare: torch.Tensor | None = None
         self.cross_mask = source_mask(src, self.cfg.pad_id)
+        if self.cache and STEP_ATTENTION and not static:  # eager: the single-query path
+            for layer, layer_cache in zip(module.decoder.layers, self.cache, strict=True):
+                attention = layer.self_attn
+                rows = len(self.limits)  # what oneDNN packs the fused weight for
+                layer_cache.fused_qkv = fused_linear([attention.q, attention.k, attention.v], rows)
+            self.cross_mask = None if bool(self.cross_mask.all()) else self.cross_mask  # no padding
         if static:
             for x in self.tensors():
                 torch._dynamo.mark_static_address(x)
 
     def tensors(self) -> list[torch.Tensor]:
         """What a compiled step reads besides the state and the weights."""
-        caches = [x for layer_cache in self.cache or [] for x in layer_cache.tensors()]
-        return [self.limits, self.banned, self.cross_mask, *caches]
+        caches = [x for layer_cache in self.cache or [] for x in layer_cache.tensors()[1:]]
+        stack = [self.cache[0].stack] if self.cache else []  # every layer's (ops.LayerCache)
+        return [self.limits, self.sentence_limits, self.banned, self.cross_mask, *stack, *caches]
 
     def next_log_probs(self, tokens: torch.Tensor, t: int | torch.Tensor) -> torch.Tensor:
         bos = torch.full_like(tokens[:, :1], self.cfg.bos_id)
@@ -107,9 +127,39 @@ class Steps:
         return constrain(logp, self.cfg, self.constraints, t + 1 >= self.limits, self.banned)
 
     def reorder(self, rows: torch.Tensor, t: int | torch.Tensor) -> None:
-        """At the start of step t, the previous step's selection, in place (ops.LayerCache.reorder)."""
+        """At the start of step t, the previous step's selection, in place: with STACKED_CACHE (or
+        fewer rows: dropped sentences), every layer's by one gather (ops.reorder_stack), else layer by
+        layer (ops.LayerCache.reorder)."""
+        if not self.cache:
+            return
+        stack = self.cache[0].stack
+        if not STACKED_CACHE and len(rows) == stack.shape[2]:
+            for layer_cache in self.cache:
+                layer_cache.reorder(rows, t)
+            return
+        if not isinstance(t, int):  # compiled: in place
+            reorder_stack(stack, rows, t)
+            return
+        # Eager: into the other of two buffers (allocated at the first reorder), which becomes the stack.
+        self.spare = torch.empty_like(self.full) if self.spare is None else self.spare
+        kept = reorder_stack(stack, rows, t, self.spare)
+        self.full, self.spare = self.spare, self.full
+        for layer_cache in self.cache:
+            layer_cache.stack = kept
+
+    def keep(self, sentences: torch.Tensor) -> None:
+        """Only `sentences` (indices into the current batch, ascending) go on (DROP_FINISHED, eager):
+        their rows of the limits and of the cross-attention keys, values and mask. The self-attention
+        cache follows at the next `reorder`, given the kept sentences' rows."""
+        def rows(per: int) -> torch.Tensor:  # the rows of `sentences`, `per` a sentence
+            return (sentences[:, None] * per + torch.arange(per, device=sentences.device)).view(-1)
+
+        self.sentence_limits = self.sentence_limits[sentences]
+        self.limits = self.limits[rows(self.per_sentence)]
+        cross = rows(self.per_sentence // self.beams)
+        self.cross_mask = None if self.cross_mask is None else self.cross_mask[cross]
         for layer_cache in self.cache or []:
-            layer_cache.reorder(rows, t)
+            layer_cache.cross_k, layer_cache.cross_v = layer_cache.cross_k[cross], layer_cache.cross_v[cross]
 
 
 TopK = Callable[[torch.Tensor, int], tuple[torch.Tensor, torch.Tensor]]  # topk_stable, topk_exact
@@ -194,19 +244,22 @@ def _topk_by_keys(x: torch.Tensor, k: int, position: torch.Tensor,
     return x.gather(-1, index), index
 
 
+# A search's way to drop finished sentences (DROP_FINISHED): (subset, results), where subset(state,
+# kept) is the state of the kept sentences only (the indices into the batch, ascending; it tells Steps
+# too), and `results` the indices of the state's per-sentence entries the search returns.
+Drop = tuple[Callable[[State, torch.Tensor], State], tuple[int, ...]]
+
+
 def run(body: Callable[[State], State], state: State, length: int, compiled: bool,
-        dynamic: list[tuple[torch.Tensor, tuple[int, ...]]]) -> State:
+        dynamic: list[tuple[torch.Tensor, tuple[int, ...]]], drop: Drop | None = None) -> State:
     """`state = body(state)` for t = 0 .. length - 1, stopping once every sentence is done (state[1]).
-    Eager: body gets an int t and `done` is read every step. Compiled: body is compiled once for
+    Eager: body gets an int t and `done` is read every step; with `drop` (and DROP_FINISHED), the
+    finished sentences leave the state (`drop_finished`). Compiled: body is compiled once for
     all steps (and, guards permitting, for later searches), t is a 0-d tensor on the device, `done`
     is read every SYNC_EVERY steps. `dynamic`: (tensor, dims) whose sizes vary from search to
     search (rows N, source length S, cache length L), marked dynamic before the first call."""
     if not compiled:
-        for _ in range(length):
-            state = body(state)
-            if bool(state[1].all()):
-                break
-        return state
+        return drop_finished(body, state, length, drop if DROP_FINISHED else None)
     device = state[1].device
     # Dynamic shapes: `dynamic=None` (automatic) plus maybe_mark_dynamic on N, S and L, so that the
     # first graph is already general in them and the other sizes (heads, widths, the beam) stay
@@ -230,6 +283,34 @@ def run(body: Callable[[State], State], state: State, length: int, compiled: boo
     return state
 
 
+def drop_finished(body: Callable[[State], State], state: State, length: int, drop: Drop | None) -> State:
+    """run's eager loop. With `drop`, after a step that finished some sentence but not all, the state
+    and the cache keep the others' rows only: a finished sentence's state is frozen (the searches'
+    `where(done, ...)`), so the steps it leaves would not change it; its returned entries are copied
+    into full-batch tensors first, which the returned state holds (its other entries: the last kept
+    sentences' only). The same tokens and scores, up to the GEMMs' summation order over fewer rows."""
+    index, results = None, {}  # each state row's sentence of the whole batch; the returned entries
+    for _ in range(length):
+        state = body(state)
+        done = state[1]
+        if bool(done.all()):
+            break
+        if drop is not None and bool(done.any()):
+            subset, returned = drop
+            if index is None:
+                index = torch.arange(len(done), device=done.device)
+                results = {i: state[i].clone() for i in returned}
+            for i in returned:
+                results[i][index] = state[i]
+            kept = (~done).nonzero()[:, 0]
+            state, index = subset(state, kept), index[kept]
+    if index is None:
+        return state
+    for i, x in results.items():
+        x[index] = state[i]
+    return tuple(results.get(i, x) for i, x in enumerate(state))
+
+
 def greedy_search(module: Transformer, cfg: ModelConfig, src: torch.Tensor, max_len_margin: int = 50,
                   cache: bool = True, constraints: Constraints = NO_CONSTRAINTS,
                   compiled: bool = False) -> Generation:
@@ -245,13 +326,19 @@ def greedy_search(module: Transformer, cfg: ModelConfig, src: torch.Tensor, max_
         best = logp.argmax(dim=-1)  # first maximum: the lower index wins ties
         scores = torch.where(done, scores, scores + logp.gather(1, best[:, None])[:, 0])
         tokens = put_column(tokens, t, torch.where(done, cfg.pad_id, best))
-        done = done | (best == cfg.eos_id) | (t + 1 >= limits)
+        done = done | (best == cfg.eos_id) | (t + 1 >= steps.sentence_limits)
         return t + 1, done, tokens, scores
+
+    def subset(state: State, kept: torch.Tensor) -> State:  # DROP_FINISHED (run)
+        t, done, tokens, scores = state
+        steps.keep(kept)
+        steps.reorder(kept, t)  # a row a sentence: the cache keeps the kept rows now
+        return t, done[kept], tokens[kept], scores[kept]
 
     init = (0, torch.zeros(B, dtype=torch.bool, device=dev), torch.full((B, L), cfg.pad_id, device=dev),
             torch.zeros(B, device=dev))
     dynamic = [(init[1], (0,)), (init[2], (0, 1)), (init[3], (0,)), *_dynamic_dims(steps)]
-    _, _, tokens, scores = run(body, init, L, compiled, dynamic)
+    _, _, tokens, scores = run(body, init, L, compiled, dynamic, (subset, (2, 3)) if cache else None)
     return Generation(strip(cfg, tokens.cpu().numpy()), scores.double().cpu().numpy())
 
 
@@ -264,15 +351,13 @@ def beam_search(module: Transformer, cfg: ModelConfig, src: torch.Tensor, beam_s
     limits_np, L = output_limits(cfg, src.cpu().numpy(), max_len_margin, constraints.max_new_tokens)
     limits = torch.as_tensor(limits_np, device=dev)
     # Beam k of sentence b: row b*K+k; the encoder's output stays per sentence (Steps).
-    steps = Steps(module, src, module.encode(src), L, limits.repeat_interleave(K), constraints, cache,
-                  static=compiled, beams=K)
+    steps = Steps(module, src, module.encode(src), L, limits, constraints, cache, static=compiled, beams=K)
     topk = topk_exact if compiled else topk_stable
-    if compiled:  # per sentence, read by every step as Steps' tensors are
-        torch._dynamo.mark_static_address(limits)
 
     def body(state: State) -> State:
         t, done, broken, rows, seqs, alive, fin_seqs, fin_scores = state
         B, L = seqs.shape[0], seqs.shape[2]  # from the state: sizes a compiled step keeps dynamic
+        limits = steps.sentence_limits  # per sentence (of those left: DROP_FINISHED)
         # The cache follows the previous step's selection now, before this step writes it (jax_impl
         # reorders at the end of a step: the same order of operations; see ops.LayerCache.reorder).
         steps.reorder(rows, t)
@@ -306,21 +391,29 @@ def beam_search(module: Transformer, cfg: ModelConfig, src: torch.Tensor, beam_s
         done = done | (t + 1 >= limits) | hopeless
         return t + 1, done, broken, rows, seqs, alive, fin_seqs, fin_scores
 
+    def subset(state: State, kept: torch.Tensor) -> State:  # DROP_FINISHED (run)
+        t, done, broken, rows, *rest = state
+        steps.keep(kept)
+        rows = rows.view(-1, K)[kept].view(-1)  # the next reorder gathers these rows only
+        return (t, done[kept], broken[kept], rows, *(x[kept] for x in rest))
+
     seqs = torch.full((B, K, L), cfg.pad_id, device=dev)
     alive = torch.tensor([0.0] + [NEG] * (K - 1), device=dev).repeat(B, 1)  # beam 0 expands first
     no = torch.zeros(B, dtype=torch.bool, device=dev)
     rows = torch.arange(B * K, device=dev)  # cache rows: each its own before the first step
     init = (0, no, no.clone(), rows, seqs, alive, seqs.clone(), torch.full((B, K), NEG, device=dev))
-    dynamic = [(x, (0,)) for x in (limits, *init[1:])] + [(init[4], (2,)), (init[6], (2,))]
+    dynamic = [(x, (0,)) for x in init[1:]] + [(init[4], (2,)), (init[6], (2,))]
     dynamic += _dynamic_dims(steps)
-    _, _, broken, _, _, _, fin_seqs, fin_scores = run(body, init, L, compiled, dynamic)
+    drop = (subset, (2, 6, 7)) if cache else None
+    _, _, broken, _, _, _, fin_seqs, fin_scores = run(body, init, L, compiled, dynamic, drop)
     scores = torch.where(broken, torch.nan, fin_scores[:, 0])
     return Generation(strip(cfg, fin_seqs[:, 0].cpu().numpy()), scores.double().cpu().numpy())
 
 
 def _dynamic_dims(steps: Steps) -> list[tuple[torch.Tensor, tuple[int, ...]]]:
     """The sizes of a search's tensors that vary between searches: rows N, S, L (Steps.tensors)."""
-    dims = [(steps.limits, (0,)), (steps.cross_mask, (0, 3))]
+    dims = [(steps.limits, (0,)), (steps.sentence_limits, (0,)), (steps.cross_mask, (0, 3))]
+    dims += [(steps.cache[0].stack, (2, 4))] if steps.cache else []  # rows N, length L
     for c in steps.cache or []:
-        dims += [(c.self_k, (0, 2)), (c.self_v, (0, 2)), (c.cross_k, (0, 2)), (c.cross_v, (0, 2))]
+        dims += [(c.cross_k, (0, 2)), (c.cross_v, (0, 2))]
     return dims

@@ -178,16 +178,11 @@ class DecoderLayer(nn.Module):
     def step(self, x: Tensor, cache: LayerCache, t: int | Tensor, self_mask: Tensor,
              cross_mask: Tensor) -> Tensor:
         """forward() for one new token at position t [N, 1, d]: its key and value are written
-        into the preallocated cache, cross-attention reuses the cached encoder keys/values."""
-        def self_attn(h: Tensor) -> Tensor:
-            k, v = self.self_attn.project_kv(h)
-            # In place; an int t (eager) attends over positions <= t only (torch_impl/ops.py)
-            k, v, mask = cache.write(t, k, v, self_mask)
-            return self.self_attn.attend(h, k, v, mask)
-
-        x = residual(self.self_attn_norm, x, self_attn, self.cfg, self.dropout)
-        x = residual(self.cross_attn_norm, x,
-                     lambda h: cache.cross_attend(self.cross_attn.attend, h, cross_mask),
+        into the preallocated cache, cross-attention reuses the cached encoder keys/values; in place,
+        an int t (eager) attending over positions <= t only (torch_impl/ops.py's LayerCache)."""
+        x = residual(self.self_attn_norm, x, lambda h: cache.self_attend(self.self_attn, h, t, self_mask),
+                     self.cfg, self.dropout)
+        x = residual(self.cross_attn_norm, x, lambda h: cache.cross_attend(self.cross_attn, h, cross_mask),
                      self.cfg, self.dropout)
         return residual(self.ffn_norm, x, self.ffn, self.cfg, self.dropout)
 
@@ -304,15 +299,13 @@ class Transformer(nn.Module):
         return x
 
     def init_cache(self, memory: Tensor, length: int, beams: int = 1) -> list[LayerCache]:
-        """Empty self-attention caches for `length` output positions and `beams` rows a sentence;
-        cross-attention keys and values of `memory` [B, S, d], computed once (LayerCache.cross_attend)."""
-        caches = []
-        for layer in self.decoder.layers:
-            cross_k, cross_v = layer.cross_attn.project_kv(memory)
-            N, h, _, dh = (cross_k.shape[0] * beams, *cross_k.shape[1:])  # self: beams a sentence
-            caches.append(LayerCache(cross_k.new_zeros(N, h, length, dh),
-                                     cross_k.new_zeros(N, h, length, dh), cross_k, cross_v))
-        return caches
+        """Empty self-attention caches for `length` output positions and `beams` rows a sentence, every
+        layer's in one tensor (LayerCache.stack); cross-attention keys and values of `memory` [B, S, d],
+        computed once (LayerCache.cross_attend)."""
+        cross = [layer.cross_attn.project_kv(memory) for layer in self.decoder.layers]
+        B, h, _, dh = cross[0][0].shape
+        stack = cross[0][0].new_zeros(len(cross), 2, B * beams, h, length, dh)  # self: beams a sentence
+        return [LayerCache(stack, i, k, v) for i, (k, v) in enumerate(cross)]
 
     def decode_step(self, tokens: Tensor, t: int | Tensor, cache: list[LayerCache],
                     cross_mask: Tensor) -> Tensor:

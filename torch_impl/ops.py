@@ -112,18 +112,59 @@ def dropout_rng(device_type: str, compiled: bool) -> contextlib.AbstractContextM
     return torch._functorch.config.patch(functionalize_rng_ops=compiled and device_type == "cuda")
 
 
+def plain_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
+                    mask: torch.Tensor | None) -> torch.Tensor:
+    """Eq. 1 for a decoding step's few queries (one a row, or a sentence's K beams; eager): q (B, h,
+    Tq, dh) over k, v (B, h, Tk, dh), with a boolean mask broadcastable to (B, h, Tq, Tk) or None
+    (every key visible), by two batched matmuls: (B, Tq, h, dh). `attention`'s explicit path without
+    dropout: scores and softmax in float32 at least, masked scores the most negative finite value,
+    so a query with no key left gets uniform weights (SPEC §2) from the softmax itself, with no
+    repair after the kernel (a mean over the values and a select) and no mask where none is given."""
+    wide = torch.promote_types(q.dtype, torch.float32)
+    scores = (q @ k.to(q.dtype).transpose(-2, -1)).to(wide) / math.sqrt(q.shape[-1])
+    if mask is not None:
+        scores = scores.masked_fill(~mask, torch.finfo(wide).min)
+    return (scores.softmax(dim=-1).to(q.dtype) @ v.to(q.dtype)).transpose(1, 2)
+
+
+def fused_linear(linears: list[nn.Linear], rows: int) -> Callable[[torch.Tensor], torch.Tensor]:
+    """x -> the outputs of `linears` side by side from one GEMM over their weights concatenated once,
+    here (per search): a decoding step's q, k and v (LayerCache.self_attend). oneDNN-packed for `rows`
+    rows where packed_linears packs (CPU float32 inference). The same products, in the GEMM's order."""
+    weight = torch.cat([m.weight for m in linears])
+    bias = None if linears[0].bias is None else torch.cat([m.bias for m in linears])
+    if not _can_pack(linears[0]):
+        return functools.partial(F.linear, weight=weight, bias=bias)
+    packed = torch.ops.mkldnn._reorder_linear_weight(weight, batch_size=rows)
+    return functools.partial(_packed_linear, packed, bias)
+
+
 @dataclass
 class LayerCache:
     """One decoder layer's keys and values (N, h, length, dh) for incremental decoding, a speed
     path: self-attention over the L output positions (filled as decoding goes, in place),
     cross-attention over the S source positions (computed once, per sentence: `cross_attend`). The
     self-attention rows are N = B x beams; the cross ones B. The decoding step's position t
-    is an int when eager, a 0-d tensor on the device when compiled (torch_impl/decode.py)."""
+    is an int when eager, a 0-d tensor on the device when compiled (torch_impl/decode.py).
+    Every layer's self-attention keys and values live in one tensor, `stack` [layers, 2, N, h,
+    length, dh] (Transformer.init_cache), so that beam search reorders them with one gather a step
+    (`reorder_stack`, issue 47); `self_k` and `self_v` are this layer's slices of it, computed when
+    read (a compiled step's only cache input is the stack: no aliased inputs). `fused_qkv`, set per
+    eager search (torch_impl/decode.py's STEP_ATTENTION): the single-query path (`self_attend`)."""
 
-    self_k: torch.Tensor
-    self_v: torch.Tensor
+    stack: torch.Tensor
+    layer: int
     cross_k: torch.Tensor
     cross_v: torch.Tensor
+    fused_qkv: Callable[[torch.Tensor], torch.Tensor] | None = None
+
+    @property
+    def self_k(self) -> torch.Tensor:
+        return self.stack[self.layer, 0]
+
+    @property
+    def self_v(self) -> torch.Tensor:
+        return self.stack[self.layer, 1]
 
     def write(self, t: int | torch.Tensor, k: torch.Tensor, v: torch.Tensor,
               mask: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
@@ -153,20 +194,53 @@ class LayerCache:
             else:
                 cache.copy_(cache.index_select(0, rows))
 
-    def cross_attend(self, attend: Callable[..., torch.Tensor], h: torch.Tensor,
-                     mask: torch.Tensor) -> torch.Tensor:
-        """Cross-attention of h [N, 1, d] over the cached encoder keys and values by `attend(x_q, k,
-        v, mask)` (MultiHeadAttention.attend). The keys and values (B, h, S, dh) may be a sentence's,
+    def self_attend(self, attention: nn.Module, h: torch.Tensor, t: int | torch.Tensor,
+                    mask: torch.Tensor) -> torch.Tensor:
+        """Self-attention of the new tokens h [N, 1, d] at position t by `attention` (the layer's
+        MultiHeadAttention): their keys and values written (`write`), then attended. With `fused_qkv`
+        and an int t (eager): q, k and v from one GEMM and plain_attention over positions <= t with no
+        mask (each is a real token); else attention.attend, as the training forward computes."""
+        if self.fused_qkv is None or not isinstance(t, int):
+            k, v, mask = self.write(t, *attention.project_kv(h), mask)
+            return attention.attend(h, k, v, mask)
+        q, k, v = (attention.split_heads(x) for x in self.fused_qkv(h).chunk(3, dim=-1))
+        k, v, _ = self.write(t, k, v, mask)
+        return attention.o(plain_attention(q, k, v, None).reshape(h.shape))
+
+    def cross_attend(self, attention: nn.Module, h: torch.Tensor, mask: torch.Tensor | None) -> torch.Tensor:
+        """Cross-attention of h [N, 1, d] over the cached encoder keys and values by `attention` (the
+        layer's MultiHeadAttention). The keys and values (B, h, S, dh) may be a sentence's,
         B dividing N (beam search: rows b*K .. b*K + K - 1 are sentence b's K beams): each sentence's
         K rows are then K queries (B, K, d) of one attention over them, as the training forward's
         target positions are, with `mask` [B, 1, 1, S]: keys and values computed and read once per
         sentence, not per beam (issue 47). Attention is per query, so each row gets its own result:
-        the same numbers up to the GEMMs' summation order. B = N (greedy): each row its own."""
-        rows = self.cross_k.shape[0]
-        return attend(h.reshape(rows, -1, h.shape[-1]), self.cross_k, self.cross_v, mask).reshape(h.shape)
+        the same numbers up to the GEMMs' summation order. B = N (greedy): each row its own. With
+        `fused_qkv` set (eager): plain_attention, `mask` None where no source has padding."""
+        x_q = h.reshape(self.cross_k.shape[0], -1, h.shape[-1])
+        if self.fused_qkv is None:
+            return attention.attend(x_q, self.cross_k, self.cross_v, mask).reshape(h.shape)
+        y = plain_attention(attention.split_heads(attention.q(x_q)), self.cross_k, self.cross_v, mask)
+        return attention.o(y.reshape(x_q.shape)).reshape(h.shape)
 
     def tensors(self) -> tuple[torch.Tensor, ...]:
-        return self.self_k, self.self_v, self.cross_k, self.cross_v
+        return self.stack, self.cross_k, self.cross_v
+
+
+def reorder_stack(stack: torch.Tensor, rows: torch.Tensor, t: int | torch.Tensor,
+                  spare: torch.Tensor | None = None) -> torch.Tensor:
+    """LayerCache.reorder for every layer at once (decode.STACKED_CACHE): row i of the stack [layers,
+    2, N, h, L, dh] takes row rows[i], by one gather over the row axis, at the start of step t (before
+    any write: LayerCache.reorder says why); returns the reordered stack. An int t (eager) gathers
+    positions < t into the first len(rows) rows of `spare` (a buffer of the stack's full shape: double
+    buffering, one pass over the keys where a gather in place is a gather into a temporary and a copy
+    back; fewer rows than N where finished sentences are dropped: decode.Steps.keep) and returns them
+    (a view of `spare`). A tensor t (compiled) reorders the whole stack in place: static shapes and
+    addresses."""
+    if not isinstance(t, int):
+        return stack.copy_(stack.index_select(2, rows))
+    kept = spare[:, :, :len(rows)]
+    torch.index_select(stack[:, :, :, :, :t], 2, rows, out=kept[:, :, :, :, :t])
+    return kept
 
 
 @torch.compiler.disable  # replaces a buffer: eager, once per new length, even when compiled
