@@ -135,6 +135,12 @@ TORCH_ONLY: dict[str, dict[str, str]] = {
     "ops": {
         "LayerCache.tensors": "a compiled step marks the cache's tensors static (CUDA graphs)",
         "sdpa_backends": "SDPA's kernel order (cuDNN first on CUDA); JAX's fused_attention asks cuDNN",
+        "SegmentMask": "packed rows' mask with FlexAttention's BlockMask; JAX keeps the dense mask "
+                       "(cuDNN's packed segments are a private API: docs/packing.md)",
+        "packed_mask": "the same: dense or FlexAttention by device",
+        "block_mask": "the same: the BlockMask of the segment ids",
+        "compiled_flex": "the same: flex_attention compiled once (JAX jits the whole step)",
+        "flex_runs": "the same: when FlexAttention can take a SegmentMask",
         "grow_positions": "the positional buffer is replaced eagerly; JAX builds a longer table when tracing",
         "_can_pack": "oneDNN's packed float32 linears for CPU decoding (a torch build's kernel)",
         "_packed_linear": "the same",

@@ -20,7 +20,7 @@ from rosetta.config import ModelConfig
 from rosetta.inputs import Packing, check_packing
 from rosetta.params import embedding_names
 from rosetta.positional import model_table
-from torch_impl.ops import Dropout, LayerCache, attention, grow_positions
+from torch_impl.ops import Dropout, LayerCache, SegmentMask, attention, grow_positions, packed_mask
 
 Stages = dict[str, Tensor]
 
@@ -55,14 +55,15 @@ def target_mask(tgt: Tensor, pad_id: int) -> Tensor:
     return causal[None, None, :, :] & valid[:, None, None, :]
 
 
-def segment_mask(q_segments: Tensor, k_segments: Tensor, causal: bool = False) -> Tensor:
+def segment_mask(q_segments: Tensor, k_segments: Tensor, causal: bool = False) -> Tensor | SegmentMask:
     """[B, 1, Tq, Tk] for packed rows (docs/packing.md; Flax WMT's segmentation masks): a query
     attends only to keys of its own segment, never to padding (segment 0); causal too for decoder
-    self-attention. A padding query has no key left: uniform weights (SPEC §2)."""
+    self-attention. A padding query has no key left: uniform weights (SPEC §2). With a BlockMask of the
+    same rule where torch_impl/ops.py's packed_mask chooses FlexAttention (a SegmentMask)."""
     mask = (q_segments[:, :, None] == k_segments[:, None, :]) & (k_segments[:, None, :] != 0)
     if causal:
         mask = mask & torch.ones(mask.shape[1:], dtype=torch.bool, device=mask.device).tril()
-    return mask[:, None]
+    return packed_mask(mask[:, None], q_segments, k_segments, causal)
 
 
 # -- Sublayers -----------------------------------------------------------------------------

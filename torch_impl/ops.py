@@ -1,7 +1,8 @@
 """PyTorch-only speed paths of torch_impl/model.py: attention as one fused SDPA kernel (explicit
-on CPUs with attention dropout), dropout from 16 random bits a value on CPUs (and functionalised
-RNG for compiled CUDA steps), the incremental-decoding cache (written in place), weights packed
-once for CPU decoding, and the positional buffer's growth outside compiled graphs.
+on CPUs with attention dropout; FlexAttention over the packed blocks on CUDA), dropout from 16
+random bits a value on CPUs (and functionalised RNG for compiled CUDA steps), the incremental-
+decoding cache (written in place), weights packed once for CPU decoding, and the positional
+buffer's growth outside compiled graphs.
 jax_impl/ops.py holds JAX's, under the same names where they match, in the same order
 (parity_tests/test_structure.py); numpy_ref/model.py computes the same numbers the plain way (and
 decodes without a cache).
@@ -21,17 +22,23 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 from torch.nn.attention import SDPBackend, sdpa_kernel
+from torch.nn.attention.flex_attention import BlockMask, create_block_mask, flex_attention
 
 from rosetta.positional import grown_rows, model_table
 
 
-def attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Tensor, dropout: float,
-              weights: bool = False) -> tuple[torch.Tensor, torch.Tensor | None]:
+def attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Tensor | SegmentMask,
+              dropout: float, weights: bool = False) -> tuple[torch.Tensor, torch.Tensor | None]:
     """Eq. 1, softmax(q k^T / sqrt(dh), masked) v, for q (B, h, Tq, dh), k, v (B, h, Tk, dh) and
     a boolean mask broadcastable to (B, h, Tq, Tk), in one F.scaled_dot_product_attention call
     (attention-weight dropout inside it): (B, Tq, h, dh), and with `weights` the softmax. Keys and
-    values (a cache's dtype, maybe) are cast to the queries' type."""
+    values (a cache's dtype, maybe) are cast to the queries' type. A SegmentMask (packed rows,
+    `packed_mask`) takes FlexAttention over its BlockMask instead where `flex_runs`; otherwise its
+    dense form, as before."""
     k, v = k.to(q.dtype), v.to(q.dtype)
+    flex = isinstance(mask, SegmentMask) and flex_runs(q.device.type, q.shape[-1], dropout, weights)
+    segments = mask if flex else None
+    mask = mask.dense if isinstance(mask, SegmentMask) else mask
     # Not SDPA on CPUs with attention dropout (training): its CPU math path draws one float per
     # weight (bernoulli_); the explicit path below drops with cpu_dropout's 16-bit draws, 3% less
     # per `small` step in a paired run on this project's CPU (docs/benchmarks.md).
@@ -54,9 +61,12 @@ def attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Ten
         # replaced below, whatever kernel ran (as jax_impl/ops.py's fused_attention). Its gradient
         # to q and k is then exactly zero, as uniform weights' is.
         no_key = ~mask.any(dim=-1, keepdim=True)  # (B, h or 1, Tq, 1)
-        backends = sdpa_backends(q.device.type, q.dtype)
-        with contextlib.nullcontext() if backends is None else sdpa_kernel(backends, set_priority=True):
-            y = F.scaled_dot_product_attention(q, k, v, attn_mask=mask | no_key, dropout_p=dropout)
+        if segments is not None:  # FlexAttention gives such a row zeros: replaced below as well
+            y = segments.attend(q, k, v)
+        else:
+            backends = sdpa_backends(q.device.type, q.dtype)
+            with contextlib.nullcontext() if backends is None else sdpa_kernel(backends, set_priority=True):
+                y = F.scaled_dot_product_attention(q, k, v, attn_mask=mask | no_key, dropout_p=dropout)
         y = torch.where(no_key, v.mean(dim=-2, keepdim=True), y)
     return y.transpose(1, 2), probabilities if weights else None
 
@@ -71,6 +81,79 @@ def sdpa_backends(device_type: str, dtype: torch.dtype) -> list[SDPBackend] | No
         return None
     return [SDPBackend.CUDNN_ATTENTION, SDPBackend.FLASH_ATTENTION, SDPBackend.EFFICIENT_ATTENTION,
             SDPBackend.MATH]
+
+
+# Packed rows' attention kernel by device type, read once per mask by packed_mask (docs/packing.md):
+# "dense", the block-diagonal boolean mask through SDPA (every block computed); "flex", FlexAttention
+# over a BlockMask of the segment ids, eager (torch's reference: it materialises the scores); or
+# "flex_compiled", flex_attention compiled once (compiled_flex), whose kernel skips the blocks where
+# no query may see a key. In a compiled model the two flex values are the same kernel. CUDA takes
+# "flex_compiled" (GPU effect: not measured); a CPU keeps "dense": torch 2.13's CPU FlexAttention has
+# no backward (training), and no CPU speed-up was measured. Tests set other values (the CPU twin).
+PACKED_ATTENTION: dict[str, str] = {"cuda": "flex_compiled"}
+PACKED_KERNELS = ("dense", "flex", "flex_compiled")
+
+
+@dataclass(frozen=True)
+class SegmentMask:
+    """A packed batch's mask in two forms: `dense` [B, 1, Tq, Tk] (model.segment_mask's), which the
+    row-without-keys rule and the paths FlexAttention lacks (recorded softmax, attention dropout)
+    read, and `block`, the same rule as FlexAttention's BlockMask (`block_mask`)."""
+
+    dense: torch.Tensor
+    block: BlockMask
+    compiled: bool
+
+    def attend(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
+        """softmax(q k^T / sqrt(dh), masked) v (B, h, Tq, dh) over the BlockMask's allowed pairs; a
+        query with no key gets zeros (the caller applies SPEC §2's rule, as for SDPA)."""
+        flex = compiled_flex() if self.compiled and not torch.compiler.is_compiling() else flex_attention
+        return flex(q, k, v, block_mask=self.block)
+
+
+def flex_runs(device_type: str, d_head: int, dropout: float, weights: bool) -> bool:
+    """Whether a SegmentMask's attention takes FlexAttention: not with attention dropout or a softmax
+    to return (it has neither), nor on CUDA with heads under 16 wide (torch 2.13's Triton kernel
+    raises NotImplementedError there: tl.dot; `tiny`'s are 8). Otherwise the dense mask."""
+    return dropout == 0.0 and not weights and (device_type != "cuda" or d_head >= 16)
+
+
+def packed_mask(dense: torch.Tensor, q_segments: torch.Tensor, k_segments: torch.Tensor,
+                causal: bool) -> torch.Tensor | SegmentMask:
+    """model.segment_mask's result for attention: the dense mask [B, 1, Tq, Tk] itself, or with a
+    BlockMask of the same segments (a SegmentMask), by PACKED_ATTENTION for the mask's device."""
+    kind = PACKED_ATTENTION.get(dense.device.type, "dense")
+    if kind not in PACKED_KERNELS:
+        raise ValueError(f"PACKED_ATTENTION[{dense.device.type!r}] is {kind!r}, not one of {PACKED_KERNELS}")
+    if kind == "dense":
+        return dense
+    return SegmentMask(dense, block_mask(q_segments, k_segments, causal), kind == "flex_compiled")
+
+
+def block_mask(q_segments: torch.Tensor, k_segments: torch.Tensor, causal: bool = False,
+               block: int = 128) -> BlockMask:
+    """FlexAttention's BlockMask for packed rows, q_segments [B, Tq] and k_segments [B, Tk]: the rule
+    of model.segment_mask (a query sees keys of its own nonzero segment, causal: at positions <= its
+    own; Flax WMT's segmentation masks) as a mask_mod over the segment ids, one for every head.
+    Tiles of `block` x `block` positions (FlexAttention's default) where no query sees a key are
+    left out: a row shorter than two tiles skips nothing, but its kernel still masks inside."""
+    def same_segment(b, h, q, k):
+        return (q_segments[b, q] == k_segments[b, k]) & (k_segments[b, k] != 0)
+
+    def causal_segment(b, h, q, k):
+        return same_segment(b, h, q, k) & (q >= k)
+
+    rows, queries, keys = q_segments.shape[0], q_segments.shape[1], k_segments.shape[1]
+    return create_block_mask(causal_segment if causal else same_segment, rows, None, queries, keys,
+                             device=q_segments.device, BLOCK_SIZE=block)
+
+
+@functools.cache
+def compiled_flex() -> Callable[..., torch.Tensor]:
+    """flex_attention under torch.compile, once per process (FlexAttention's documented use: its
+    fused kernel, forward and backward, which reads only the BlockMask's non-empty tiles). One graph
+    per mask kind and shape (encoder, causal, cross-attention); a new batch's segments reuse it."""
+    return torch.compile(flex_attention, dynamic=False)
 
 
 def cpu_dropout(x: torch.Tensor, p: float) -> torch.Tensor:
