@@ -296,6 +296,47 @@ def test_tf32_is_only_pointed_at_by_its_size(case, reference, tmp_path, capsys):
     assert record["diagnosis"]["explained_by"] is None and "diagnosis: not explained" in out, out
 
 
+def test_a_not_explained_verdict_replays_no_more_than_a_named_one(case, reference, tmp_path, capsys,
+                                                                  monkeypatch):
+    """Issue 48: "not explained" took several times a named verdict's time; the pair search was the
+    cost. The cost counted, not timed (a shared machine's seconds say nothing): the model's float64
+    forward and backward of one batch (Float64Model.loss_and_grads), what a replay step costs. A
+    pair now only answers "does it explain A?", so its replay stops at its first step over the
+    tolerance (step 1's gradients are cached), and a decay fitted inside a pair is searched on
+    step 1 first (diagnose.py). The TF32 loop (not explained, the size hint's own DRAWS replays
+    aside) makes no more than a loop a single entry names, and no pair costs any."""
+    from rosetta.diff.training import autodiff, diagnose
+    from rosetta.diff.training.checks import DRAWS
+
+    cfg, params, batches = case
+    build, candidate = autodiff.Float64Model.loss_and_grads, diagnose._candidate
+    made = {"all": 0, "pairs": 0}
+
+    def evaluation(self, *args, **kwargs):
+        made["all"] += 1
+        return build(self, *args, **kwargs)
+
+    def counted(*args, **kwargs):
+        before = made["all"]
+        found = candidate(*args, **kwargs)
+        made["pairs"] += (made["all"] - before) * (len(found.names) == 2)
+        return found
+
+    monkeypatch.setattr(autodiff.Float64Model, "loss_and_grads", evaluation)
+    monkeypatch.setattr(diagnose, "_candidate", counted)
+    counts = {}
+    for mistake in ("tf32_matmuls", "eps_inside_sqrt"):
+        torch_loop(cfg, params, dp_case.TRAIN, batches, tmp_path / mistake, mistake)
+        made.update(all=0, pairs=0)
+        _, record = diff(tmp_path / mistake, reference["plain"], tmp_path, "--diagnose")
+        counts[mistake] = dict(made)
+        assert record["diagnosis"]["explained_by"] == (None if mistake.startswith("tf32") else [mistake])
+    capsys.readouterr()
+    not_explained, named = counts["tf32_matmuls"], counts["eps_inside_sqrt"]
+    assert not_explained["pairs"] == 0 and not_explained["all"] - DRAWS <= named["all"], counts
+    assert named["all"] > 2 * len(ENTRIES) // 3, counts  # the spy sees the replays (each entry's step 2)
+
+
 def test_dropout_left_on_at_evaluation_is_named_from_the_evaluations(case, reference, tmp_path, capsys):
     """A loop with dropout 0.1 that evaluates without model.eval(): its evaluations are named
     (train_checks.py), whatever its training steps (dropout masks: no replay matches them); the same

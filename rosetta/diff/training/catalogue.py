@@ -362,8 +362,9 @@ def replay(ref: Trace, settings: Settings, variant: Variant, steps: int, grads_c
     state = AdamState(0, {n: np.zeros_like(v) for n, v in params.items()},
                       {n: np.zeros_like(v) for n, v in params.items()})
     for k in range(1, steps + 1):
-        key = (variant.loss, variant.tf32, variant.clip_micro, variant.clip_per_tensor, variant.clip_eps,
-               variant.smoothing)
+        # What `accumulated` reads of the variant: the clip's form only where it clips inside.
+        key = (variant.loss, variant.tf32, variant.smoothing, variant.clip_micro,
+               (variant.clip_per_tensor, variant.clip_eps) if variant.clip_micro else None)
         if grads_cache is not None and k == 1 and key in grads_cache:
             loss, grads = grads_cache[key]
         else:

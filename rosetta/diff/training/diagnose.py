@@ -190,16 +190,16 @@ def _diagnose_steps(a: Trace, b: Trace, tolerance: float, steps: int) -> Trainin
     ranked = list(singles)
     if not (singles and singles[0].error <= tolerance):
         lead = [_entry(c.names[0]) for c in singles[:PAIR_LEAD]]
-        best = singles[0].error if singles else math.inf
         others = [_entry(c.names[0]) for c in singles]
-        tried = set()
+        best, tried = tolerance, set()
         for x in lead:
             for y in others:
                 key = frozenset((x.name, y.name))
                 if x is not y and key not in tried and _compatible(x, y, settings):
                     tried.add(key)
-                    # A pair over the best error so far cannot rank first (errors are maxima over
-                    # steps): its replay stops there and it is not listed.
+                    # A pair answers one question: does it explain A? Its replay stops at the first
+                    # step over the tolerance (or over the best pair so far: the error is a maximum
+                    # over steps, so it can only grow), and such a pair is not listed.
                     pair = _candidate(a, b, settings, n, cache, initial, (x, y), bound=best)
                     if pair.error <= best:
                         ranked.append(pair)
@@ -236,7 +236,7 @@ def _candidate(a: Trace, b: Trace, settings: Settings, n: int, cache: dict, init
     if any(e.fit == "lr_scale" for e in entries):  # first: the decay's fit replays with the rates
         variant = replace(variant, lr_scale=_fit_lr_scale(a, b, settings, variant))
     if any(e.fit == "decay" for e in entries):
-        variant = with_decay(variant, _fit_decay(a, b, settings, variant, cache, initial, n))
+        variant = with_decay(variant, _fit_decay(a, b, settings, variant, cache, initial, n, bound))
     ours = replay(b, settings, variant, n, cache)
     error, where = errors_against((a,), ours, initial, bound)[0]
     return Candidate(tuple(e.name for e in entries), variant, error, where)
@@ -252,7 +252,7 @@ def _fit_lr_scale(a: Trace, b: Trace, settings: Settings, variant: Variant) -> f
 
 
 def _fit_decay(a: Trace, b: Trace, settings: Settings, variant: Variant, cache: dict, initial: dict,
-               n: int) -> float:
+               n: int, bound: float = math.inf) -> float:
     """λ of a decay entry, from step 1, where the gradients are the reference's (cached).
     Decoupled: θ1 = θ1(λ = 0) − lr1·λ·θ0 on the decayed tensors, a linear least-squares fit.
     L2 through Adam (eps outside the root, bias-corrected): update1 = lr1·ĝ/(|ĝ| + ε) for
@@ -264,12 +264,12 @@ def _fit_decay(a: Trace, b: Trace, settings: Settings, variant: Variant, cache: 
     masked = [k for k, v in initial.items() if decayed(k, v, variant)]
     theta = np.concatenate([initial[k].ravel() for k in masked])
     if not base.lr:  # a schedule whose first rate is 0: step 1 does not move with λ
-        return _search_decay(a, b, settings, variant, cache, initial, n)
+        return _search_decay(a, b, settings, variant, cache, initial, n, bound)
     if variant.decoupled:
         drift = np.concatenate([(seen[k] - base.params[k]).ravel() for k in masked])
         return max(float(-(drift @ theta) / (base.lr * (theta @ theta))), 0.0)
     if not variant.bias_correction or variant.eps_inside_sqrt:
-        return _search_decay(a, b, settings, variant, cache, initial, n)
+        return _search_decay(a, b, settings, variant, cache, initial, n, bound)
     eps = variant.eps if variant.eps is not None else settings.train.adam_eps
     clipped = clip(base.grads, settings.train.clip_norm, variant)
     r = np.concatenate([((initial[k] - seen[k]) / base.lr).ravel() for k in masked])
@@ -284,28 +284,39 @@ def _fit_decay(a: Trace, b: Trace, settings: Settings, variant: Variant, cache: 
 
 
 def _search_decay(a: Trace, b: Trace, settings: Settings, variant: Variant, cache: dict, initial: dict,
-                  n: int) -> float:
+                  n: int, bound: float = math.inf) -> float:
     """λ by search: the best of a grid over log10 λ in [-7, 0] in quarters on step 1, then
-    golden-section search within a quarter of it on steps 1-2."""
+    golden-section search within a quarter of it on steps 1-2. With a `bound` (a pair's), the
+    golden-section search on step 1 alone comes first, at no model evaluation (step 1's gradients
+    are cached): if step 1 at its best λ is over the bound, so is the pair at any λ of that bracket
+    (its error is a maximum over steps, step 1's among them), and that λ is returned as it is."""
     def error(log_decay: float, steps: int = 1) -> float:
         ours = replay(b, settings, with_decay(variant, 10.0**log_decay), steps, cache)
         return error_against_one(a, ours, initial)
 
-    best = min((x / 4 for x in range(-28, 1)), key=error)
-    lo, hi, steps = best - 0.25, best + 0.25, min(2, n)
-    ratio = (math.sqrt(5) - 1) / 2
-    x1, x2 = hi - ratio * (hi - lo), lo + ratio * (hi - lo)
-    f1, f2 = error(x1, steps), error(x2, steps)
-    for _ in range(50):  # the bracket shrinks to 0.5 * 0.618^50: 2e-11 in log10 λ
-        if f1 <= f2:
-            hi, x2, f2 = x2, x1, f1
-            x1 = hi - ratio * (hi - lo)
-            f1 = error(x1, steps)
-        else:
-            lo, x1, f1 = x1, x2, f2
-            x2 = lo + ratio * (hi - lo)
-            f2 = error(x2, steps)
-    return 10.0 ** ((lo + hi) / 2)
+    start = min((x / 4 for x in range(-28, 1)), key=error)
+
+    def golden(steps: int) -> float:
+        lo, hi = start - 0.25, start + 0.25
+        ratio = (math.sqrt(5) - 1) / 2
+        x1, x2 = hi - ratio * (hi - lo), lo + ratio * (hi - lo)
+        f1, f2 = error(x1, steps), error(x2, steps)
+        for _ in range(50):  # the bracket shrinks to 0.5 * 0.618^50: 2e-11 in log10 λ
+            if f1 <= f2:
+                hi, x2, f2 = x2, x1, f1
+                x1 = hi - ratio * (hi - lo)
+                f1 = error(x1, steps)
+            else:
+                lo, x1, f1 = x1, x2, f2
+                x2 = lo + ratio * (hi - lo)
+                f2 = error(x2, steps)
+        return (lo + hi) / 2
+
+    if bound < math.inf:
+        first = golden(1)
+        if error(first) > bound:
+            return 10.0**first
+    return 10.0 ** golden(min(2, n))
 
 
 def error_against_one(a: Trace, ours: Iterable[ReplayStep], initial: dict) -> float:
