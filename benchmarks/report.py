@@ -37,7 +37,7 @@ def _sorted(rows: list[dict], task: str) -> list[dict]:
     """One task's rows in run order of presets and dtypes, implementations in IMPL_ORDER."""
     rows = [r for r in rows if r["task"] == task]
     groups = list(dict.fromkeys((r["preset"], r["dtype"]) for r in rows))
-    searches = ("greedy", "beam 4")
+    searches = list(dict.fromkeys(r.get("search", "greedy") for r in rows))  # run order: greedy, beam 4, wide
     return sorted(rows, key=lambda r: (groups.index((r["preset"], r["dtype"])),
                                        searches.index(r.get("search", "greedy")),
                                        r.get("batching") == "packed", IMPL_ORDER.index(r["impl"])))

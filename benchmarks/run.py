@@ -102,13 +102,14 @@ class Suite:
     peak_tflops: float | None = None  # --peak-tflops: the device's peak, where rosetta/flops.py has none
     tasks: tuple[str, ...] = ("train", "forward", "decode")  # --tasks: only these measurements
     packed: tuple[tuple[str, str], ...] = ()  # (preset, dtype) where PACKED_IMPLS also train on packed rows
+    wide_beam: int = 0  # beam 4 also at this many sentences (issue 47: batching's share apart from a step's)
 
 
 # The trainers also timed on packed rows (docs/packing.md); the peer has no segment masks.
 PACKED_IMPLS = ("torch", "torch.compile", "jax")
 SUITES = {
     "smoke": Suite({"tiny": Size(8, 16, 4, 8, 4)}, ("float32",), 2, 1, 1, (), ("torch", "jax"), name="smoke",
-                   packed=(("tiny", "float32"),)),
+                   packed=(("tiny", "float32"),), wide_beam=8),
     # torch.compile takes minutes per graph on 2 cores: measured on tiny only.
     # small at a real batch: 250 x 24 tokens a side, about Multi30k's 4,096-token batches.
     "cpu": Suite({"tiny": Size(32, 32, 16, 16, 16), "small": Size(250, 24, 8, 16, 16)},
@@ -121,7 +122,7 @@ SUITES = {
     "gpu": Suite({"base": Size(384, 64, 64, 32, 32), "big": Size(384, 64, 64, 32, 32),
                   "tiny": Size(64, 32, 32, 32, 32)}, ("bfloat16", "float32"), 10, 3, 3,
                  (("base", "bfloat16"), ("big", "bfloat16")), ("torch.compile", "jax"), name="gpu",
-                 packed=(("base", "bfloat16"),)),
+                 packed=(("base", "bfloat16"),), wide_beam=256),
 }
 
 
@@ -287,28 +288,29 @@ def bench_forward(cfg, params, peer, size: Size, dtype: str, suite: Suite, devic
 
 
 def bench_decoding(cfg, params, peer, size: Size, dtype: str, suite: Suite, device: str) -> list[dict]:
-    src, _ = random_batch(cfg, size.decode_batch, size.decode_len, 2, seed=2)
     rows = []
     models = {"torch": TorchModel(cfg, params, dtype, device), "jax": JaxModel(cfg, params, dtype)}
     if device == "cpu" and dtype == "float32":
         models["numpy"] = from_params(cfg, params, "numpy", "float32")
-    for beam in (1, 4):
+    searches = [(1, size.decode_batch, "greedy"), (4, size.decode_batch, "beam 4")]
+    searches += [(4, suite.wide_beam, f"beam 4, {suite.wide_beam} sentences")] if suite.wide_beam else []
+    for beam, sentences, search in searches:
+        src, _ = random_batch(cfg, sentences, size.decode_len, 2, seed=2)
         for name, model in models.items():
+            if name == "numpy" and sentences != size.decode_batch:
+                continue  # the float64 reference's speed is not what the wide row asks
             start = time.perf_counter()
             out = model.generate(src, beam, 0.6, size.margin)  # the warm-up (compilation) call
             warmup_s = time.perf_counter() - start
             tokens = sum(len(t) + 1 for t in out.tokens)
-            t = measure(
-                lambda model=model, beam=beam: model.generate(src, beam, 0.6, size.margin),
-                max(1, suite.repeats),
-                warmup=0,
-            ) | {"warmup_s": warmup_s}
-            log(f"decode {name} beam {beam}", t)
-            rows.append(dict(task="decode", impl=name, search="greedy" if beam == 1 else f"beam {beam}", **t,
-                             tokens=tokens, tokens_per_s=tokens / t["median_s"],
-                             sentences_per_s=len(src) / t["median_s"]))
+            t = measure(lambda model=model, beam=beam, src=src: model.generate(src, beam, 0.6, size.margin),
+                        max(1, suite.repeats), warmup=0) | {"warmup_s": warmup_s}
+            log(f"decode {name} {search}", t)
+            rows.append(dict(task="decode", impl=name, search=search, **t, tokens=tokens,
+                             tokens_per_s=tokens / t["median_s"], sentences_per_s=len(src) / t["median_s"]))
     if dtype != "float32":  # the peer: greedy (nn.Transformer has no beam), float32, to the longest limit
         return rows
+    src, _ = random_batch(cfg, size.decode_batch, size.decode_len, 2, seed=2)
     peer.to(device).eval()
     src_t = torch.from_numpy(src).to(device)
     length = size.decode_len + size.margin

@@ -48,6 +48,10 @@ def test_benchmark_runner_smoke(tmp_path, monkeypatch):
             ("decode", "jax"), ("decode", "peer"), ("train", "torch (rosetta train)"),
             ("train", "jax (rosetta train)")} <= impls
     assert all(r["median_s"] > 0 for r in rows)
+    # Beam 4 also at the suite's wide batch (issue 47: batching's share), ours only, that many sentences.
+    wide = [r for r in rows if r.get("search") == f"beam 4, {SUITES['smoke'].wide_beam} sentences"]
+    assert sorted(r["impl"] for r in wide) == ["jax", "torch"]
+    assert all(r["sentences_per_s"] * r["median_s"] == pytest.approx(SUITES["smoke"].wide_beam) for r in wide)
     train_rows = [r for r in rows if r["task"] == "train"]
     assert all(r["peak_memory_bytes"] > 0 for r in train_rows)
     # Each benchmark row: max(warm-up, batches) steps, then repeats x steps; each loop row: a warm-up
