@@ -58,7 +58,8 @@ def _autograd(cfg, params, src, tgt, cotangent, backend) -> dict[str, np.ndarray
         def loss(state):
             return (nnx.merge(graphdef, state)(jnp.asarray(src), jnp.asarray(tgt))[PAD_ROW] * cotangent).sum()
 
-        return to_params(nnx.merge(graphdef, jax.grad(loss)(state)), np.float64)
+        # One XLA program (jit): op by op, the float64 backward compiled each of its ~250 ops apart.
+        return to_params(nnx.merge(graphdef, jax.jit(jax.grad(loss))(state)), np.float64)
 
 
 @pytest.mark.parametrize("backend", ["torch", "jax"])
