@@ -28,9 +28,11 @@ demo: $(STAMP)
 
 # Two pytest workers (pytest-xdist): the suite is one process per core on this project's 2-core
 # machines. On a GPU give `make test TEST_WORKERS=0` (one process: JAX preallocates GPU memory).
+# --dist worksteal: each worker starts on a contiguous half of the tests (the slowest modules first:
+# parity_tests/conftest.py's SLOW_FIRST) and an idle one takes half of the other's queue.
 TEST_WORKERS ?= 2
 test: $(STAMP)
-	$(BIN)/python -m pytest -q -n $(TEST_WORKERS)
+	$(BIN)/python -m pytest -q -n $(TEST_WORKERS) --dist worksteal
 
 lint: $(STAMP)
 	$(BIN)/ruff check .

@@ -76,6 +76,23 @@ def pytest_generate_tests(metafunc: pytest.Metafunc) -> None:
         for name in names])
 
 
+# The modules whose tests took longest in a cold run (docs/testing.md; at 3003a7e, --durations),
+# longest first: they run first, whole, so that the last tests of both xdist workers are short ones
+# and the two end together (`make test`'s --dist worksteal keeps each worker's share contiguous,
+# so a module's fixtures are mostly built once). Only the order changes; every test runs.
+SLOW_FIRST = ("test_gpu_path", "test_benchmarks_smoke", "test_diff_training_recipes", "test_diff_training",
+              "test_harness", "test_dtype_matrix", "test_compiled_drift", "test_packed_training",
+              "test_distributed", "test_decode_compiled", "test_training_math", "test_readme_train",
+              "test_distributed_jax", "test_diff_forward_capture", "test_journeys", "test_profile_step",
+              "test_dropout_streams")
+
+
+def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
+    """SLOW_FIRST's modules first, in its order; the rest after, in collection order (stable sort)."""
+    rank = {name: i for i, name in enumerate(SLOW_FIRST)}
+    items.sort(key=lambda item: rank.get(item.path.stem, len(SLOW_FIRST)))
+
+
 # The parity matrix: adding a config variant is one line. Each is the `tiny` preset with
 # the fields shown changed; together they cover every option of SPEC §1.
 CONFIG_VARIANTS: dict[str, dict] = {
