@@ -28,14 +28,14 @@ def test_train_translate_evaluate_resume_average_as_the_readme_writes(tmp_path, 
     outputs = run(lines, tmp_path, monkeypatch, capsys)
     run_dir = tmp_path / "runs" / "m30k" / "torch"
     translation = outputs[1].splitlines()
-    assert len(translation) == 1  # one line in, one line out (after 10 steps: not yet a translation)
+    assert len(translation) == 1  # one line in, one line out (after 4 steps: not yet a translation)
     report = json.loads((tmp_path / "runs" / "m30k" / "test2016.json").read_text())
     assert (report["backend"], report["split"], report["sentences"]) == ("torch", "test_2016_flickr", 20)
     checkpoints = sorted(p.name for p in (run_dir / "checkpoints").glob("step-*"))
-    assert checkpoints[-1] == "step-00000020"  # --resume went on to the new --steps
-    assert (run_dir / "checkpoints" / "latest").read_text().strip() == "step-00000020"
+    assert checkpoints[-1] == "step-00000008"  # --resume went on to the new --steps
+    assert (run_dir / "checkpoints" / "latest").read_text().strip() == "step-00000008"
     averaged = load_checkpoint(tmp_path / "runs" / "m30k" / "averaged.safetensors")
-    newest = load_checkpoint(run_dir / "checkpoints" / "step-00000020" / "model.safetensors")
+    newest = load_checkpoint(run_dir / "checkpoints" / "step-00000008" / "model.safetensors")
     assert averaged.config == newest.config
     for name in ("log.jsonl", "result.json", "plot.png", "averaged.safetensors", "run.json"):
         assert (run_dir / name).is_file(), name
