@@ -34,6 +34,12 @@ def pytest_configure(config: pytest.Config) -> None:
     # and writes nothing under the home directory. A test of the cache itself names its own folder.
     if "PYTEST_XDIST_WORKER" not in os.environ:
         os.environ["ROSETTA_CACHE"] = tempfile.mkdtemp(prefix="rosetta-test-cache-")
+        # JAX's persistent cache in that folder from the start, every program kept (as `rosetta train`
+        # sets it: jax_impl/compilation.py's configure), read by JAX at import in the workers and
+        # the subprocesses the tests start: a program compiled once per run, not once per
+        # process or per new jit (a second trainer). Starts empty: a cold run stays cold.
+        os.environ.setdefault("JAX_COMPILATION_CACHE_DIR", os.path.join(os.environ["ROSETTA_CACHE"], "jax"))
+        os.environ.setdefault("JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS", "0")
     registered = {line.split(":")[0].split("(")[0].strip() for line in config.getini("markers")}
     for mark, (_, description) in BACKEND_MARKS.items():
         if mark not in registered:  # pyproject.toml already registers `trainable`, for -m
