@@ -26,7 +26,7 @@ MEASURES = {
     "gpu_check": ["parity_checks", "training_checks", "attention_checks", "decoding_checks",
                   "harness_checks"],
     "scaling": ["run", "measure"], "time_to_quality": ["train_and_evaluate", "table"], "pitfalls": ["run"],
-    "report": ["load"], "profile_step": ["profile_impl", "loss_timings"],
+    "report": ["load"], "profile_step": ["profile_impl", "loss_timings"], "loop_overhead": ["run"],
 }
 REFUSED_WITHIN_S = 10.0  # argparse and a probe; the measurements take minutes (docs/benchmarks.md)
 PROC = Path("/proc/self").is_dir()  # Linux: a folder in which no file can be created, even by root
@@ -46,6 +46,7 @@ CASES = [
      "argument --out-dir: must name a file or directory, got ''"),
     ("batches", ["--preset", "tiny", "--out-dir", FILE], "argument --out-dir: cannot write " + NOT_A_FOLDER),
     ("decode_ct2", ["--out-dir", "/proc/x"], "argument --out-dir: cannot write " + PROC_REASON),
+    ("loop_overhead", ["--out-dir", FILE], "argument --out-dir: cannot write " + NOT_A_FOLDER),
     ("decode_ct2", ["--out-dir", FILE], "argument --out-dir: cannot write " + NOT_A_FOLDER),
     ("profile_cpu", ["--out-dir", "/proc/x"], "argument --out-dir: cannot write " + PROC_REASON),
     ("gpu_check", ["--preset", "tiny", "--device", "cpu", "--out-dir", FILE],
@@ -85,6 +86,7 @@ CASES = [
     ("time_to_quality", ["--out", "{tmp}/run", "--bleu-at", "101"],
      "argument --bleu-at: must be a finite number >= 0 and <= 100, got '101'"),
     ("decode_speed", ["--repeats", "0"], "argument --repeats: must be an integer >= 1, got '0'"),
+    ("loop_overhead", ["--pairs", "0"], "argument --pairs: must be an integer >= 1, got '0'"),
     ("profile_step", ["--device", "cpu", "--steps", "nan"],
      "argument --steps: must be an integer >= 1, got 'nan'"),
 ]

@@ -4,6 +4,8 @@ benchmarks/ and only its recorded results are read."""
 
 from __future__ import annotations
 
+import json
+
 import pytest
 
 from benchmarks import decode_speed
@@ -353,3 +355,18 @@ def test_profile_cpu_smoke():
         if i < 3:  # the training steps
             assert "| dropout random bits |" in rows, name
     assert "wrote" not in out.stdout  # --quick writes no results file
+
+
+def test_loop_overhead_smoke(tmp_path, capsys):
+    """benchmarks/loop_overhead.py end to end at its smallest (1 pair, 1 stretch of 1 step): each
+    framework's benchmark row and loop row, their ratio recomputed here from the two, the file."""
+    from benchmarks import loop_overhead
+
+    loop_overhead.main(["--pairs", "1", "--steps", "1", "--repeats", "1", "--out-dir", str(tmp_path)])
+    (path,) = tmp_path.glob("loop_overhead_tiny_cpu_*.json")
+    result = json.loads(path.read_text())
+    assert [r["framework"] for r in result["rows"]] == ["jax", "torch"]
+    for r in result["rows"]:
+        assert len(r["step_s"]) == len(r["loop_s"]) == 1 and min(r["step_s"] + r["loop_s"]) > 0
+        assert r["ratios"] == [r["loop_s"][0] / r["step_s"][0]] == [r["median_ratio"]]
+    assert "| torch |" in capsys.readouterr().out and path.with_suffix(".md").is_file()
