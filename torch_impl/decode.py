@@ -44,7 +44,7 @@ SYNC_EVERY = 8
 TWO_STAGE_TOPK = True
 SHARED_CROSS = True
 STACKED_CACHE = True
-STEP_ATTENTION = True
+STEP_ATTENTION = False  # off: slower in whole beam-4 calls on the 2-core AMD EPYC (docs/decoding.md)
 DROP_FINISHED = True
 
 
