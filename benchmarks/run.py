@@ -357,15 +357,15 @@ def measure_group(suite: Suite, preset_name: str, dtype: str) -> list[dict]:
     batches = training_batches(cfg, preset_name, size)
     impls = train_impls(suite, preset_name, dtype)
     found = []
-    if "train" in suite.tasks:
-        found += bench_training(cfg, params, batches, dtype, suite, impls, device)
-        if (preset_name, dtype) in suite.packed:  # the same pairs in packed rows (docs/packing.md)
-            packed = training_batches(cfg, preset_name, size, packing=True)
-            plain = [name for name in impls if name in PACKED_IMPLS]
-            found += bench_training(cfg, params, packed, dtype, suite, plain, device, "packed")
-        for r in bench_harness(cfg, preset_name, size, dtype, suite, impls, device):  # bucketed (harness_run)
-            share = r["tokens_per_s"] / r["padded_tokens_per_s"]  # the loop: real over padded tokens/s
-            found.append(r | {"batching": "bucketed", "real_token_share": share})
+    if "train" in suite.tasks:  # JAX last (its allocator keeps what it took); each loop row right after
+        packed = training_batches(cfg, preset_name, size, packing=True)  # the same pairs (docs/packing.md)
+        for name in sorted(impls, key=lambda n: TRAINERS[n][0] == "jax"):  # its step's, as loop_overhead.py
+            found += bench_training(cfg, params, batches, dtype, suite, [name], device)
+            for r in bench_harness(cfg, preset_name, size, dtype, suite, [name], device):  # bucketed
+                share = r["tokens_per_s"] / r["padded_tokens_per_s"]  # the loop: real over padded tokens/s
+                found.append(r | {"batching": "bucketed", "real_token_share": share})
+            if (preset_name, dtype) in suite.packed and name in PACKED_IMPLS:
+                found += bench_training(cfg, params, packed, dtype, suite, [name], device, "packed")
     if "forward" in suite.tasks:
         found += bench_forward(cfg, params, peer, size, dtype, suite, device)
     if "decode" in suite.tasks:

@@ -357,16 +357,33 @@ def test_profile_cpu_smoke():
     assert "wrote" not in out.stdout  # --quick writes no results file
 
 
-def test_loop_overhead_smoke(tmp_path, capsys):
-    """benchmarks/loop_overhead.py end to end at its smallest (1 pair, 1 stretch of 1 step): each
-    framework's benchmark row and loop row, their ratio recomputed here from the two, the file."""
+def test_loop_overhead_smoke(tmp_path, capsys, monkeypatch):
+    """benchmarks/loop_overhead.py end to end, 3 pairs of 1 step. Its two rows are the suite's own
+    functions (run end to end in test_benchmark_runner_smoke above), here replaced by stand-ins whose
+    medians are known: the alternation (JAX first, step then loop, each framework `--pairs` times),
+    each pair's ratio, their median and the file are checked against those values."""
     from benchmarks import loop_overhead
 
-    loop_overhead.main(["--pairs", "1", "--steps", "1", "--repeats", "1", "--out-dir", str(tmp_path)])
+    calls, seconds = [], iter([0.020, 0.021, 0.030, 0.024, 0.025, 0.020] * 2)  # step, loop, step, ...
+
+    def row(kind):
+        def measured(*args):
+            impls, device = args[-2], args[-1]
+            calls.append((kind, tuple(impls), device))
+            return [{"median_s": next(seconds)}]
+        return measured
+
+    monkeypatch.setattr(loop_overhead, "bench_training", row("step"))
+    monkeypatch.setattr(loop_overhead, "bench_harness", row("loop"))
+    loop_overhead.main(["--pairs", "3", "--steps", "1", "--repeats", "1", "--out-dir", str(tmp_path)])
+    order = [(kind, (fw,), "cpu") for fw in ("jax", "torch") for _ in range(3) for kind in ("step", "loop")]
+    assert calls == order
     (path,) = tmp_path.glob("loop_overhead_tiny_cpu_*.json")
     result = json.loads(path.read_text())
-    assert [r["framework"] for r in result["rows"]] == ["jax", "torch"]
     for r in result["rows"]:
-        assert len(r["step_s"]) == len(r["loop_s"]) == 1 and min(r["step_s"] + r["loop_s"]) > 0
-        assert r["ratios"] == [r["loop_s"][0] / r["step_s"][0]] == [r["median_ratio"]]
-    assert "| torch |" in capsys.readouterr().out and path.with_suffix(".md").is_file()
+        assert r["step_s"] == [0.020, 0.030, 0.025] and r["loop_s"] == [0.021, 0.024, 0.020]
+        assert r["ratios"] == pytest.approx([1.05, 0.8, 0.8]) and r["median_ratio"] == pytest.approx(0.8)
+    assert [r["framework"] for r in result["rows"]] == ["jax", "torch"]
+    out = capsys.readouterr().out
+    assert "| torch | 25.0 [20.0-30.0] | 21.0 [20.0-24.0] | 1.05 0.80 0.80 | 0.80 [0.80-1.05] |" in out
+    assert path.with_suffix(".md").read_text() in out
