@@ -67,13 +67,16 @@ def markdown(result: dict) -> str:
              "| framework | step, median ms [spread] | loop, median ms [spread] | loop / step per pair | "
              "median ratio [range] |", "| --- | --- | --- | --- | --- |"]
     for r in result["rows"]:
-        ms = {k: [x * 1e3 for x in r[k]] for k in ("step_s", "loop_s")}
-        lines.append(
-            f"| {r['framework']} | {statistics.median(ms['step_s']):.1f} [{min(ms['step_s']):.1f}-"
-            f"{max(ms['step_s']):.1f}] | {statistics.median(ms['loop_s']):.1f} [{min(ms['loop_s']):.1f}-"
-            f"{max(ms['loop_s']):.1f}] | {' '.join(f'{x:.2f}' for x in r['ratios'])} | "
-            f"{r['median_ratio']:.2f} [{min(r['ratios']):.2f}-{max(r['ratios']):.2f}] |")
+        lines.append(f"| {r['framework']} | {_spread([x * 1e3 for x in r['step_s']], '.1f')} | "
+                     f"{_spread([x * 1e3 for x in r['loop_s']], '.1f')} | "
+                     f"{' '.join(f'{x:.2f}' for x in r['ratios'])} | {_spread(r['ratios'], '.2f')} |")
     return "\n".join(lines) + "\n"
+
+
+def _spread(values: list[float], spec: str) -> str:
+    """"median [min-max]" of `values`, each formatted by `spec`."""
+    low, mid, high = (format(x, spec) for x in (min(values), statistics.median(values), max(values)))
+    return f"{mid} [{low}-{high}]"
 
 
 def main(argv: list[str] | None = None) -> None:
