@@ -27,7 +27,7 @@ import torch
 
 from benchmarks.common import RESULTS, environment, given_path, parser, write_results
 from benchmarks.peer import make_peer
-from benchmarks.run import SUITES, bench_harness, bench_training, training_batches
+from benchmarks.run import SUITES, alternate, training_batches
 from rosetta import preset
 from rosetta.cli_args import positive_int
 
@@ -43,12 +43,8 @@ def run(preset_name: str, pairs: int, steps: int, repeats: int, device: str) -> 
     batches = training_batches(cfg, preset_name, size)
     rows = []
     for framework in FRAMEWORKS:
-        step, loop = [], []
-        for _ in range(pairs):
-            (bench,) = bench_training(cfg, params, batches, "float32", suite, [framework], device)
-            (harness,) = bench_harness(cfg, preset_name, size, "float32", suite, [framework], device)
-            step.append(bench["median_s"])
-            loop.append(harness["median_s"])
+        found = alternate(cfg, params, batches, preset_name, size, "float32", suite, framework, device, pairs)
+        step, loop = [b["median_s"] for b, _ in found], [harness["median_s"] for _, (harness,) in found]
         ratios = [b / a for a, b in zip(step, loop, strict=True)]
         rows.append({"framework": framework, "step_s": step, "loop_s": loop, "ratios": ratios,
                      "median_ratio": statistics.median(ratios)})

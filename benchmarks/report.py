@@ -57,13 +57,19 @@ def _group(r: dict) -> tuple[str, str, str]:
     return r["preset"], r["dtype"], r.get("search", "packed" if r.get("batching") == "packed" else "")
 
 
+def _range(bounds: list[float] | None, pairs: int) -> str:
+    """ " [low–high] over N pairs" of a loop/step median taken over alternated pairs (benchmarks/run.py)."""
+    return f" [{bounds[0]:.2f}–{bounds[1]:.2f}, {pairs} pairs]" if bounds and pairs > 1 else ""
+
+
 def tables(result: dict) -> str:
     """The training, forward and decoding tables of one run; training rows with their batching and
     real-token share where the run recorded them (benchmarks/run.py since issue 45)."""
     shares = any("real_token_share" in r for r in result["rows"] if r["task"] == "train")
     lines = [
         "Training (one optimizer step, dropout on; `(rosetta train)`: the training loop on the same "
-        "batches, its median step over the benchmark row's in the last column"
+        "batches, its median step over the benchmark row's in the last column (the median over alternated "
+        "pairs of the two rows, with its range, where the run took several)"
         + ("; real tokens: the share of the batches' target slots that are not padding)" if shares else ")"),
         "",
         "| preset | dtype | impl | " + ("batching | real tokens | " if shares else "") + "step ms | "
@@ -78,7 +84,7 @@ def tables(result: dict) -> str:
             f"| {r['preset']} | {r['dtype']} | {r['impl']} | {share}{r['median_s'] * 1e3:.1f}{spread} | "
             f"{r['tokens_per_s']:,.0f} | {r['padded_tokens_per_s']:,.0f} | {_percent(r.get('mfu'))} | "
             f"{_fmt(mem, '.2f')} | {_fmt(r.get('ratio_vs_peer'), '.2f')} | "
-            f"{_fmt(r.get('vs_benchmark'), '.2f')} |"
+            f"{_fmt(r.get('vs_benchmark'), '.2f')}{_range(r.get('vs_benchmark_range'), r.get('pairs', 1))} |"
         )
     hosted = [r for r in _sorted(result["rows"], "train") if "host_s" in r]
     if hosted:  # rosetta/harness/stepping.py: a loop whose host phases reach its step is host-bound

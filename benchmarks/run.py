@@ -2,7 +2,7 @@
 backend, each divided by the same measurement of a `torch.nn.Transformer` peer taken in the
 same run (benchmarks/peer.py: same config, same weights, same step).
 
-    python -m benchmarks.run --suite cpu      # tiny, and small at 250 x 24; float32 (8 min, 2 cores)
+    python -m benchmarks.run --suite cpu      # tiny, and small at 250 x 24; float32 (~13 min, 2 cores)
     python -m benchmarks.run --suite gpu      # base, big, tiny; bfloat16 and float32 (TF32): 9 min
     python -m benchmarks.run --suite smoke    # tiny, one repeat: CI's check that it runs
     python -m benchmarks.run --suite gpu --presets base --dtypes bfloat16 --impls torch.compile jax peer
@@ -13,13 +13,14 @@ the copy task at the preset's size: `torch` (eager), `torch.compile` (`rosetta t
 `jax` (jit), the chunked loss of each, and `peer` (`--backend peer`). Each implementation runs
 alone, on the CPU as on a GPU (every line the same but the clock: CUDA events on a GPU), and its
 peak memory is its trainer's. `<impl> (rosetta train)` rows run the training loop itself on the
-same batches and settings (`rosetta train --task copy`): their median step beside the benchmark
-row's says what the loop adds around the step. Forward and decoding: `numpy`, `torch`, `jax`,
-`peer` (`generate` itself for decoding). Warm-up (compilation) is excluded and its duration
-recorded; each number is the median of repeats, with the spread. float32 on GPUs runs with TF32
-allowed in both frameworks (the trainers' default outside parity mode), so the comparison is fair;
-parity runs turn it off. On a GPU each (preset, dtype) runs in its own process. Results go to
-benchmarks/results/<suite>_<device>_<date>.{json,md,png}, with the commit, versions and settings.
+same batches and settings (`rosetta train --task copy`), alternated with the benchmark row
+`loop_pairs` times: their median ratio says what the loop adds around the step (paired_rows).
+Forward and decoding: `numpy`, `torch`, `jax`, `peer` (`generate` itself for decoding). Warm-up
+(compilation) is excluded and its duration recorded; each number is the median of repeats, with
+the spread. float32 on GPUs runs with TF32 allowed in both frameworks (the trainers' default
+outside parity mode), so the comparison is fair; parity runs turn it off. On a GPU each (preset,
+dtype) runs in its own process. Results go to benchmarks/results/<suite>_<device>_<date>.{json,md,png},
+with the commit, versions and settings.
 """
 
 from __future__ import annotations
@@ -103,6 +104,7 @@ class Suite:
     tasks: tuple[str, ...] = ("train", "forward", "decode")  # --tasks: only these measurements
     packed: tuple[tuple[str, str], ...] = ()  # (preset, dtype) where PACKED_IMPLS also train on packed rows
     wide_beam: int = 0  # beam 4 also at this many sentences (issue 47: batching's share apart from a step's)
+    loop_pairs: int = 1  # alternations of a benchmark row and its loop row (paired_rows: their medians)
 
 
 # The trainers also timed on packed rows (docs/packing.md); the peer has no segment masks.
@@ -110,11 +112,11 @@ PACKED_IMPLS = ("torch", "torch.compile", "jax")
 SUITES = {
     "smoke": Suite({"tiny": Size(8, 16, 4, 8, 4)}, ("float32",), 2, 1, 1, (), ("torch", "jax"), name="smoke",
                    packed=(("tiny", "float32"),), wide_beam=8),
-    # torch.compile takes minutes per graph on 2 cores: measured on tiny only.
-    # small at a real batch: 250 x 24 tokens a side, about Multi30k's 4,096-token batches.
+    # torch.compile takes minutes per graph on 2 cores: measured on tiny only. small at a real batch:
+    # 250 x 24 tokens a side, about Multi30k's 4,096-token batches; 3 loop pairs (one moves by a third).
     "cpu": Suite({"tiny": Size(32, 32, 16, 16, 16), "small": Size(250, 24, 8, 16, 16)},
                  ("float32",), 2, 5, 2, (("tiny", "float32"),), ("torch", "jax"), name="cpu",
-                 packed=(("tiny", "float32"), ("small", "float32"))),
+                 packed=(("tiny", "float32"), ("small", "float32")), loop_pairs=3),
     # base and big first (they matter), 384 x 64 tokens a side: the paper's ~25,000 source and
     # target tokens per batch (§5.1); torch.compile on bfloat16 only, to stay < 10 min. The XLA
     # flags JAX compiles with are the trainers' own (jax_impl/compilation.py). Packed rows on base
@@ -153,18 +155,6 @@ def measure(fn, repeats: int, warmup: int, inner: int = 1) -> dict:
 
 def log(what: str, t: dict) -> None:
     print(f"    {what}: warm-up {t['warmup_s']:.1f} s, median {t['median_s'] * 1e3:.2f} ms", flush=True)
-
-
-def training_batch(cfg, size: Size, seed: int = 0):
-    """A fixed synthetic batch with realistic padding: labels are tgt shifted left, eos after
-    the last real token (SPEC §4). The forward benchmark's and benchmarks/profile_step.py's loss's."""
-    src, tgt = random_batch(cfg, size.batch, size.length, size.length, seed=seed)
-    labels = np.full_like(tgt, cfg.pad_id)
-    for b in range(len(tgt)):
-        n = int((tgt[b] != cfg.pad_id).sum())
-        labels[b, : n - 1] = tgt[b, 1:n]
-        labels[b, n - 1] = cfg.eos_id
-    return src, tgt, labels
 
 
 def autocast(dtype: str, module: torch.nn.Module):
@@ -250,15 +240,35 @@ def bench_harness(cfg, preset_name: str, size: Size, dtype: str, suite: Suite, i
              "compile_s": result["compile_time_total_s"],
              "host_s": {p: statistics.median(r[f"host_{p}_s"] for r in timed) for p in HOST_PHASES}}
         log(f"train {name}{HARNESS}", t | {"warmup_s": result["compile_time_total_s"]})
-        rows.append(dict(task="train", impl=name + HARNESS, **t,
-                         tokens_per_s=statistics.median(r["tgt_tokens_per_s"] for r in timed),
-                         padded_tokens_per_s=statistics.median(r["tgt_tokens_per_s_padded"] for r in timed),
+        real, pad = (statistics.median(r[f"tgt_tokens_per_s{k}"] for r in timed) for k in ("", "_padded"))
+        rows.append(dict(task="train", impl=name + HARNESS, **t, tokens_per_s=real, padded_tokens_per_s=pad,
+                         batching="bucketed", real_token_share=real / pad,  # real over padded tokens/s
                          flops_per_step=training_flops(cfg, size.batch, size.length, size.length)))
     return rows
 
 
+def alternate(cfg, params, batches: list[Batch], preset_name: str, size: Size, dtype: str, suite: Suite,
+              name: str, device: str, pairs: int) -> list[tuple[dict, list[dict]]]:
+    """`pairs` alternations of `name`'s benchmark row and its loop row (none if the suite runs none)."""
+    return [(bench_training(cfg, params, batches, dtype, suite, [name], device)[0],
+             bench_harness(cfg, preset_name, size, dtype, suite, [name], device)) for _ in range(pairs)]
+
+
+def paired_rows(pairs: list[tuple[dict, list[dict]]]) -> list[dict]:
+    """The benchmark row and the loop row of `alternate`'s pairs: each the row of the median step
+    (the lower middle one); the loop's `vs_benchmark`: the median of the pairs' loop/step ratios, with
+    their range (one pair alone moved by a third on the 2-core CPU: results/loop_overhead_*)."""
+    def middle(rows: list[dict]) -> dict:
+        return sorted(rows, key=lambda r: r["median_s"])[(len(rows) - 1) // 2] | {"pairs": len(rows)}
+
+    bench, loops = middle([b for b, _ in pairs]), [loop for _, found in pairs for loop in found]
+    ratios = [found[0]["median_s"] / b["median_s"] for b, found in pairs if found]
+    return [bench] + [middle(loops) | {"vs_benchmark": statistics.median(ratios),
+                                       "vs_benchmark_range": [min(ratios), max(ratios)]} for _ in loops[:1]]
+
+
 def bench_forward(cfg, params, peer, size: Size, dtype: str, suite: Suite, device: str) -> list[dict]:
-    src, tgt, _ = training_batch(cfg, size, seed=1)
+    src, tgt = random_batch(cfg, size.batch, size.length, size.length, seed=1)  # realistic padding
     rows = []
     torch_module = TorchModel(cfg, params, "float32", device).module
     src_t, tgt_t = torch.from_numpy(src).to(device), torch.from_numpy(tgt).to(device)
@@ -324,10 +334,9 @@ def bench_decoding(cfg, params, peer, size: Size, dtype: str, suite: Suite, devi
 def add_ratios(rows: list[dict]) -> None:
     """ratio_vs_peer = peer time / our time for the same task, preset, dtype and search (> 1:
     we are faster); a packed row's: real target tokens/s over the peer's on the bucketed batches.
-    The peer has greedy decoding only. A `(rosetta train)` row also gets vs_benchmark: its median
-    step over its implementation's benchmark row's on the same batching (1: the loop adds nothing)."""
-    def same(a: dict, b: dict, keys: tuple[str, ...] = ("task", "preset", "dtype", "search")) -> bool:
-        return all(a.get(k) == b.get(k) for k in keys)
+    The peer has greedy decoding only (a `(rosetta train)` row's vs_benchmark: paired_rows)."""
+    def same(a: dict, b: dict) -> bool:
+        return all(a.get(k) == b.get(k) for k in ("task", "preset", "dtype", "search"))
 
     for row in rows:
         peers = [p for p in rows if p["impl"] == "peer" and row["impl"] != "peer" and same(p, row)]
@@ -338,11 +347,6 @@ def add_ratios(rows: list[dict]) -> None:
             ours = row["median_s"] / row[per_unit] if per_unit else row["median_s"]
             theirs = peers[0]["median_s"] / peers[0][per_unit] if per_unit else peers[0]["median_s"]
             row["ratio_vs_peer"] = theirs / ours
-        if row["impl"].endswith(HARNESS):
-            bench = [b for b in rows if b["impl"] == row["impl"][:-len(HARNESS)]
-                     and same(b, row, ("task", "preset", "dtype", "batching"))]
-            if bench:
-                row["vs_benchmark"] = row["median_s"] / bench[0]["median_s"]
 
 
 def measure_group(suite: Suite, preset_name: str, dtype: str) -> list[dict]:
@@ -359,11 +363,10 @@ def measure_group(suite: Suite, preset_name: str, dtype: str) -> list[dict]:
     found = []
     if "train" in suite.tasks:  # JAX last (its allocator keeps what it took); each loop row right after
         packed = training_batches(cfg, preset_name, size, packing=True)  # the same pairs (docs/packing.md)
-        for name in sorted(impls, key=lambda n: TRAINERS[n][0] == "jax"):  # its step's, as loop_overhead.py
-            found += bench_training(cfg, params, batches, dtype, suite, [name], device)
-            for r in bench_harness(cfg, preset_name, size, dtype, suite, [name], device):  # bucketed
-                share = r["tokens_per_s"] / r["padded_tokens_per_s"]  # the loop: real over padded tokens/s
-                found.append(r | {"batching": "bucketed", "real_token_share": share})
+        for name in sorted(impls, key=lambda n: TRAINERS[n][0] == "jax"):  # its step's, alternated
+            pairs = suite.loop_pairs if name in suite.harness else 1
+            found += paired_rows(alternate(cfg, params, batches, preset_name, size, dtype, suite, name,
+                                           device, pairs))
             if (preset_name, dtype) in suite.packed and name in PACKED_IMPLS:
                 found += bench_training(cfg, params, packed, dtype, suite, [name], device, "packed")
     if "forward" in suite.tasks:

@@ -373,8 +373,8 @@ def test_loop_overhead_smoke(tmp_path, capsys, monkeypatch):
             return [{"median_s": next(seconds)}]
         return measured
 
-    monkeypatch.setattr(loop_overhead, "bench_training", row("step"))
-    monkeypatch.setattr(loop_overhead, "bench_harness", row("loop"))
+    monkeypatch.setattr(run_module, "bench_training", row("step"))  # what run.alternate calls
+    monkeypatch.setattr(run_module, "bench_harness", row("loop"))
     loop_overhead.main(["--pairs", "3", "--steps", "1", "--repeats", "1", "--out-dir", str(tmp_path)])
     order = [(kind, (fw,), "cpu") for fw in ("jax", "torch") for _ in range(3) for kind in ("step", "loop")]
     assert calls == order
@@ -387,3 +387,27 @@ def test_loop_overhead_smoke(tmp_path, capsys, monkeypatch):
     out = capsys.readouterr().out
     assert "| torch | 25.0 [20.0-30.0] | 21.0 [20.0-24.0] | 1.05 0.80 0.80 | 0.80 [0.80-1.05] |" in out
     assert path.with_suffix(".md").read_text() in out
+
+
+def test_the_suites_loop_over_step_is_the_median_of_alternated_pairs():
+    """benchmarks/run.py paired_rows on stand-in pairs of known medians (the suite's rows themselves
+    run in test_benchmark_runner_smoke): each row is the one of the median step, the loop's
+    vs_benchmark the median of the pairs' own ratios (not of the two medians), its range theirs, and
+    the table prints both; a benchmark row without a loop row stays alone."""
+    from benchmarks.report import tables
+    from benchmarks.run import paired_rows
+
+    def pair(step, loop):
+        return ({"impl": "jax", "median_s": step}, [{"impl": "jax (rosetta train)", "median_s": loop}])
+
+    bench, loop = paired_rows([pair(0.020, 0.030), pair(0.030, 0.027), pair(0.025, 0.025)])
+    assert bench["median_s"] == 0.025 and loop["median_s"] == 0.027 and bench["pairs"] == loop["pairs"] == 3
+    # Ratios 1.5, 0.9, 1.0: median 1.0, while the medians' quotient would say 0.027 / 0.025 = 1.08.
+    assert loop["vs_benchmark"] == pytest.approx(1.0)
+    assert loop["vs_benchmark_range"] == pytest.approx([0.9, 1.5])
+    alone = {"impl": "peer", "median_s": 0.05}
+    assert paired_rows([(alone, [])]) == [alone | {"pairs": 1}]
+    common = {"task": "train", "preset": "tiny", "dtype": "float32", "tokens_per_s": 1.0,
+              "padded_tokens_per_s": 2.0}
+    text = tables({"rows": [bench | common, loop | common]})
+    assert "| 27.0 | 1 | 2 | – | – | – | 1.00 [0.90–1.50, 3 pairs] |" in text
