@@ -14,7 +14,7 @@ the copy task at the preset's size: `torch` (eager), `torch.compile` (`rosetta t
 alone, on the CPU as on a GPU (every line the same but the clock: CUDA events on a GPU), and its
 peak memory is its trainer's. `<impl> (rosetta train)` rows run the training loop itself on the
 same batches and settings (`rosetta train --task copy`), alternated with the benchmark row
-`loop_pairs` times: their median ratio says what the loop adds around the step (paired_rows).
+`Size.loop_pairs` times: their median ratio says what the loop adds around the step (paired_rows).
 Forward and decoding: `numpy`, `torch`, `jax`, `peer` (`generate` itself for decoding). Warm-up
 (compilation) is excluded and its duration recorded; each number is the median of repeats, with
 the spread. float32 on GPUs runs with TF32 allowed in both frameworks (the trainers' default
@@ -87,6 +87,7 @@ class Size:
     decode_batch: int
     decode_len: int  # source length; the search may emit up to decode_len + margin tokens
     margin: int
+    loop_pairs: int = 1  # alternations of a benchmark row and its loop row (paired_rows: their medians)
 
 
 @dataclass(frozen=True)
@@ -104,7 +105,6 @@ class Suite:
     tasks: tuple[str, ...] = ("train", "forward", "decode")  # --tasks: only these measurements
     packed: tuple[tuple[str, str], ...] = ()  # (preset, dtype) where PACKED_IMPLS also train on packed rows
     wide_beam: int = 0  # beam 4 also at this many sentences (issue 47: batching's share apart from a step's)
-    loop_pairs: int = 1  # alternations of a benchmark row and its loop row (paired_rows: their medians)
 
 
 # The trainers also timed on packed rows (docs/packing.md); the peer has no segment masks.
@@ -113,10 +113,10 @@ SUITES = {
     "smoke": Suite({"tiny": Size(8, 16, 4, 8, 4)}, ("float32",), 2, 1, 1, (), ("torch", "jax"), name="smoke",
                    packed=(("tiny", "float32"),), wide_beam=8),
     # torch.compile takes minutes per graph on 2 cores: measured on tiny only. small at a real batch:
-    # 250 x 24 tokens a side, about Multi30k's 4,096-token batches; 3 loop pairs (one moves by a third).
-    "cpu": Suite({"tiny": Size(32, 32, 16, 16, 16), "small": Size(250, 24, 8, 16, 16)},
+    # 250 x 24 tokens a side, about Multi30k's 4,096-token batches. Loop pairs: one moves by a third.
+    "cpu": Suite({"tiny": Size(32, 32, 16, 16, 16, 7), "small": Size(250, 24, 8, 16, 16, 3)},
                  ("float32",), 2, 5, 2, (("tiny", "float32"),), ("torch", "jax"), name="cpu",
-                 packed=(("tiny", "float32"), ("small", "float32")), loop_pairs=3),
+                 packed=(("tiny", "float32"), ("small", "float32"))),
     # base and big first (they matter), 384 x 64 tokens a side: the paper's ~25,000 source and
     # target tokens per batch (§5.1); torch.compile on bfloat16 only, to stay < 10 min. The XLA
     # flags JAX compiles with are the trainers' own (jax_impl/compilation.py). Packed rows on base
@@ -364,7 +364,7 @@ def measure_group(suite: Suite, preset_name: str, dtype: str) -> list[dict]:
     if "train" in suite.tasks:  # JAX last (its allocator keeps what it took); each loop row right after
         packed = training_batches(cfg, preset_name, size, packing=True)  # the same pairs (docs/packing.md)
         for name in sorted(impls, key=lambda n: TRAINERS[n][0] == "jax"):  # its step's, alternated
-            pairs = suite.loop_pairs if name in suite.harness else 1
+            pairs = size.loop_pairs if name in suite.harness else 1
             found += paired_rows(alternate(cfg, params, batches, preset_name, size, dtype, suite, name,
                                            device, pairs))
             if (preset_name, dtype) in suite.packed and name in PACKED_IMPLS:
