@@ -28,6 +28,20 @@ BACKEND_MARKS: dict[str, tuple[Callable[[str], bool], str]] = {
 }
 
 
+# The suite's XLA_FLAGS (pytest_configure says why).
+SUITE_XLA_FLAGS = ("--xla_backend_optimization_level=0 --xla_cpu_multi_thread_eigen=false "
+                   "intra_op_parallelism_threads=1")
+
+
+def users_environment() -> dict[str, str]:
+    """os.environ without the suite's XLA_FLAGS: for a benchmark a test runs as a user runs it (one
+    that reads XLA's CPU thunks, or runs several host devices, whose collectives wait on each other:
+    one runtime thread would leave them waiting). Flags added since (jax_impl/compilation.py's) stay."""
+    env = dict(os.environ)
+    flags = env.pop("XLA_FLAGS", "").replace(SUITE_XLA_FLAGS, "").strip()
+    return env | ({"XLA_FLAGS": flags} if flags else {})
+
+
 def pytest_configure(config: pytest.Config) -> None:
     # `rosetta train` keeps JAX's compiled programs in the user's cache (rosetta/device.py: cache_dir):
     # the suite keeps its own, one for the session (xdist's workers inherit it from the controller),
@@ -46,8 +60,7 @@ def pytest_configure(config: pytest.Config) -> None:
         # same IEEE operations (XLA's CPU code has no fast-math), so every bound holds as compiled for
         # users; speed is measured in benchmarks/, which compile as `rosetta train` does. A user's own
         # XLA_FLAGS are kept as given (docs/testing.md).
-        os.environ.setdefault("XLA_FLAGS", "--xla_backend_optimization_level=0 "
-                              "--xla_cpu_multi_thread_eigen=false intra_op_parallelism_threads=1")
+        os.environ.setdefault("XLA_FLAGS", SUITE_XLA_FLAGS)
     registered = {line.split(":")[0].split("(")[0].strip() for line in config.getini("markers")}
     for mark, (_, description) in BACKEND_MARKS.items():
         if mark not in registered:  # pyproject.toml already registers `trainable`, for -m

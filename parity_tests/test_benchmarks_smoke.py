@@ -15,6 +15,7 @@ from benchmarks.report import BENCHMARK_DOC, SUITES_IN_README, load, markdown, n
 from benchmarks.report import main as report_main
 from benchmarks.run import SUITES, results_name, run
 from benchmarks.run import main as run_main
+from parity_tests.conftest import users_environment
 
 
 def test_benchmark_runner_smoke(tmp_path, monkeypatch):
@@ -180,6 +181,8 @@ def test_scaling_benchmark_smoke(tmp_path, monkeypatch):
     from benchmarks import scaling
 
     monkeypatch.setenv("OMP_NUM_THREADS", "1")
+    monkeypatch.setenv("XLA_FLAGS", users_environment().get("XLA_FLAGS", ""))  # its JAX workers: two
+    # host devices, as a user runs them
     scaling.main(["--framework", "torch", "jax", "--workers", "1", "2", "--preset", "tiny", "--steps", "2",
                   "--warmup-steps", "0", "--per-worker-tokens", "480", "--buckets", "48",
                   "--out-dir", str(tmp_path)])
@@ -346,7 +349,7 @@ def test_profile_cpu_smoke():
     from pathlib import Path
 
     out = subprocess.run([sys.executable, "-m", "benchmarks.profile_cpu", "--quick"], capture_output=True,
-                         text=True, cwd=Path(__file__).parents[1], timeout=300)
+                         text=True, cwd=Path(__file__).parents[1], timeout=300, env=users_environment())
     assert out.returncode == 0, out.stderr[-2000:]
     tables = re.findall(r"^### (\w+): .*\n\n((?:\|.*\n)+)", out.stdout, re.M)
     assert [name for name, _ in tables] == ["torch", "peer", "jax", "torch", "jax"]
