@@ -267,12 +267,14 @@ def test_trained_copy_model_decodes_identically_in_every_backend(copy_model, bea
         np.testing.assert_allclose(got.scores, want.scores, rtol=SCORE_TOLERANCE, atol=atol)
 
 
-@pytest.mark.parametrize("overrides", [{}, dict(share_embeddings="none", output_bias=True, logit_scale=0.5)])
+@pytest.mark.parametrize("overrides", [{}, dict(share_embeddings="none", output_bias=True, logit_scale=0.5),
+                                       dict(output_bias=True)])
 def test_torch_packed_linears_change_only_the_summation_order(overrides, monkeypatch):
     """torch_impl.ops.packed_linears (oneDNN's packed weights for CPU decoding) computes the same
     logits as the plain forward within float32's bound for the model (rosetta.parity.TOLERANCES:
-    only the GEMMs' summation order differs), decodes the same tokens, and leaves the module as
-    it found it; with gradients on it changes nothing."""
+    only the GEMMs' summation order differs; the output bias inside the GEMM where logit_scale is
+    1, after the scale otherwise), decodes the same tokens, and leaves the module as it found it;
+    with gradients on it changes nothing."""
     import torch
 
     from rosetta.parity import TOLERANCES
@@ -304,3 +306,42 @@ def test_torch_packed_linears_change_only_the_summation_order(overrides, monkeyp
 
         plain_search = decode.beam_search(model.module, cfg, src_t, 3, 0.6, 8)
     assert unpacked.tokens == plain_search.tokens
+
+
+def test_torch_packed_weights_are_kept_until_a_weight_or_the_rows_change(monkeypatch):
+    """packed_linears keeps its packing on the module (CTranslate2 packs once, at load): a second
+    search with the same rows packs nothing; other rows, or a weight changed in place (an optimizer
+    step, a loaded state dict: its version counter moves), repack, and the logits then follow the
+    new weights and biases as the plain forward computes them (float32's bound)."""
+    import torch
+
+    from rosetta.parity import TOLERANCES
+    from torch_impl.ops import _can_pack, packed_linears
+
+    cfg = preset("tiny", max_len=32, output_bias=True)
+    model = from_params(cfg, _perturbed(cfg, seed=3), "torch", "float32")
+    src_t, tgt_t = (torch.from_numpy(x) for x in random_batch(cfg, 3, 7, 5, seed=4))
+    original, packs = torch.ops.mkldnn._reorder_linear_weight, []
+    monkeypatch.setattr(torch.ops.mkldnn, "_reorder_linear_weight",
+                        lambda w, batch_size: packs.append(batch_size) or original(w, batch_size=batch_size))
+
+    def packed(rows: int) -> int:  # the weights packed on entering packed_linears
+        before = len(packs)
+        with packed_linears(model.module, rows):
+            pass
+        return len(packs) - before
+
+    with torch.inference_mode():
+        if not _can_pack(model.module):
+            pytest.skip("this torch build has no oneDNN packed linear: packed_linears does nothing")
+        every = sum(isinstance(m, torch.nn.Linear) for m in model.module.modules()) + 1  # and the table
+        assert packed(3) == every and packed(3) == 0
+        assert packed(12) == every and packs[-1] == 12
+        linear = next(m for m in model.module.modules() if isinstance(m, torch.nn.Linear))
+        with torch.no_grad():
+            linear.weight.mul_(1.5)  # in place: the same address, a new version
+            model.module.generator.bias.add_(1.0)  # biases are not packed: read as they are
+        assert packed(12) == every
+        plain = model.module(src_t, tgt_t).numpy()
+        with packed_linears(model.module, 12):
+            assert relative_error(model.module(src_t, tgt_t).numpy(), plain) < TOLERANCES["torch", "float32"]

@@ -145,6 +145,7 @@ TORCH_ONLY: dict[str, dict[str, str]] = {
         "_can_pack": "oneDNN's packed float32 linears for CPU decoding (a torch build's kernel)",
         "_packed_linear": "the same",
         "packed_linears": "the same",
+        "_packed_weights": "the same: the packing kept per module while its weights are unchanged",
         "plain_attention": "the eager step's attention by matmuls (JAX's CPU path is already explicit)",
         "fused_linear": "the eager step's q, k, v in one GEMM (a torch eager lever; JAX's three dots stay)",
         "LayerCache.self_k": "a layer's slice of the stacked cache (JAX keeps a cache per layer)",

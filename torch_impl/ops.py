@@ -352,29 +352,37 @@ def _packed_linear(weight: torch.Tensor, bias: torch.Tensor | None, x: torch.Ten
 @contextlib.contextmanager
 def packed_linears(module: nn.Module, rows: int) -> Iterator[None]:
     """Inference on a CPU in float32: every nn.Linear of `module`, and the output projection (over
-    the target vocabulary), computes with its weight packed by oneDNN once, on entry, instead of
-    repacked by the GEMM at every call (torch.ops.mkldnn._linear_pointwise: what torch.compile's
-    CPU backend calls for a frozen linear). At decoding's shapes 1.3-1.9x the plain GEMM ([128,
-    512] x [512, 2048]: 2.3 -> 1.3 ms; the output projection over 32k: 46 -> 20 ms; this project's
-    CPU): the same products in another summation order (relative difference ~4e-7). `rows` is the
-    batch the packing is tuned for. Anything else (a GPU, bfloat16, gradients) runs as it is."""
+    the target vocabulary), computes with its weight packed by oneDNN instead of repacked by the
+    GEMM at every call (torch.ops.mkldnn._linear_pointwise: what torch.compile's CPU backend calls
+    for a frozen linear). At decoding's shapes 1.3-1.9x the plain GEMM ([128, 512] x [512, 2048]:
+    2.3 -> 1.3 ms; the output projection over 32k: 46 -> 20 ms; this project's CPU): the same
+    products in another summation order (relative difference ~4e-7). The output bias is added in
+    the GEMM where logit_scale is 1 (a separate add over [rows, V] took 4.5 ms a beam step of
+    decode_ct2's model). `rows` is the batch the packing is tuned for. The packed weights are kept
+    on the module (`_packed`) and reused while the weights and `rows` are unchanged (packing took
+    ~150 ms a call there, as CTranslate2 packs once, at load). Anything else (a GPU, bfloat16,
+    gradients) runs as it is."""
     if not _can_pack(module):
         yield
         return
-    pack = functools.partial(torch.ops.mkldnn._reorder_linear_weight, batch_size=rows)
+    generator = module.generator
+    weight = generator.weight if generator.weight is not None else module.tgt_table.weight
+    scaled = generator.logit_scale != 1.0
+    linears = [m for m in module.modules() if isinstance(m, nn.Linear)]
+    packed = _packed_weights(module, [*(linear.weight for linear in linears), weight], rows)
     patched = []
     try:
-        for linear in (m for m in module.modules() if isinstance(m, nn.Linear)):
-            linear.forward = functools.partial(_packed_linear, pack(linear.weight), linear.bias)
+        for linear, packed_weight in zip(linears, packed[:-1], strict=True):
+            linear.forward = functools.partial(_packed_linear, packed_weight, linear.bias)
             patched.append(linear)
-        generator = module.generator
-        weight = generator.weight if generator.weight is not None else module.tgt_table.weight
-        projection = functools.partial(_packed_linear, pack(weight), None)
+        projection = functools.partial(_packed_linear, packed[-1], None if scaled else generator.bias)
 
         def output(hidden: torch.Tensor, tgt_table: nn.Embedding) -> torch.Tensor:
             # Generator.forward with the packed weight (the table the model passes is `weight`).
             logits = projection(hidden)
-            logits = logits if generator.logit_scale == 1.0 else logits * generator.logit_scale
+            if not scaled:
+                return logits  # its bias, if any, added in the GEMM
+            logits = logits * generator.logit_scale
             return logits if generator.bias is None else logits + generator.bias
 
         generator.forward = output
@@ -383,3 +391,15 @@ def packed_linears(module: nn.Module, rows: int) -> Iterator[None]:
     finally:
         for m in patched:  # the instance attribute shadowed the class's forward
             del m.forward
+
+
+def _packed_weights(module: nn.Module, weights: list[torch.Tensor], rows: int) -> list[torch.Tensor]:
+    """oneDNN's packing of each weight for `rows` rows, kept on `module` and reused while every
+    weight is the same tensor, unmodified (its address and version counter: an optimizer step or
+    load_state_dict changes them) and `rows` the same."""
+    key = (rows, *((w.data_ptr(), w._version) for w in weights))
+    kept = getattr(module, "_packed", None)
+    if kept is None or kept[0] != key:
+        pack = functools.partial(torch.ops.mkldnn._reorder_linear_weight, batch_size=rows)
+        kept = module._packed = (key, [pack(w) for w in weights])
+    return kept[1]
