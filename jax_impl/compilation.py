@@ -16,12 +16,12 @@ from pathlib import Path
 import jax
 from jax.experimental.compilation_cache import compilation_cache
 
+from rosetta.device import CACHE_MAX_BYTES
+
 # XLA flags of every JAX program here, GPU and CPU alike (a GPU flag is inert on a CPU). Matmuls
 # through cuBLAS, as PyTorch's: XLA's default also autotunes Triton GEMM kernels, ~70 s per compiled
 # `base` step on an H100 (docs/benchmarks.md). A flag the user's XLA_FLAGS already sets is kept.
 XLA_FLAGS = ("--xla_gpu_enable_triton_gemm=false",)
-# The persistent cache's bound on disk: least recently used programs go first beyond it.
-CACHE_MAX_BYTES = 4 * 2**30
 
 
 def set_xla_flags() -> None:

@@ -88,6 +88,12 @@ def cpu_name() -> str:
     return "cpu: " + (platform.processor() or platform.machine() or "unknown")
 
 
+# The persistent JAX cache's bound on disk (jax_impl/compilation.py): least recently used programs
+# go first beyond it. Every process sharing a cache must set it alike: JAX writes each entry's access
+# time beside it only where a bound is set, and a bounded writer fails on an entry that has none.
+CACHE_MAX_BYTES = 4 * 2**30
+
+
 def cache_dir() -> Path:
     """This user's cache of compiled programs (`rosetta train --compile-cache`'s default): $ROSETTA_CACHE,
     else $XDG_CACHE_HOME/rosetta, else ~/.cache/rosetta."""
