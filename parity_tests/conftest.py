@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import functools
 import os
+import shutil
 import tempfile
 from collections.abc import Callable
 
@@ -43,12 +44,23 @@ def users_environment() -> dict[str, str]:
     return env | ({"XLA_FLAGS": flags} if flags else {})
 
 
+MADE_CACHE = pytest.StashKey[str]()  # the cache folder this run made (pytest_configure)
+
+
+def pytest_unconfigure(config: pytest.Config) -> None:
+    """The run's cache folder goes with it (every run made a new one under the temporary folder)."""
+    made = config.stash.get(MADE_CACHE, None)
+    if made is not None:
+        shutil.rmtree(made, ignore_errors=True)
+
+
 def pytest_configure(config: pytest.Config) -> None:
     # `rosetta train` keeps JAX's compiled programs in the user's cache (rosetta/device.py: cache_dir):
     # the suite keeps its own, one for the session (xdist's workers inherit it from the controller),
     # and writes nothing under the home directory. A test of the cache itself names its own folder.
     if "PYTEST_XDIST_WORKER" not in os.environ:
         os.environ["ROSETTA_CACHE"] = tempfile.mkdtemp(prefix="rosetta-test-cache-")
+        config.stash[MADE_CACHE] = os.environ["ROSETTA_CACHE"]  # removed when the run ends
         # JAX's persistent cache in that folder from the start, every program kept (as `rosetta train`
         # sets it: jax_impl/compilation.py's configure), read by JAX at import in the workers and
         # the subprocesses the tests start: a program compiled once per run, not once per
