@@ -485,7 +485,7 @@ def main(argv: list[str] | None = None) -> None:
                 **({"XLA_FLAGS": os.environ["XLA_FLAGS"]} if os.environ.get("XLA_FLAGS") else {})}
     if device != "cpu":
         settings["float32 matmuls"] = "TF32 in both frameworks"
-    # The run's seconds (all but the imports' few): each suite must stay under 10 minutes.
+    # The run's seconds (all but the imports' few): gpu under 10 minutes, cpu under 15 (its loop pairs).
     result = {"environment": env, "settings": settings, "wall_s": time.perf_counter() - started, **measured}
     text = markdown(result)
     print(text)
