@@ -41,7 +41,8 @@ def configure(cache_dir: str | os.PathLike | None) -> None:
     """XLA's flags (set_xla_flags) and the persistent compilation cache in `cache_dir`/jax (None:
     off; `cache_dir` is rosetta's cache, rosetta/device.py). Every compiled program is kept, however
     quick its compilation (JAX keeps only those over 1 s by default), so that a second run of the
-    same settings compiles nothing."""
+    same settings compiles nothing; the cache bounded to CACHE_MAX_BYTES unless the environment
+    bounds it (JAX_COMPILATION_CACHE_MAX_SIZE)."""
     set_xla_flags()
     wanted = None if cache_dir is None else str((Path(cache_dir).expanduser() / "jax").resolve())
     if wanted == jax.config.jax_compilation_cache_dir:
@@ -50,7 +51,8 @@ def configure(cache_dir: str | os.PathLike | None) -> None:
         Path(wanted).mkdir(parents=True, exist_ok=True)
     jax.config.update("jax_compilation_cache_dir", wanted)
     jax.config.update("jax_persistent_cache_min_compile_time_secs", 0.0)
-    jax.config.update("jax_compilation_cache_max_size", CACHE_MAX_BYTES)
+    if "JAX_COMPILATION_CACHE_MAX_SIZE" not in os.environ:  # the user's own bound (-1: none) stays
+        jax.config.update("jax_compilation_cache_max_size", CACHE_MAX_BYTES)
     compilation_cache.reset_cache()  # the cache opens its directory once: reopen it at the new one
 
 

@@ -15,7 +15,6 @@ import torch
 
 from rosetta import ModelConfig, init_params, preset
 from rosetta.backends import BACKENDS, MODEL_BACKENDS, get_backend
-from rosetta.device import CACHE_MAX_BYTES
 from rosetta.errors import RosettaError
 from rosetta.parity import random_batch
 
@@ -67,10 +66,12 @@ def pytest_configure(config: pytest.Config) -> None:
         # process or per new jit (a second trainer). Starts empty: a cold run stays cold.
         os.environ.setdefault("JAX_COMPILATION_CACHE_DIR", os.path.join(os.environ["ROSETTA_CACHE"], "jax"))
         os.environ.setdefault("JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS", "0")
-        # Bounded as `rosetta train` bounds it (rosetta/device.py): a test that trains configures the
-        # cache so in its process, and a bounded writer failed on every entry an unbounded one had
-        # written ("Error writing persistent compilation cache entry ... -atime"): nothing more was kept.
-        os.environ.setdefault("JAX_COMPILATION_CACHE_MAX_SIZE", str(CACHE_MAX_BYTES))
+        # Unbounded in every process, `rosetta train`'s too (jax_impl/compilation.py keeps this setting):
+        # a bounded writer (a test that configured the cache) failed on every entry an unbounded one had
+        # written ("Error writing persistent compilation cache entry ... -atime"), so nothing more was
+        # kept; and a bounded one reads every entry's access time at each write. One run stays far
+        # under rosetta/device.py's CACHE_MAX_BYTES, and the folder goes when the run ends.
+        os.environ.setdefault("JAX_COMPILATION_CACHE_MAX_SIZE", "-1")
         # JAX's CPU programs as one_torch_thread below runs PyTorch's (issue 46: the suite in 15 minutes
         # cold): LLVM at -O0 (a quarter of the JAX-heaviest modules' time was LLVM optimising code that
         # tiny models run for milliseconds) and XLA's CPU runtime on one thread. The same HLO and the

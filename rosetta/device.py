@@ -89,8 +89,9 @@ def cpu_name() -> str:
 
 
 # The persistent JAX cache's bound on disk (jax_impl/compilation.py): least recently used programs
-# go first beyond it. Every process sharing a cache must set it alike: JAX writes each entry's access
-# time beside it only where a bound is set, and a bounded writer fails on an entry that has none.
+# go first beyond it (JAX_COMPILATION_CACHE_MAX_SIZE, if set, instead). Every process sharing a cache
+# must bound it alike: JAX writes each entry's access time beside it only where a bound is set, and a
+# bounded writer fails on an entry that has none.
 CACHE_MAX_BYTES = 4 * 2**30
 
 
