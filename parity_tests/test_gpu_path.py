@@ -240,6 +240,23 @@ def test_a_second_jax_run_compiles_nothing(tmp_path):
     assert results[1]["compile_time_total_s"] < results[0]["compile_time_total_s"]
 
 
+@pytest.mark.parametrize("given", [None, "-1"])
+def test_the_cache_bound_is_rosettas_unless_the_environment_sets_one(given, tmp_path):
+    """jax_impl/compilation.configure bounds JAX's persistent cache to rosetta/device.py's
+    CACHE_MAX_BYTES; a bound the environment gives (JAX_COMPILATION_CACHE_MAX_SIZE; -1: none, as the
+    suite runs every process, so that no bounded writer meets an unbounded one's entries) is kept."""
+    from rosetta.device import CACHE_MAX_BYTES
+
+    env = {k: v for k, v in os.environ.items()
+           if k not in ("JAX_COMPILATION_CACHE_MAX_SIZE", "JAX_COMPILATION_CACHE_DIR")}
+    env |= {"JAX_PLATFORMS": "cpu"} | ({} if given is None else {"JAX_COMPILATION_CACHE_MAX_SIZE": given})
+    code = ("import sys, jax; from jax_impl.compilation import configure; configure(sys.argv[1]); "
+            "print(jax.config.jax_compilation_cache_max_size)")
+    out = subprocess.run([sys.executable, "-c", code, str(tmp_path)], cwd=ROOT, check=True,
+                         capture_output=True, text=True, env=env)
+    assert int(out.stdout.split()[-1]) == (CACHE_MAX_BYTES if given is None else int(given))
+
+
 def test_compile_cache_off_keeps_nothing(tmp_path, monkeypatch):
     """--compile-cache off: no directory is made, and the run's setting says so."""
     from rosetta.harness.run_config import RunConfig as Run
