@@ -396,10 +396,14 @@ def packed_linears(module: nn.Module, rows: int) -> Iterator[None]:
 def _packed_weights(module: nn.Module, weights: list[torch.Tensor], rows: int) -> list[torch.Tensor]:
     """oneDNN's packing of each weight for `rows` rows, kept on `module` and reused while every
     weight is the same tensor, unmodified (its address and version counter: an optimizer step or
-    load_state_dict changes them) and `rows` the same."""
-    key = (rows, *((w.data_ptr(), w._version) for w in weights))
+    load_state_dict changes them) and `rows` the same. Weights made in inference mode have no
+    version counter: packed anew at each call."""
+    try:
+        key = (rows, *((id(w), w.data_ptr(), w._version) for w in weights))
+    except RuntimeError:  # "Inference tensors do not track version counter"
+        key = None
     kept = getattr(module, "_packed", None)
-    if kept is None or kept[0] != key:
+    if key is None or kept is None or kept[0] != key:
         pack = functools.partial(torch.ops.mkldnn._reorder_linear_weight, batch_size=rows)
         kept = module._packed = (key, [pack(w) for w in weights])
     return kept[1]
