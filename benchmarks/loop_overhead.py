@@ -4,12 +4,12 @@ the noise of one row:
     python -m benchmarks.loop_overhead                 # tiny, both frameworks, 6 pairs: ~2 min on 2 cores
     python -m benchmarks.loop_overhead --preset small --pairs 3 --steps 2 --repeats 5
 
-The suite's `loop / step` column (benchmarks/run.py: a `(rosetta train)` row over its benchmark row)
-divides two rows measured minutes apart, each a median of a few short stretches; on a busy CPU one
-such row moves by a third. Here the two are alternated in one process, `--pairs` times per
-framework: the benchmark row (benchmarks/run.py bench_training: `Trainer.step` under the harness's
-Stepper) and the loop row (bench_harness: `rosetta train` itself, its median step from its own
-log), each as the suite measures it, with the suite's batches and settings. Reported per framework:
+The suite's `loop / step` column (benchmarks/run.py) alternates the same two rows a few times per
+size (Size.loop_pairs) and prints the median; on a busy CPU one pair moves by a third. Here they are
+alternated through the same function (run.alternate) with as many pairs as asked, `--pairs` per
+framework, and every pair is printed: the benchmark row (run.bench_training: `Trainer.step` under
+the harness's Stepper) and the loop row (bench_harness: `rosetta train` itself, its median step from
+its own log), each as the suite measures it, with the suite's batches and settings. Reported per framework:
 each row's median and spread over the pairs, each pair's ratio (loop over step), and their median
 and range. A loop that adds work shows as a median ratio above 1 with a range that stays above it.
 JAX is measured first in the process, PyTorch after it, as in the suite (JAX's rows are the
