@@ -23,6 +23,7 @@ from typing import Any, NoReturn
 from rosetta.backends import get_trainer
 from rosetta.cli_args import nonempty_path
 from rosetta.config import ModelConfig
+from rosetta.device import cache_dir
 from rosetta.errors import RosettaError
 from rosetta.files import atomic_write_bytes, check_writable
 from rosetta.harness.stepping import Stepper, cycle
@@ -160,18 +161,21 @@ TRAIN_CONFIG = TrainConfig(warmup_steps=4000)
 
 def build_trainer(impl: str, cfg: ModelConfig, params: dict, dtype: str, device: str | None = None) -> Any:
     """The trainer `rosetta train` would build for TRAINERS[impl], through the registry
-    (rosetta.backends: get_trainer), on `device` (None: the framework's default)."""
+    (rosetta.backends: get_trainer), on `device` (None: the framework's default), with its default
+    cache of compiled programs (a benchmark row after a loop row of the same program compiles nothing:
+    the warm-up is excluded from every number either way)."""
     backend, settings = TRAINERS[impl]
-    return get_trainer(backend)(cfg, params, TRAIN_CONFIG, device=device, dtype=dtype, **settings)
+    return get_trainer(backend)(cfg, params, TRAIN_CONFIG, device=device, dtype=dtype,
+                                compile_cache=cache_dir(), **settings)
 
 
 def time_training(trainer: Any, batches: Sequence[Batch], warmup: int, repeats: int, steps: int) -> dict:
     """The median seconds of one `trainer.step`, over `repeats` stretches of `steps` steps cycling
-    through `batches`, after `warmup` steps (at least one per batch: every shape compiles then);
+    through `batches`, after `warmup` steps (at least one per batch shape: each compiles then);
     `warmup_s` is what the warm-up took (mostly compilation), `peak_memory_bytes` the trainer's."""
     stepper = Stepper(trainer, cycle(list(batches)))
     start = time.perf_counter()
-    stepper.run(max(warmup, len(batches)))
+    stepper.run(max(warmup, len({b.shape for b in batches})))
     warmup_s = time.perf_counter() - start
     times = [stepper.run(steps).step_seconds for _ in range(repeats)]
     return {"median_s": statistics.median(times), "min_s": min(times), "max_s": max(times),

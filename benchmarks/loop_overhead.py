@@ -6,8 +6,8 @@ the noise of one row:
 
 The suite's `loop / step` column (benchmarks/run.py) alternates the same two rows a few times per
 size (Size.loop_pairs) and prints the median; on a busy CPU one pair moves by a third. Here they are
-alternated through the same function (run.alternate) with as many pairs as asked, `--pairs` per
-framework, and every pair is printed: the benchmark row (run.bench_training: `Trainer.step` under
+alternated through the same function (run.alternate: the loop first in every other pair) with as
+many pairs as asked, `--pairs` per framework, and every pair is printed: the benchmark row (run.bench_training: `Trainer.step` under
 the harness's Stepper) and the loop row (bench_harness: `rosetta train` itself, its median step from
 its own log), each as the suite measures it, with the suite's batches and settings. Reported per framework:
 each row's median and spread over the pairs, each pair's ratio (loop over step), and their median

@@ -57,15 +57,18 @@ def test_benchmark_runner_smoke(tmp_path, monkeypatch):
     assert all(r["sentences_per_s"] * r["median_s"] == pytest.approx(SUITES["smoke"].wide_beam) for r in wide)
     train_rows = [r for r in rows if r["task"] == "train"]
     assert all(r["peak_memory_bytes"] > 0 for r in train_rows)
-    # Each benchmark row: max(warm-up, batches) steps, then repeats x steps; each loop row: a warm-up
-    # stretch of `steps`, then repeats x steps (rosetta train --steps); all of them Trainer.step.
+    # Each benchmark row: max(warm-up, its batch shapes) steps (each shape compiles in the warm-up),
+    # then repeats x steps; each loop row: a warm-up stretch of `steps`, then repeats x steps
+    # (rosetta train --steps); all of them Trainer.step.
     suite = SUITES["smoke"]
-    bench = max(suite.warmup, 4) + suite.repeats * suite.steps  # 4: run.training_batches' count
+    bench = {batching: max(suite.warmup, len({b.shape for b in got})) + suite.repeats * suite.steps
+             for batching, got in timed.items()}
     loop = (1 + suite.repeats) * suite.steps
     per_framework: Counter = Counter()
     for r in train_rows:
         name = r["impl"].removesuffix(" (rosetta train)")
-        per_framework[TRAINERS[name][0]] += loop if r["impl"].endswith("(rosetta train)") else bench
+        is_loop = r["impl"].endswith("(rosetta train)")
+        per_framework[TRAINERS[name][0]] += loop if is_loop else bench[r["batching"]]
     assert calls == per_framework
     loop_rows = [r for r in train_rows if r["impl"].endswith("(rosetta train)")]
     assert loop_rows and all(r["vs_benchmark"] > 0 for r in loop_rows)
@@ -366,11 +369,13 @@ def test_profile_cpu_smoke():
 def test_loop_overhead_smoke(tmp_path, capsys, monkeypatch):
     """benchmarks/loop_overhead.py end to end, 3 pairs of 1 step. Its two rows are the suite's own
     functions (run end to end in test_benchmark_runner_smoke above), here replaced by stand-ins whose
-    medians are known: the alternation (JAX first, step then loop, each framework `--pairs` times),
+    medians are known: the alternation (JAX first, each framework `--pairs` times, step then loop and
+    loop then step in turn: ABBA, so that a drift of the machine tilts no ratio one way),
     each pair's ratio, their median and the file are checked against those values."""
     from benchmarks import loop_overhead
 
-    calls, seconds = [], iter([0.020, 0.021, 0.030, 0.024, 0.025, 0.020] * 2)  # step, loop, step, ...
+    # In the order called: step, loop; loop, step; step, loop (the loop first in every other pair).
+    calls, seconds = [], iter([0.020, 0.021, 0.024, 0.030, 0.025, 0.020] * 2)
 
     def row(kind):
         def measured(*args):
@@ -382,7 +387,8 @@ def test_loop_overhead_smoke(tmp_path, capsys, monkeypatch):
     monkeypatch.setattr(run_module, "bench_training", row("step"))  # what run.alternate calls
     monkeypatch.setattr(run_module, "bench_harness", row("loop"))
     loop_overhead.main(["--pairs", "3", "--steps", "1", "--repeats", "1", "--out-dir", str(tmp_path)])
-    order = [(kind, (fw,), "cpu") for fw in ("jax", "torch") for _ in range(3) for kind in ("step", "loop")]
+    order = [(kind, (fw,), "cpu") for fw in ("jax", "torch")
+             for pair in (("step", "loop"), ("loop", "step"), ("step", "loop")) for kind in pair]
     assert calls == order
     (path,) = tmp_path.glob("loop_overhead_tiny_cpu_*.json")
     result = json.loads(path.read_text())
