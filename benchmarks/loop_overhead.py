@@ -7,13 +7,14 @@ the noise of one row:
 The suite's `loop / step` column (benchmarks/run.py) alternates the same two rows a few times per
 size (Size.loop_pairs) and prints the median; on a busy CPU one pair moves by a third. Here they are
 alternated through the same function (run.alternate: the loop first in every other pair) with as
-many pairs as asked, `--pairs` per framework, and every pair is printed: the benchmark row (run.bench_training: `Trainer.step` under
-the harness's Stepper) and the loop row (bench_harness: `rosetta train` itself, its median step from
-its own log), each as the suite measures it, with the suite's batches and settings. Reported per framework:
-each row's median and spread over the pairs, each pair's ratio (loop over step), and their median
-and range. A loop that adds work shows as a median ratio above 1 with a range that stays above it.
-JAX is measured first in the process, PyTorch after it, as in the suite (JAX's rows are the
-suite's last benchmark rows). Nothing else should run meanwhile.
+many pairs as asked, `--pairs` per framework, and every pair is printed: the benchmark row
+(run.bench_training: `Trainer.step` under the harness's Stepper) and the loop row (bench_harness:
+`rosetta train` itself, its median step from its own log), each as the suite measures it, with the
+suite's batches and settings. Reported per framework: each row's median and spread over the pairs,
+each pair's ratio (loop over step), and their median and range. A loop that adds work shows as a
+median ratio above 1 with a range that stays above it. JAX is measured first in the process, PyTorch
+after it, as in the suite (JAX's rows are the suite's last benchmark rows). Nothing else should run
+meanwhile.
 """
 
 from __future__ import annotations
