@@ -2,7 +2,7 @@
 backend, each divided by the same measurement of a `torch.nn.Transformer` peer taken in the
 same run (benchmarks/peer.py: same config, same weights, same step).
 
-    python -m benchmarks.run --suite cpu      # tiny, and small at 250 x 24; float32 (~13 min, 2 cores)
+    python -m benchmarks.run --suite cpu      # tiny, and small at 250 x 24; float32 (~17 min, 2 cores)
     python -m benchmarks.run --suite gpu      # base, big, tiny; bfloat16 and float32 (TF32): 9 min
     python -m benchmarks.run --suite smoke    # tiny, one repeat: CI's check that it runs
     python -m benchmarks.run --suite gpu --presets base --dtypes bfloat16 --impls torch.compile jax peer
@@ -113,7 +113,7 @@ SUITES = {
     "smoke": Suite({"tiny": Size(8, 16, 4, 8, 4)}, ("float32",), 2, 1, 1, (), ("torch", "jax"), name="smoke",
                    packed=(("tiny", "float32"),), wide_beam=8),
     # torch.compile takes minutes per graph on 2 cores: measured on tiny only. small at a real batch:
-    # 250 x 24 tokens a side, about Multi30k's 4,096-token batches. Loop pairs: one moves by a third.
+    # 250 x 24 tokens a side, about Multi30k's 4,096-token batches. Loop pairs: one alone moved by a third.
     "cpu": Suite({"tiny": Size(32, 32, 16, 16, 16, 7), "small": Size(250, 24, 8, 16, 16, 5)},
                  ("float32",), 2, 5, 2, (("tiny", "float32"),), ("torch", "jax"), name="cpu",
                  packed=(("tiny", "float32"), ("small", "float32"))),
@@ -483,7 +483,7 @@ def main(argv: list[str] | None = None) -> None:
                 **({"XLA_FLAGS": os.environ["XLA_FLAGS"]} if os.environ.get("XLA_FLAGS") else {})}
     if device != "cpu":
         settings["float32 matmuls"] = "TF32 in both frameworks"
-    # The run's seconds (all but the imports' few): gpu under 10 minutes, cpu under 15 (its loop pairs).
+    # The run's seconds (all but the imports' few): gpu under 10 minutes, cpu under 20 (its loop pairs).
     result = {"environment": env, "settings": settings, "wall_s": time.perf_counter() - started, **measured}
     text = markdown(result)
     print(text)
