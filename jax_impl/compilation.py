@@ -37,14 +37,21 @@ def set_xla_flags() -> None:
 set_xla_flags()  # at import: every JAX module of ours imports this one before any device query
 
 
+OFF = "off"  # configure's `cache_dir` for no persistent cache (`rosetta train --compile-cache off`)
+
+
 def configure(cache_dir: str | os.PathLike | None) -> None:
-    """XLA's flags (set_xla_flags) and the persistent compilation cache in `cache_dir`/jax (None:
-    off; `cache_dir` is rosetta's cache, rosetta/device.py). Every compiled program is kept, however
-    quick its compilation (JAX keeps only those over 1 s by default), so that a second run of the
-    same settings compiles nothing; the cache bounded to CACHE_MAX_BYTES unless the environment
-    bounds it (JAX_COMPILATION_CACHE_MAX_SIZE)."""
+    """XLA's flags (set_xla_flags) and the persistent compilation cache: in `cache_dir`/jax
+    (`rosetta train` gives rosetta's cache, rosetta/device.py), none for OFF, and for None JAX's own
+    setting left as it is (JAX_COMPILATION_CACHE_DIR, or the caller's jax.config: a trainer built in
+    a library user's process does not undo their cache; until issue 46 it turned it off). Every
+    compiled program is kept, however quick its compilation (JAX keeps only those over 1 s by
+    default), so that a second run of the same settings compiles nothing; the cache bounded to
+    CACHE_MAX_BYTES unless the environment bounds it (JAX_COMPILATION_CACHE_MAX_SIZE)."""
     set_xla_flags()
-    wanted = None if cache_dir is None else str((Path(cache_dir).expanduser() / "jax").resolve())
+    if cache_dir is None:
+        return
+    wanted = None if cache_dir == OFF else str((Path(cache_dir).expanduser() / "jax").resolve())
     if wanted == jax.config.jax_compilation_cache_dir:
         return
     if wanted is not None:

@@ -275,9 +275,10 @@ class Trainer:
 
     The step is always compiled (`compile` changes nothing), once per batch shape, with the XLA
     flags and the persistent compilation cache of jax_impl/compilation.py (`compile_cache`: its
-    directory, None: off). A step never waits for the device (rosetta.training.Trainer): JAX
-    dispatches asynchronously, the step count is kept on the host, and the loss and gradient norm
-    stay on the device until `read`. float64 runs inside `jax.enable_x64` (jax_impl/backend.py: x64).
+    directory; "off": none; None: JAX's own setting, JAX_COMPILATION_CACHE_DIR or none). A step
+    never waits for the device (rosetta.training.Trainer): JAX dispatches asynchronously, the step
+    count is kept on the host, and the loss and gradient norm stay on the device until `read`.
+    float64 runs inside `jax.enable_x64` (jax_impl/backend.py: x64).
     """
 
     framework: ClassVar[str] = "jax"

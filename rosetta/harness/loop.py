@@ -106,7 +106,7 @@ class _Run:
         return get_trainer(self.backend)(
             self.cfg, params, self.train_cfg, device=run.device, dtype=run.dtype, accumulate=run.accumulate,
             shard=run.shard, num_devices=run.devices, loss=run.loss, compile=run.compile,
-            compile_cache=run.compile_cache_dir())
+            compile_cache=run.compile_cache_dir() or "off")  # None would keep JAX's own setting
 
     def start(self) -> Trainer:
         resumed = self.checkpoints.resume(self._trainer) if self.run.resume else None
