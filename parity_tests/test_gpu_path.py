@@ -14,6 +14,7 @@ import os
 import subprocess
 import sys
 from collections import Counter
+from collections.abc import Iterator
 from pathlib import Path
 
 import numpy as np
@@ -202,55 +203,56 @@ def test_rosetta_train_compile_runs_and_reports_its_compilation(tmp_path, graph_
 
 # -- Item 4: JAX compiles once ---------------------------------------------------------------------
 
-def test_jax_compiles_its_train_step_once_per_batch_shape():
-    """Counted with JAX's own compilation events (jax_impl/compilation.py): three shapes, three
-    compilations of the step; a second pass over them compiles nothing. The persistent cache off
-    (`compile_cache="off"`), so that no program another test compiled is read instead; the suite's
-    cache is set back after."""
+@pytest.fixture
+def jax_cache_setting() -> Iterator[str | None]:
+    """The process's persistent-cache directory (the suite's), set back after the test: building a
+    trainer with `compile_cache` changes it for the whole process."""
     import jax
     from jax.experimental.compilation_cache import compilation_cache
+
+    setting = jax.config.jax_compilation_cache_dir
+    yield setting
+    jax.config.update("jax_compilation_cache_dir", setting)
+    compilation_cache.reset_cache()
+
+
+def test_jax_compiles_its_train_step_once_per_batch_shape(jax_cache_setting):
+    """Counted with JAX's own compilation events (jax_impl/compilation.py): three shapes, three
+    compilations of the step; a second pass over them compiles nothing. The persistent cache off
+    (`compile_cache="off"`), so that no program another test compiled is read instead."""
+    import jax
 
     from jax_impl.compilation import compiled_programs
 
     cfg = preset("tiny", **NO_DROPOUT, num_encoder_layers=1, num_decoder_layers=1)
-    suites = jax.config.jax_compilation_cache_dir
-    try:
-        trainer = get_trainer("jax")(cfg, init_params(cfg, seed=0), TrainConfig(warmup_steps=10),
-                                     device="cpu", compile_cache="off")
-        assert jax.config.jax_compilation_cache_dir is None
-        batches = bucket_batches(cfg, per_shape=1)
-        before = compiled_programs()
-        for batch in batches:
-            trainer.step(batch)
-        first = compiled_programs() - before
-        assert first["jit(_train_step)"] == 3, first
-        again = compiled_programs()
-        for batch in batches:
-            trainer.read(trainer.step(batch))
-        assert compiled_programs() - again == Counter()
-    finally:
-        jax.config.update("jax_compilation_cache_dir", suites)
-        compilation_cache.reset_cache()
+    trainer = get_trainer("jax")(cfg, init_params(cfg, seed=0), TrainConfig(warmup_steps=10), device="cpu",
+                                 compile_cache="off")
+    assert jax.config.jax_compilation_cache_dir is None
+    batches = bucket_batches(cfg, per_shape=1)
+    before = compiled_programs()
+    for batch in batches:
+        trainer.step(batch)
+    first = compiled_programs() - before
+    assert first["jit(_train_step)"] == 3, first
+    again = compiled_programs()
+    for batch in batches:
+        trainer.read(trainer.step(batch))
+    assert compiled_programs() - again == Counter()
 
 
-def test_a_trainer_built_without_a_cache_leaves_jaxs_own_setting(tmp_path):
+def test_a_trainer_built_without_a_cache_leaves_jaxs_own_setting(jax_cache_setting, tmp_path):
     """`compile_cache=None` (a library user building a trainer) keeps the persistent cache JAX was
     given (here JAX_COMPILATION_CACHE_DIR, as the suite sets it); a directory and "off" set it.
     Before issue 46 None turned it off: every later compilation in the process went uncached."""
     import jax
-    from jax.experimental.compilation_cache import compilation_cache
 
     cfg = preset("tiny", **NO_DROPOUT, num_encoder_layers=1, num_decoder_layers=1)
-    params, suites = init_params(cfg, seed=0), jax.config.jax_compilation_cache_dir
-    assert suites  # the suite's own (conftest.py)
-    try:
-        for given, expected in [(None, suites), (tmp_path, str((tmp_path / "jax").resolve())), ("off", None),
-                                (None, None)]:
-            get_trainer("jax")(cfg, params, TrainConfig(), device="cpu", compile_cache=given)
-            assert jax.config.jax_compilation_cache_dir == expected, given
-    finally:
-        jax.config.update("jax_compilation_cache_dir", suites)
-        compilation_cache.reset_cache()
+    params = init_params(cfg, seed=0)
+    assert jax_cache_setting  # the suite's own (conftest.py)
+    for given, expected in [(None, jax_cache_setting), (tmp_path, str((tmp_path / "jax").resolve())),
+                            ("off", None), (None, None)]:
+        get_trainer("jax")(cfg, params, TrainConfig(), device="cpu", compile_cache=given)
+        assert jax.config.jax_compilation_cache_dir == expected, given
 
 
 def test_a_second_jax_run_compiles_nothing(tmp_path):
