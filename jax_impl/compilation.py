@@ -16,7 +16,7 @@ from pathlib import Path
 import jax
 from jax.experimental.compilation_cache import compilation_cache
 
-from rosetta.device import CACHE_MAX_BYTES
+from rosetta.device import CACHE_MAX_BYTES, CACHE_OFF
 
 # XLA flags of every JAX program here, GPU and CPU alike (a GPU flag is inert on a CPU). Matmuls
 # through cuBLAS, as PyTorch's: XLA's default also autotunes Triton GEMM kernels, ~70 s per compiled
@@ -37,12 +37,9 @@ def set_xla_flags() -> None:
 set_xla_flags()  # at import: every JAX module of ours imports this one before any device query
 
 
-OFF = "off"  # configure's `cache_dir` for no persistent cache (`rosetta train --compile-cache off`)
-
-
 def configure(cache_dir: str | os.PathLike | None) -> None:
     """XLA's flags (set_xla_flags) and the persistent compilation cache: in `cache_dir`/jax
-    (`rosetta train` gives rosetta's cache, rosetta/device.py), none for OFF, and for None JAX's own
+    (`rosetta train` gives rosetta's cache, rosetta/device.py), none for CACHE_OFF, and for None JAX's own
     setting left as it is (JAX_COMPILATION_CACHE_DIR, or the caller's jax.config: a trainer built in
     a library user's process does not undo their cache; until issue 46 it turned it off). Every
     compiled program is kept, however quick its compilation (JAX keeps only those over 1 s by
@@ -51,7 +48,7 @@ def configure(cache_dir: str | os.PathLike | None) -> None:
     set_xla_flags()
     if cache_dir is None:
         return
-    wanted = None if cache_dir == OFF else str((Path(cache_dir).expanduser() / "jax").resolve())
+    wanted = None if cache_dir == CACHE_OFF else str((Path(cache_dir).expanduser() / "jax").resolve())
     if wanted == jax.config.jax_compilation_cache_dir:
         return
     if wanted is not None:

@@ -93,6 +93,8 @@ def cpu_name() -> str:
 # must bound it alike: JAX writes each entry's access time beside it only where a bound is set, and a
 # bounded writer fails on an entry that has none.
 CACHE_MAX_BYTES = 4 * 2**30
+# `--compile-cache off`, and a trainer's `compile_cache` for no persistent cache (None: JAX's own setting).
+CACHE_OFF = "off"
 
 
 def cache_dir() -> Path:

@@ -28,6 +28,7 @@ from typing import Any
 
 from rosetta.backends import BACKENDS, get_trainer
 from rosetta.config import ModelConfig
+from rosetta.device import CACHE_OFF
 from rosetta.diff.training.trace import Tracer
 from rosetta.distributed import LaunchEnv, launch_env
 from rosetta.files import atomic_write_bytes
@@ -106,7 +107,7 @@ class _Run:
         return get_trainer(self.backend)(
             self.cfg, params, self.train_cfg, device=run.device, dtype=run.dtype, accumulate=run.accumulate,
             shard=run.shard, num_devices=run.devices, loss=run.loss, compile=run.compile,
-            compile_cache=run.compile_cache_dir() or "off")  # None would keep JAX's own setting
+            compile_cache=run.compile_cache_dir() or CACHE_OFF)  # None would keep JAX's own setting
 
     def start(self) -> Trainer:
         resumed = self.checkpoints.resume(self._trainer) if self.run.resume else None

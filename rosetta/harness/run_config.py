@@ -15,7 +15,7 @@ from typing import Any
 
 from rosetta.backends import check_trainable
 from rosetta.config import PRESETS, preset
-from rosetta.device import cache_dir, parse_device
+from rosetta.device import CACHE_OFF, cache_dir, parse_device
 from rosetta.errors import RosettaError
 from rosetta.files import check_writable
 from rosetta.generation import check_alpha
@@ -177,7 +177,7 @@ class RunConfig:
     def compile_cache_dir(self) -> Path | None:
         """The persistent compilation cache's directory: --compile-cache, else rosetta/device.py's
         cache_dir(); None for `off`."""
-        if self.compile_cache == "off":
+        if self.compile_cache == CACHE_OFF:
             return None
         return Path(self.compile_cache) if self.compile_cache is not None else cache_dir()
 
