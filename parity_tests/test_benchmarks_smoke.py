@@ -177,6 +177,23 @@ def test_recorded_gpu_results_show_what_issue_7_asks():
     assert load(newest("cpu"))["wall_s"] < 1200
 
 
+def test_recorded_cpu_suite_shows_the_loop_step_within_5_percent_of_the_benchmark():
+    """Issue 45, item 9, on the newest CPU suite's file: each framework's `(rosetta train)` row at
+    each size has run the loop alternated with its benchmark row (Size.loop_pairs, ABBA), and the
+    median of the pairs' loop/step ratios is within 1.05 (and above 1/1.05: a loop cannot do less
+    than its step), with every training row's real-token share recorded."""
+    rows = [r for r in load(newest("cpu"))["rows"] if r["task"] == "train"]
+    loops = {(r["preset"], r["impl"]): r for r in rows if r["impl"].endswith("(rosetta train)")}
+    sizes = SUITES["cpu"].presets
+    assert set(loops) == {(p, f"{fw} (rosetta train)") for p in sizes for fw in ("torch", "jax")}
+    for (preset_name, impl), r in loops.items():
+        assert r["pairs"] == sizes[preset_name].loop_pairs, (preset_name, impl)
+        low, high = r["vs_benchmark_range"]
+        assert low <= r["vs_benchmark"] <= high
+        assert 1 / 1.05 <= r["vs_benchmark"] <= 1.05, (preset_name, impl, r["vs_benchmark"])
+    assert all(0 < r["real_token_share"] <= 1 for r in rows)
+
+
 def test_scaling_benchmark_smoke(tmp_path, monkeypatch):
     """benchmarks/scaling.py end to end: tiny, 1 and 2 workers, 2 timed steps, both frameworks
     (PyTorch at 2 under torchrun, JAX on 2 host devices), one bucket (one JAX compilation per N).
