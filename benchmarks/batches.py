@@ -37,7 +37,15 @@ os.environ.setdefault("XLA_PYTHON_CLIENT_PREALLOCATE", "false")  # as benchmarks
 import numpy as np
 import torch
 
-from benchmarks.common import RESULTS, build_trainer, environment, given_path, parser, write_results
+from benchmarks.common import (
+    RESULTS,
+    build_trainer,
+    environment,
+    given_path,
+    parser,
+    with_machine,
+    write_results,
+)
 from benchmarks.peer import make_peer
 from benchmarks.run import device_name
 from rosetta import preset
@@ -197,7 +205,7 @@ def main(argv: list[str] | None = None) -> None:
     result |= {"environment": env, "wall_s": time.perf_counter() - started,
                "settings": f"{args.max_tokens} tokens per batch, {args.batches} batches, packed rows of "
                            + ", ".join(f"{n} ({d})" for d, n in PACK_LENGTH.items())}
-    text = markdown(result)
+    text = with_machine(markdown(result), env)
     print(text)
     if not args.no_write:
         print("wrote", *write_results(name, result, text, args.out_dir))

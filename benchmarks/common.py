@@ -15,6 +15,7 @@ import platform
 import re
 import statistics
 import subprocess
+import sys
 import time
 from collections.abc import Callable, Iterable, Iterator, Sequence
 from pathlib import Path
@@ -28,6 +29,7 @@ from rosetta.errors import RosettaError
 from rosetta.files import atomic_write_bytes, check_writable
 from rosetta.harness.stepping import Stepper, cycle
 from rosetta.json_input import field, read_json
+from rosetta.machine import ISA_NAMES, describe, isa_cap, isa_environment
 from rosetta.training import Batch, TrainConfig
 
 RESULTS = Path(__file__).parent / "results"
@@ -52,6 +54,23 @@ class Parser(argparse.ArgumentParser):
                 self.error(f"argument {flag}: {e}" if flag else str(e))
         return out_dir
 
+    def add_isa(self) -> None:
+        """`--isa`: the benchmark run with every library capped at an ISA (rosetta/machine.py)."""
+        self.add_argument("--isa", choices=ISA_NAMES, default=None,
+                          help="run with every library (oneDNN, ATen, MKL, XLA, CTranslate2) capped at this "
+                               "ISA: avx2 measures what an AVX2-only CPU runs; native takes every cap away "
+                               "(default: the environment as it is; docs/benchmarks.md)")
+
+    def apply_isa(self, args: argparse.Namespace, argv: Sequence[str] | None) -> None:
+        """Under `--isa X` with another cap in force, the same command again in a process started with X's
+        environment (each library reads its cap when it starts), then exit with its status."""
+        if args.isa is None or isa_cap() == args.isa:
+            return
+        module = self.prog.removeprefix("python -m ")
+        argv = sys.argv[1:] if argv is None else list(argv)
+        done = subprocess.run([sys.executable, "-m", module, *argv], env=isa_environment(args.isa))
+        raise SystemExit(done.returncode)
+
     @contextlib.contextmanager
     def refusing(self, flag: str | None = None) -> Iterator[None]:
         """Bad input found while setting up (a data directory, a suite's presets): one line, exit 2."""
@@ -73,13 +92,18 @@ def parser(script: str, description: str | None) -> Parser:
 
 
 def environment() -> dict:
-    """Machine, commit and library versions, stored in every results file."""
+    """Machine, commit and library versions, stored in every results file; "machine_block" is the block
+    of `python -m benchmarks.machine` (vector ISA, each library's dispatch, the cap, the calibration;
+    "machine" stays the host's name, as files before issue 55 have it)."""
+    from benchmarks.machine import full_block
+
     info = {
         "date": dt.datetime.now(dt.timezone.utc).isoformat(timespec="seconds"),
         "machine": platform.node(), "platform": platform.platform(),
         "processor": _cpu_model() or platform.processor() or platform.machine(),
         "cpus": os.cpu_count(),
         "python": platform.python_version(),
+        "machine_block": full_block(),
     }
     if os.environ.get("ROSETTA_COMMIT"):  # a machine whose checkout has no (or a stale) .git
         info["commit"] = os.environ["ROSETTA_COMMIT"] + " (from ROSETTA_COMMIT)"
@@ -126,6 +150,23 @@ def _versions(info: dict) -> dict:
     except ImportError:
         pass
     return info
+
+
+def machine_line(env: dict) -> str:
+    """The line every results table prints under its title: the CPU, its vector ISA, the cap and the
+    matmul calibration (rosetta.machine.describe); files from before issue 55 say they have no block."""
+    block = env.get("machine_block")
+    return f"Machine: {describe(block)}" if block else "Machine: not recorded (a file from before issue 55)"
+
+
+def with_machine(markdown: str, env: dict) -> str:
+    """`markdown` with machine_line(env) under its title (its first line), once: what a benchmark prints
+    is what write_results writes."""
+    line = machine_line(env)
+    if line in markdown:
+        return markdown
+    title, _, rest = markdown.partition("\n")
+    return f"{title}\n\n{line}\n{rest}"
 
 
 def time_it(fn: Callable[[], object], repeats: int = 3, warmup: int = 1) -> dict:
@@ -196,9 +237,12 @@ def release() -> None:
 
 
 def write_results(name: str, payload: dict, markdown: str, out_dir: Path | None = None) -> tuple[Path, Path]:
-    """<out_dir or benchmarks/results>/<name>.json and .md, written atomically."""
+    """<out_dir or benchmarks/results>/<name>.json and .md, written atomically; the markdown's title
+    (its first line) is followed by the machine line of the payload's environment (issue 55: every
+    table names the ISA and calibration it ran at)."""
     out_dir = out_dir or RESULTS
     json_path, md_path = out_dir / f"{name}.json", out_dir / f"{name}.md"
+    markdown = with_machine(markdown, payload.get("environment", {}))
     atomic_write_bytes(json_path, (json.dumps(payload, indent=2) + "\n").encode())
     atomic_write_bytes(md_path, markdown.encode())
     return json_path, md_path

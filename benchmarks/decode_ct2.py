@@ -34,7 +34,7 @@ from pathlib import Path
 
 import numpy as np
 
-from benchmarks.common import RESULTS, environment, given_path, parser, write_results
+from benchmarks.common import RESULTS, environment, given_path, parser, with_machine, write_results
 from rosetta import from_params, init_params
 from rosetta.cli_args import positive_int
 from rosetta.files import atomic_write_bytes
@@ -210,7 +210,7 @@ def main(argv: list[str] | None = None) -> None:
 
     env = {**environment(), "ctranslate2": ctranslate2.__version__}
     result = run(args.quick, args.rounds, args.threads)
-    text = markdown(result, env)
+    text = with_machine(markdown(result, env), env)
     print(text)
     if not args.no_write and not args.quick:
         paths = write_results(name, {"environment": env, **result}, text, args.out_dir)

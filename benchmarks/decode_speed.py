@@ -14,7 +14,7 @@ import datetime as dt
 
 import numpy as np
 
-from benchmarks.common import RESULTS, environment, parser, time_it, write_results
+from benchmarks.common import RESULTS, environment, parser, time_it, with_machine, write_results
 from rosetta import from_params, init_params, preset
 from rosetta.cli_args import positive_int
 from rosetta.parity import random_batch
@@ -72,7 +72,7 @@ def main(argv: list[str] | None = None) -> None:
         cli.check_out_dir(RESULTS, [f"{name}.json", f"{name}.md"], flag=None)
     env = environment()
     result = run(args.quick, args.repeats)
-    text = markdown(result, env)
+    text = with_machine(markdown(result, env), env)
     print(text)
     if not args.no_write and not args.quick:
         paths = write_results(name, {"environment": env, **result}, text)

@@ -26,7 +26,7 @@ import time
 
 import torch
 
-from benchmarks.common import RESULTS, environment, given_path, parser, write_results
+from benchmarks.common import RESULTS, environment, given_path, parser, with_machine, write_results
 from benchmarks.peer import make_peer
 from benchmarks.run import SUITES, alternate, training_batches
 from rosetta import preset
@@ -93,7 +93,7 @@ def main(argv: list[str] | None = None) -> None:
     started, env = time.perf_counter(), environment()
     result = run(args.preset, args.pairs, args.steps, args.repeats, device)
     result |= {"environment": env, "wall_s": time.perf_counter() - started}
-    text = markdown(result)
+    text = with_machine(markdown(result), env)
     print(text)
     if not args.no_write:
         print("wrote", *write_results(name, result, text, args.out_dir))

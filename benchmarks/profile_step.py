@@ -79,6 +79,7 @@ from benchmarks.common import (
     parser,
     release,
     time_training,
+    with_machine,
     write_results,
 )
 from benchmarks.peer import make_peer
@@ -489,7 +490,7 @@ def main(argv: list[str] | None = None) -> None:
     if args.loss_alone:
         result["loss_alone"] = loss_timings(cfg, size, args.dtype, args.device, args.steps)
     result["wall_s"] = time.perf_counter() - started
-    text = markdown(result)
+    text = with_machine(markdown(result), env)
     print(text, flush=True)
     if not args.no_write:
         print("wrote", *write_results(name, result, text, args.out_dir))

@@ -21,6 +21,7 @@ from benchmarks.common import (
     RESULTS,
     given_path,
     load_results,
+    machine_line,
     newest_results,
     parser,
     replace_block,
@@ -134,7 +135,7 @@ def describe(result: dict) -> str:
         f"torch {env.get('torch')}, jax {env.get('jax')}, flax {env.get('flax')}{extra}. Median "
         f"of {result['rows'][0]['repeats']} repeats (spread in brackets); ratio vs peer = peer "
         "time / our time for the same work (torch.nn.Transformer, same weights; > 1: faster than "
-        f"the peer; decoding: per emitted token). Sizes: {sizes}.\n"
+        f"the peer; decoding: per emitted token). Sizes: {sizes}. {machine_line(env)}.\n"
     )
 
 

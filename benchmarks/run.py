@@ -57,6 +57,7 @@ from benchmarks.common import (
     parser,
     release,
     time_training,
+    with_machine,
     write_results,
 )
 from benchmarks.peer import make_peer
@@ -485,7 +486,7 @@ def main(argv: list[str] | None = None) -> None:
         settings["float32 matmuls"] = "TF32 in both frameworks"
     # The run's seconds (all but the imports' few): gpu under 10 minutes, cpu under 20 (its loop pairs).
     result = {"environment": env, "settings": settings, "wall_s": time.perf_counter() - started, **measured}
-    text = markdown(result)
+    text = with_machine(markdown(result), env)
     print(text)
     if not args.no_write:
         json_path, md_path = write_results(name, result, text, out_dir)

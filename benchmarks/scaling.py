@@ -56,7 +56,7 @@ from pathlib import Path
 
 import numpy as np
 
-from benchmarks.common import RESULTS, Parser, environment, given_path, parser, write_results
+from benchmarks.common import RESULTS, Parser, environment, given_path, parser, with_machine, write_results
 from rosetta.cli_args import non_negative_int, positive_int, positive_real
 from rosetta.config import preset
 from rosetta.errors import RosettaError
@@ -416,7 +416,7 @@ def main(argv: list[str] | None = None) -> None:
     if not args.no_write:  # before the first measurement
         cli.check_out_dir(out_dir, [f"{name}.json", f"{name}.md"])
     result = run(args)
-    text = markdown(result)
+    text = with_machine(markdown(result), result["environment"])
     print(text)
     if not args.no_write:
         print("wrote", *write_results(name, result, text, out_dir))

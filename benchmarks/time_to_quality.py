@@ -22,7 +22,7 @@ import sys
 import time
 from pathlib import Path
 
-from benchmarks.common import RESULTS, environment, given_path, parser, write_results
+from benchmarks.common import RESULTS, environment, given_path, parser, with_machine, write_results
 from rosetta.cli_args import nonempty_path, positive_real, real_type
 from rosetta.errors import RosettaError
 from rosetta.harness.report import RUN_SCHEMA
@@ -164,7 +164,7 @@ def main(argv: list[str] | None = None) -> None:
     result["settings"] = f"recipe multi30k, --time-budget {budget} min per backend"
     if args.train:
         result["wall_s"] = time.perf_counter() - started
-    text = markdown(result)
+    text = with_machine(markdown(result), env)
     print(text)
     print("wrote", *write_results(name, result, text, args.results_dir))
 

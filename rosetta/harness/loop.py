@@ -54,6 +54,7 @@ from rosetta.harness.run_config import DEFAULT_STEPS, RunConfig, batching_line, 
 from rosetta.harness.run_dir import out_dir_lock
 from rosetta.harness.stepping import Stepper, Stretch
 from rosetta.harness.tasks import TaskData, run_batching, run_model_config, run_task
+from rosetta.machine import machine_block
 from rosetta.params import init_params
 from rosetta.training import Trainer
 
@@ -120,6 +121,9 @@ class _Run:
                   "model_config": self.cfg.to_dict(), "train_config": self.train_cfg.to_dict(),
                   "args": self.run.to_dict(), **_parallel_facts(trainer)}
         if self.main:
+            # What the run's speed was measured on (issue 55): vector ISA, each library's dispatch, the
+            # cap, a short matmul calibration. run.json only: the identity (resume's check) leaves it out.
+            record["machine"] = machine_block(calibrate_repeats=3)
             self.checkpoints.begin(record, self.log_path)
         return trainer
 

@@ -1,0 +1,93 @@
+"""Every speed figure names its machine (issue 55): the block rosetta/machine.py and
+benchmarks/machine.py build, in every results writer and in run.json, and the `--isa avx2` cap, which
+each library must report back as AVX2 (asked the way a user would: oneDNN's and MKL's own verbose
+banners, ATen's capability, the code XLA emitted, CTranslate2's own log)."""
+
+from __future__ import annotations
+
+import ast
+import json
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from benchmarks.common import machine_line, with_machine, write_results
+from rosetta.errors import RosettaError
+from rosetta.machine import ISA_CAPS, cpu_facts, describe, isa_cap, isa_environment, machine_block
+
+ROOT = Path(__file__).resolve().parent.parent
+HAS_AVX2 = "avx2" in cpu_facts()["vector_flags"]
+
+
+def test_isa_environment_caps_every_library_and_native_takes_every_cap_away():
+    devices = "--xla_force_host_platform_device_count=2"
+    capped = isa_environment("avx2", {"XLA_FLAGS": devices, "PATH": "/bin"})
+    assert capped["XLA_FLAGS"].split() == [devices, "--xla_cpu_max_isa=AVX2"]
+    assert {k: capped[k] for k in ISA_CAPS["avx2"] if k != "XLA_FLAGS"} == {
+        "ONEDNN_MAX_CPU_ISA": "AVX2", "ATEN_CPU_CAPABILITY": "avx2", "MKL_ENABLE_INSTRUCTIONS": "AVX2",
+        "CT2_FORCE_CPU_ISA": "AVX2"}
+    assert capped["PATH"] == "/bin" and isa_cap(capped) == "avx2"
+    native = isa_environment("native", capped)
+    assert native == {"XLA_FLAGS": devices, "PATH": "/bin"}
+    assert isa_cap(native) == "native"
+    assert isa_cap({"ONEDNN_MAX_CPU_ISA": "AVX2"}) == "partial avx2: ONEDNN_MAX_CPU_ISA"
+    with pytest.raises(RosettaError, match=r"--isa avx512: not an ISA cap; give one of native, avx2"):
+        isa_environment("avx512")
+
+
+def test_the_block_names_the_cpu_its_dispatch_and_a_calibration():
+    block = machine_block(calibrate_repeats=1)
+    assert set(block["cpu"]) == {"model", "vector_flags", "cores", "l2", "l3"}
+    assert block["torch_dispatch"]["aten"] in {"DEFAULT", "AVX2", "AVX512", "ZVECTOR", "VSX", "NO AVX"}
+    assert block["matmul"]["gflops"] > 0 and block["matmul"]["size"] == 1024
+    line = describe(block)
+    assert line.startswith(block["cpu"]["model"]) and "GFLOP/s" in line and "ATen" in line
+
+
+def test_every_results_writer_records_the_machine_block_and_prints_it_under_the_title(tmp_path):
+    """Each benchmark that writes a results file takes its environment from environment() (whose
+    "machine_block" is benchmarks.machine's), and write_results puts the machine line under the title,
+    once, also where the benchmark already printed it (with_machine)."""
+    for path in sorted((ROOT / "benchmarks").glob("*.py")):
+        calls = {node.func.id for node in ast.walk(ast.parse(path.read_text()))
+                 if isinstance(node, ast.Call) and isinstance(node.func, ast.Name)}
+        if "write_results" in calls and path.name != "common.py":
+            assert "environment" in calls, f"{path.name} writes results without environment()"
+    env = {"machine_block": machine_block(calibrate_repeats=1)}
+    _, md = write_results("t", {"environment": env}, "# Title\n\nbody\n", tmp_path)
+    text = md.read_text()
+    assert text.splitlines()[:3] == ["# Title", "", machine_line(env)] and text.count("Machine:") == 1
+    assert with_machine(text, env) == text
+    assert json.loads((tmp_path / "t.json").read_text())["environment"]["machine_block"]["cpu"]
+    assert machine_line({}) == "Machine: not recorded (a file from before issue 55)"
+
+
+@pytest.mark.skipif(not HAS_AVX2, reason="this CPU has no AVX2: there is nothing to cap at")
+def test_under_the_avx2_cap_every_library_reports_avx2():
+    """`python -m benchmarks.machine --isa avx2 --json` in a fresh process (it starts itself again with
+    the cap's environment): ATen, oneDNN, MKL, XLA's emitted code and CTranslate2 all at AVX2."""
+    done = subprocess.run([sys.executable, "-m", "benchmarks.machine", "--isa", "avx2", "--json"], cwd=ROOT,
+                          capture_output=True, text=True, timeout=300)
+    assert done.returncode == 0, done.stderr
+    block = json.loads(done.stdout)
+    assert block["isa_cap"] == "avx2"
+    dispatch = block["torch_dispatch"]
+    assert dispatch["aten"] == "AVX2" and dispatch["mkl"] == "AVX2" and dispatch["onednn"].endswith("AVX2")
+    assert block["xla_dispatch"]["max_isa"] == "AVX2"
+    assert block["xla_dispatch"]["code"] in {"AVX2", "SSE (no ymm register)"}  # no zmm, no mask register
+    assert block["ct2_dispatch"]["isa"] == "AVX2" and block["ct2_dispatch"]["mkl_max_isa"] == "AVX2"
+    assert block["calibration"]["matmul_gflops"] > 0
+
+
+def test_rosetta_train_records_the_machine_in_run_json(tmp_path):
+    from rosetta.cli import main
+
+    args = ["train", "--backend", "torch", "--device", "cpu", "--steps", "1", "--train-size", "64",
+            "--eval-size", "4", "--bleu-samples", "4", "--eval-every", "0", "--checkpoint-every", "0",
+            "--no-progress", "--out", str(tmp_path)]
+    assert main(args) == 0
+    record = json.loads((tmp_path / "torch" / "run.json").read_text())
+    assert record["machine"]["cpu"]["vector_flags"] == cpu_facts()["vector_flags"]
+    assert record["machine"]["isa_cap"] == isa_cap() and record["machine"]["matmul"]["gflops"] > 0
