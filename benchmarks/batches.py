@@ -191,7 +191,9 @@ def main(argv: list[str] | None = None) -> None:
     cli.add_argument("--data-dir", type=nonempty_path, help="Multi30k directory (default: the harness's)")
     cli.add_argument("--out-dir", type=given_path, default=RESULTS)
     cli.add_argument("--no-write", action="store_true", help="print the table only")
+    cli.add_isa()
     args = cli.parse_args(argv)
+    cli.apply_isa(args, argv)  # --isa: the run again, every library capped (docs/benchmarks.md)
     device = "".join(c if c.isalnum() else "-" for c in device_name().lower()).strip("-")
     name = f"batches_{args.preset}_{args.dtype}_{device}_{dt.date.today().isoformat()}"
     if not args.no_write:  # the files it writes, and the data it reads, before the first measurement

@@ -16,6 +16,7 @@ import re
 import statistics
 import subprocess
 import sys
+import tempfile
 import time
 from collections.abc import Callable, Iterable, Iterator, Sequence
 from pathlib import Path
@@ -54,12 +55,35 @@ class Parser(argparse.ArgumentParser):
                 self.error(f"argument {flag}: {e}" if flag else str(e))
         return out_dir
 
-    def add_isa(self) -> None:
-        """`--isa`: the benchmark run with every library capped at an ISA (rosetta/machine.py)."""
-        self.add_argument("--isa", choices=ISA_NAMES, default=None,
+    def add_isa(self, both: bool = False) -> None:
+        """`--isa`: the benchmark run with every library capped at an ISA (rosetta/machine.py); `both`:
+        also `--isa both`, each of ISA_NAMES in a process of its own (run_isas), one results file."""
+        self.add_argument("--isa", choices=(*ISA_NAMES, "both") if both else ISA_NAMES, default=None,
                           help="run with every library (oneDNN, ATen, MKL, XLA, CTranslate2) capped at this "
-                               "ISA: avx2 measures what an AVX2-only CPU runs; native takes every cap away "
-                               "(default: the environment as it is; docs/benchmarks.md)")
+                               "ISA: avx2 measures what an AVX2-only CPU runs; native takes every cap away"
+                               + ("; both: native, then avx2, in one results file" if both else "")
+                               + " (default: the environment as it is; docs/benchmarks.md)")
+        if both:  # where a process of `--isa both` leaves its part (run_isas)
+            self.add_argument("--part", type=Path, default=None, help=argparse.SUPPRESS)
+
+    def run_isas(self, argv: Sequence[str] | None) -> dict[str, dict]:
+        """`--isa both`: the same command once per ISA of ISA_NAMES, each in a process started with that
+        ISA's environment and writing its payload to a `--part` file; {isa: payload}. A part that fails
+        ends this process with its exit status."""
+        module = self.prog.removeprefix("python -m ")
+        given = list(sys.argv[1:] if argv is None else argv)
+        rest = [a for i, a in enumerate(given) if a not in ("--isa", "--isa=both")
+                and not (i > 0 and given[i - 1] == "--isa")]
+        parts = {}
+        with tempfile.TemporaryDirectory(prefix="rosetta-isa-") as tmp:
+            for isa in ISA_NAMES:
+                part = Path(tmp) / f"{isa}.json"
+                command = [sys.executable, "-m", module, *rest, "--isa", isa, "--part", str(part)]
+                done = subprocess.run(command, env=isa_environment(isa))
+                if done.returncode != 0:
+                    raise SystemExit(done.returncode)
+                parts[isa] = json.loads(part.read_text())  # our own child's file
+        return parts
 
     def apply_isa(self, args: argparse.Namespace, argv: Sequence[str] | None) -> None:
         """Under `--isa X` with another cap in force, the same command again in a process started with X's

@@ -27,6 +27,8 @@ from __future__ import annotations
 
 import datetime as dt
 import json
+import os
+import shutil
 import statistics
 import tempfile
 import time
@@ -36,7 +38,7 @@ import numpy as np
 
 from benchmarks.common import RESULTS, environment, given_path, parser, with_machine, write_results
 from rosetta import from_params, init_params
-from rosetta.cli_args import positive_int
+from rosetta.cli_args import integer_type
 from rosetta.files import atomic_write_bytes
 from rosetta.interop.convert import convert
 from rosetta.interop.marian import config_from_marian, write_marian
@@ -78,6 +80,7 @@ def marian_model(hf: dict, out: Path, seed: int = 0):
 
 
 ROUNDS = 7  # the default: issue 47 asks for at least 7 interleaved rounds
+MAX_ROUNDS = 100  # ~10 s a round at base size on 2 cores: a quarter of an hour
 # The float64 reference's beam search (numpy_ref, uncached: it recomputes every prefix) over the first
 # REFERENCE_ROWS sentences only: over the whole batch of a base-sized model it would take longer than
 # the benchmark. Each sentence's search is independent of the others in the batch.
@@ -100,11 +103,19 @@ def run(quick: bool = False, rounds: int = ROUNDS, threads: int = 2, batch: int 
 
 
 def _run(quick: bool, rounds: int, threads: int, batch: int, src_len: int, tgt_len: int, beam: int) -> dict:
-    import ctranslate2
-
     if quick:
         rounds, batch, src_len, tgt_len = 1, 4, 8, 8
     work = Path(tempfile.mkdtemp(prefix="decode-ct2-"))
+    try:  # the two model directories (hundreds of MB at base size) go on every way out
+        return _measure(work, quick, rounds, threads, batch, src_len, tgt_len, beam)
+    finally:
+        shutil.rmtree(work, ignore_errors=True)
+
+
+def _measure(work: Path, quick: bool, rounds: int, threads: int, batch: int, src_len: int, tgt_len: int,
+             beam: int) -> dict:
+    import ctranslate2
+
     cfg, params = marian_model(QUICK if quick else BASE, work / "marian")
     convert(work / "marian", work / "ct2", to_format="ctranslate2")
     vocab = read_json(work / "marian" / "vocab.json", "a vocabulary")
@@ -194,26 +205,50 @@ def markdown(result: dict, env: dict) -> str:
     return "\n".join(lines) + "\n"
 
 
-def main(argv: list[str] | None = None) -> None:
-    cli = parser(__file__, __doc__)
-    cli.add_argument("--quick", action="store_true", help="a small model, one round (nothing written)")
-    cli.add_argument("--rounds", type=positive_int, default=ROUNDS,
-                     help=f"interleaved rounds (default {ROUNDS})")
-    cli.add_argument("--threads", type=positive_int, default=2)
-    cli.add_argument("--out-dir", type=given_path, default=RESULTS)
-    cli.add_argument("--no-write", action="store_true", help="print only")
-    args = cli.parse_args(argv)
-    name = f"decode_ct2_cpu_{dt.date.today().isoformat()}"
-    if not args.no_write and not args.quick:  # before the minutes of measuring
-        cli.check_out_dir(args.out_dir, [f"{name}.json", f"{name}.md"])
+def measured(quick: bool, rounds: int, threads: int) -> dict:
+    """One run at the ISA in force: its environment (machine block included) and result."""
     import ctranslate2
 
     env = {**environment(), "ctranslate2": ctranslate2.__version__}
-    result = run(args.quick, args.rounds, args.threads)
-    text = with_machine(markdown(result, env), env)
+    return {"environment": env, **run(quick, rounds, threads)}
+
+
+def main(argv: list[str] | None = None) -> None:
+    cli = parser(__file__, __doc__)
+    cli.add_argument("--quick", action="store_true", help="a small model, one round (nothing written)")
+    cli.add_argument("--rounds", type=integer_type(1, MAX_ROUNDS), default=None,
+                     help=f"interleaved rounds (default {ROUNDS}, at most {MAX_ROUNDS}; --quick runs one)")
+    cores = os.cpu_count() or 1
+    cli.add_argument("--threads", type=integer_type(1, cores), default=min(2, cores),
+                     help="PyTorch's, CTranslate2's and XLA's threads (default 2; at most this machine's "
+                          f"{os.cpu_count()} cores)")
+    cli.add_argument("--out-dir", type=given_path, default=RESULTS)
+    cli.add_argument("--no-write", action="store_true", help="print only")
+    cli.add_isa(both=True)
+    args = cli.parse_args(argv)
+    if args.quick and args.rounds is not None:
+        cli.error("argument --rounds: --quick runs one round of a small model; leave out one of the two")
+    name = f"decode_ct2_cpu_{dt.date.today().isoformat()}"
+    if not args.no_write and not args.quick and not args.part:  # before the minutes of measuring
+        cli.check_out_dir(args.out_dir, [f"{name}.json", f"{name}.md"])
+    rounds = 1 if args.quick else args.rounds or ROUNDS
+    if args.isa == "both":  # each ISA in a process of its own (a library reads its cap when it starts)
+        parts = cli.run_isas(argv)
+        env = parts["native"]["environment"]
+        text = f"# Decoding against CTranslate2 at each ISA ({', '.join(parts)})\n\n" + "\n".join(
+            "#" + with_machine(markdown(part, part["environment"]), part["environment"]).replace(
+                "# Decoding against CTranslate2,", f"# {isa}:", 1) for isa, part in parts.items())
+        payload = {"environment": env, "isas": parts}
+    else:
+        cli.apply_isa(args, argv)  # --isa: the run again, every library capped (docs/benchmarks.md)
+        payload = measured(args.quick, rounds, args.threads)
+        if args.part:  # a part of --isa both: the parent writes
+            atomic_write_bytes(args.part, json.dumps(payload).encode())
+            return
+        text = with_machine(markdown(payload, payload["environment"]), payload["environment"])
     print(text)
     if not args.no_write and not args.quick:
-        paths = write_results(name, {"environment": env, **result}, text, args.out_dir)
+        paths = write_results(name, payload, text, args.out_dir)
         print("wrote", *paths)
 
 

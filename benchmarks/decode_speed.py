@@ -66,7 +66,9 @@ def main(argv: list[str] | None = None) -> None:
     cli.add_argument("--quick", action="store_true")
     cli.add_argument("--repeats", type=positive_int, default=3)
     cli.add_argument("--no-write", action="store_true", help="print only")
+    cli.add_isa()
     args = cli.parse_args(argv)
+    cli.apply_isa(args, argv)  # --isa: the run again, every library capped (docs/benchmarks.md)
     name = f"decode_cpu_{dt.date.today().isoformat()}"
     if not args.no_write and not args.quick:  # benchmarks/results, before any measurement
         cli.check_out_dir(RESULTS, [f"{name}.json", f"{name}.md"], flag=None)

@@ -85,7 +85,9 @@ def main(argv: list[str] | None = None) -> None:
     cli.add_argument("--repeats", type=positive_int, default=7, help="stretches a row (default 7)")
     cli.add_argument("--out-dir", type=given_path, default=RESULTS)
     cli.add_argument("--no-write", action="store_true", help="print only")
+    cli.add_isa()
     args = cli.parse_args(argv)
+    cli.apply_isa(args, argv)  # --isa: the run again, every library capped (docs/benchmarks.md)
     device = "cuda" if torch.cuda.is_available() else "cpu"
     name = f"loop_overhead_{args.preset}_{device}_{dt.date.today().isoformat()}"
     if not args.no_write:  # the files it writes, before the first measurement

@@ -199,7 +199,9 @@ def main(argv: list[str] | None = None) -> None:
     cli.add_argument("--out-dir", type=given_path, default=RESULTS)
     cli.add_argument("--no-write", action="store_true", help="print only")
     cli.add_argument("--quick", action="store_true", help="tiny models (the smoke test); nothing written")
+    cli.add_isa()
     args = cli.parse_args(argv)
+    cli.apply_isa(args, argv)  # --isa: the run again, every library capped (docs/benchmarks.md)
     name = f"profile_cpu_{dt.date.today().isoformat()}"
     if not args.no_write and not args.quick:  # before the minutes of profiling
         cli.check_out_dir(args.out_dir, [f"{name}.json", f"{name}.md"])

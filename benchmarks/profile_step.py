@@ -461,7 +461,9 @@ def main(argv: list[str] | None = None) -> None:
                      help="also time the loss alone (forward + backward)")
     cli.add_argument("--out-dir", type=given_path, default=RESULTS)
     cli.add_argument("--no-write", action="store_true", help="print only")
+    cli.add_isa()
     args = cli.parse_args(argv)
+    cli.apply_isa(args, argv)  # --isa: the run again, every library capped (docs/benchmarks.md)
     if args.device == "cuda" and not torch.cuda.is_available():
         cli.error("argument --device: no CUDA device here (--device cpu runs the same code on the CPU)")
     args.dtype = args.dtype or ("bfloat16" if args.device == "cuda" else "float32")

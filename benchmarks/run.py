@@ -461,7 +461,9 @@ def main(argv: list[str] | None = None) -> None:
     cli.add_argument("--out-dir", type=given_path, default=None, help="default: benchmarks/results")
     cli.add_argument("--overwrite", action="store_true",
                      help="replace today's results file of this suite and device")
+    cli.add_isa()
     args = cli.parse_args(argv)
+    cli.apply_isa(args, argv)  # --isa: the run again, every library capped (docs/benchmarks.md)
     started = time.perf_counter()
     with cli.refusing():
         suite = replace(select(SUITES[args.suite], args.presets, args.dtypes, args.impls),

@@ -387,7 +387,9 @@ def parse(argv: list[str] | None) -> tuple[Parser, argparse.Namespace]:
     cli.add_argument("--timeout", type=positive_real, default=1800, help="seconds per measurement")
     cli.add_argument("--worker", action="store_true", help=argparse.SUPPRESS)
     cli.add_argument("--result", type=Path, default=None, help=argparse.SUPPRESS)
+    cli.add_isa()
     args = cli.parse_args(argv)
+    cli.apply_isa(args, argv)  # --isa: the run again, every library capped (docs/benchmarks.md)
     if len(set(args.workers)) != len(args.workers):
         cli.error("argument --workers: takes distinct integers >= 1")
     if sorted(set(args.buckets)) != args.buckets or args.buckets[-1] < MAX_LEN + 1:

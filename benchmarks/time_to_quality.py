@@ -143,7 +143,9 @@ def main(argv: list[str] | None = None) -> None:
                      help="validation BLEU thresholds of the table (default 25 30 35)")
     cli.add_argument("--data-dir", type=nonempty_path, help="Multi30k directory (default: the harness's)")
     cli.add_argument("--results-dir", type=given_path, default=RESULTS)
+    cli.add_isa()
     args = cli.parse_args(argv)
+    cli.apply_isa(args, argv)  # --isa: the run again, every library capped (docs/benchmarks.md)
     env = environment()  # before training: the commit the run is made from
     device = "".join(c if c.isalnum() else "-" for c in (env.get("gpu") or "cpu").lower()).strip("-")
     name = f"ttq_{device}_{dt.date.today().isoformat()}"

@@ -23,12 +23,16 @@ _INTEGER = re.compile(r"-?[0-9]+")  # ASCII digits: int() alone would take "1_0"
 _REAL = re.compile(r"-?([0-9]+\.?[0-9]*|\.[0-9]+)([eE][-+]?[0-9]+)?")  # no nan, inf, "1_0"
 
 
-def integer_type(minimum: int | None = None) -> Callable[[str], int]:
+def integer_type(minimum: int | None = None, maximum: int | None = None) -> Callable[[str], int]:
+    """An integer within [minimum, maximum] (a count a machine can run: threads, rounds)."""
     def parse(text: str) -> int:
-        if not _INTEGER.fullmatch(text) or (minimum is not None and int(text) < minimum):
+        value = int(text) if _INTEGER.fullmatch(text) else None
+        if value is None or (minimum is not None and value < minimum) \
+                or (maximum is not None and value > maximum):
             bound = "" if minimum is None else f" >= {minimum}"
+            bound += "" if maximum is None else f" and <= {maximum}"
             raise argparse.ArgumentTypeError(f"must be an integer{bound}, got {text!r}")
-        return int(text)
+        return value
 
     return parse
 
