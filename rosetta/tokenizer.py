@@ -394,10 +394,55 @@ def is_marian_tokenizer_dir(directory: str | os.PathLike[str]) -> bool:
     return (Path(directory) / SOURCE_SPM).exists() or (Path(directory) / VOCAB).exists()
 
 
+# -- FSMT's tokenizer: its files are checked, never run ----------------------------------------
+
+# transformers' FSMTTokenizer (tokenization_fsmt.py VOCAB_FILES_NAMES): the source and target
+# vocabularies and the BPE merges. It runs Moses' punctuation normalizer and tokenizer (the
+# `sacremoses` package) before BPE; rosetta does not depend on sacremoses, so it reads the files'
+# sizes and special ids (check_fsmt_vocabularies) and refuses to tokenize text with them.
+FSMT_SRC_VOCAB, FSMT_TGT_VOCAB, FSMT_MERGES = "vocab-src.json", "vocab-tgt.json", "merges.txt"
+FSMT_TOKENIZER_FILES = (FSMT_SRC_VOCAB, FSMT_TGT_VOCAB, FSMT_MERGES)
+
+
+def is_fsmt_tokenizer_dir(directory: str | os.PathLike[str]) -> bool:
+    return any((Path(directory) / name).exists() for name in FSMT_TOKENIZER_FILES)
+
+
+def check_fsmt_vocabularies(directory: str | os.PathLike[str], cfg: ModelConfig) -> None:
+    """FSMT's files must be the model's: each vocabulary the size of its embedding, its ids inside it,
+    `</s>` and `<pad>` (FSMTTokenizer's sep and pad tokens) the config's eos_id and pad_id."""
+    directory = Path(directory)
+    for name in FSMT_TOKENIZER_FILES:
+        if not (directory / name).is_file():
+            raise TokenizerError(f"{directory / name}: missing (FSMT's tokenizer needs "
+                                 f"{', '.join(FSMT_TOKENIZER_FILES)})")
+    for name, size, field in ((FSMT_SRC_VOCAB, cfg.src_vocab_size, "src_vocab_size"),
+                              (FSMT_TGT_VOCAB, cfg.tgt_vocab_size, "tgt_vocab_size")):
+        vocab = _vocab(directory / name)
+        top = max(vocab, key=vocab.__getitem__)
+        if len(vocab) != size or vocab[top] >= size:
+            raise TokenizerError(f"{directory / name}: {len(vocab)} entries, ids up to {vocab[top]}, but "
+                                 f"the model's {field} (its embedding) has {size} rows")
+        for token, field_id, role in ((EOS, cfg.eos_id, "eos_id"), (PAD, cfg.pad_id, "pad_id")):
+            if vocab.get(token) != field_id:
+                raise TokenizerError(f"{directory / name}: {token!r} has id {vocab.get(token)}, but the "
+                                     f"model's {role} is {field_id}")
+
+
+def fsmt_refusal(directory: str | os.PathLike[str]) -> str:
+    """The one line `translate` answers for FSMT's files: what is missing to tokenize with them."""
+    return (f"{directory}: FSMT's tokenizer (Moses normalization and tokenization, then BPE with "
+            f"{', '.join(FSMT_TOKENIZER_FILES)}) is not in rosetta: it needs the `sacremoses` package, "
+            f"which rosetta does not depend on; tokenize with transformers' FSMTTokenizer (pip install "
+            f"sacremoses) or pass --tokenizer")
+
+
 def find_tokenizer(directory: str | os.PathLike[str]) -> Tokenizer | SentencePieceTokenizer | None:
     """The tokenizer a directory holds: Marian's (`source.spm`, `vocab.json`, ...) or ours
-    (`tokenizer.json`); None when it holds neither."""
+    (`tokenizer.json`); None when it holds neither. FSMT's files are refused (fsmt_refusal)."""
     directory = Path(directory)
+    if is_fsmt_tokenizer_dir(directory):
+        raise TokenizerError(fsmt_refusal(directory))
     if is_marian_tokenizer_dir(directory):
         return SentencePieceTokenizer(directory)
     if (directory / "tokenizer.json").is_file():

@@ -4,12 +4,13 @@
     convert("model.msgpack", "hf-out/", to_format="marian", overrides={"max_len": 512})
 
 Formats: `rosetta` (our checkpoint file, SPEC §3), `marian` (a Hugging Face `MarianMTModel`
-directory), `flax-wmt` (Flax's `examples/wmt` parameter tree, msgpack). `nn-transformer` takes
-module objects, not a file: `read_nn_transformer` brings it under the same roof for Python users.
-The input format is detected where it is unambiguous; the output format comes from the
-destination's name (`.safetensors` -> rosetta, `.msgpack` -> flax-wmt, a directory -> marian)
-unless given. Whatever the output format cannot represent is refused, naming the config field,
-before anything is written.
+directory), `flax-wmt` (Flax's `examples/wmt` parameter tree, msgpack), `fsmt` (a Hugging Face
+`FSMTForConditionalGeneration` directory: config.json's model_type "fsmt"; written with `--to
+fsmt`). `nn-transformer` takes module objects, not a file: `read_nn_transformer` brings it under
+the same roof for Python users. The input format is detected where it is unambiguous; the output
+format comes from the destination's name (`.safetensors` -> rosetta, `.msgpack` -> flax-wmt, a
+directory -> marian) unless given. Whatever the output format cannot represent is refused, naming
+the config field, before anything is written.
 """
 
 from __future__ import annotations
@@ -22,14 +23,14 @@ from typing import Any, NamedTuple
 from rosetta.checkpoint import FORMAT, load_checkpoint, read_header, save_checkpoint
 from rosetta.config import ModelConfig
 from rosetta.errors import CheckpointError, ConfigError, RosettaError
-from rosetta.interop import flax_msgpack, flax_wmt, marian, marian_files
+from rosetta.interop import flax_msgpack, flax_wmt, fsmt, marian, marian_files
 from rosetta.params import Params
 
-FORMATS = ("rosetta", "marian", "flax-wmt", "ctranslate2")
+FORMATS = ("rosetta", "marian", "flax-wmt", "ctranslate2", "fsmt")
 WRITE_ONLY = ("ctranslate2",)  # CTranslate2's model directory is an output only
 READ_FORMATS = tuple(f for f in FORMATS if f not in WRITE_ONLY)
 FORMAT_NAMES = {"rosetta": "rosetta", "marian": "Marian", "flax-wmt": "Flax WMT",
-                "ctranslate2": "CTranslate2"}
+                "ctranslate2": "CTranslate2", "fsmt": "FSMT"}
 SUFFIXES = {".safetensors": "rosetta", ".msgpack": "flax-wmt"}
 
 
@@ -84,6 +85,8 @@ def detect_format(path: str | os.PathLike) -> str:
         raise CheckpointError(f"{path}: no such file or directory")
     if path.is_dir():
         if is_marian_like(path):
+            if fsmt.is_fsmt(path):  # config.json's model_type decides
+                return "fsmt"
             _check_marian_config(path)
             return "marian"
         if (path / "model.safetensors").is_file():
@@ -130,6 +133,8 @@ def read_model(path: str | os.PathLike, fmt: str | None = None,
         return cfg, dict(ckpt.params)
     if fmt == "marian":
         return marian.read_marian(path, **overrides)
+    if fmt == "fsmt":
+        return fsmt.read_fsmt(path, **overrides)
     return flax_wmt.read_flax_wmt(path, **overrides)
 
 
@@ -147,6 +152,8 @@ def write_model(path: str | os.PathLike, cfg: ModelConfig, params: Mapping[str, 
         return save_checkpoint(path, cfg, params)
     if fmt == "marian":
         return marian.write_marian(path, cfg, params)
+    if fmt == "fsmt":
+        return fsmt.write_fsmt(path, cfg, params, fsmt.langs_of(tokenizer))
     return flax_wmt.write_flax_wmt(path, cfg, params)
 
 
@@ -176,7 +183,7 @@ def convert(src: str | os.PathLike, dst: str | os.PathLike, from_format: str | N
     _check_format(fmt_out, "--to")
     # A folder already holding files (a Hugging Face download, an earlier export: telling them
     # apart by name would guess) keeps them unless the user says otherwise.
-    folder_out = fmt_out in ("marian", "ctranslate2")
+    folder_out = fmt_out in ("marian", "ctranslate2", "fsmt")
     if folder_out and not overwrite and Path(dst).is_dir() and any(Path(dst).iterdir()):
         files = ("config.json, model.bin and the vocabulary" if fmt_out == "ctranslate2"
                  else f"{marian.CONFIG_FILE}, {marian.WEIGHTS_FILE} and other files of the same names")
@@ -188,9 +195,10 @@ def convert(src: str | os.PathLike, dst: str | os.PathLike, from_format: str | N
     # What `translate` would refuse of the tokenizer and generation_config.json, refused first.
     settings = marian_files.check_companions(companions, cfg) if companions is not None else None
     notes = list(settings.notes) if settings is not None else []
-    if fmt_out == "marian" and not marian_files.has_tokenizer(companions):
+    if fmt_out in ("marian", "fsmt") and not marian_files.has_tokenizer(companions):
         notes.append(f"{src}: no tokenizer goes with the model (a Marian directory's own files, a checkpoint "
-                     f"file's NAME.tokenizer/ folder), so {dst} gets none; MarianTokenizer needs one, and "
+                     f"file's NAME.tokenizer/ folder), so {dst} gets none; "
+                     f"{'MarianTokenizer' if fmt_out == 'marian' else 'FSMTTokenizer'} needs one, and "
                      f"`rosetta translate` its --tokenizer")
     if fmt_out == "ctranslate2" and settings is not None:
         from rosetta.interop.ctranslate2 import search_note

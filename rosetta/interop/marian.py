@@ -194,14 +194,15 @@ def _tensor_names(cfg: ModelConfig) -> dict[str, tuple[int, ...]]:
     return shapes
 
 
-def _first_present(tensors: Mapping[str, np.ndarray], names: list[str], what: str) -> np.ndarray:
+def _first_present(tensors: Mapping[str, np.ndarray], names: list[str], what: str,
+                   source: str = "Marian weights") -> np.ndarray:
     """The first of `names` present; every other one present must hold the same values (tied)."""
     found = [name for name in names if name in tensors]
     if not found:
-        raise CheckpointError(f"Marian weights: missing {what} (one of {', '.join(names)})")
+        raise CheckpointError(f"{source}: missing {what} (one of {', '.join(names)})")
     for name in found[1:]:
         if not np.array_equal(tensors[name], tensors[found[0]]):
-            raise CheckpointError(f"Marian weights: {name} differs from {found[0]}, but the config ties them")
+            raise CheckpointError(f"{source}: {name} differs from {found[0]}, but the config ties them")
     return tensors[found[0]]
 
 
@@ -249,12 +250,13 @@ def params_from_marian(cfg: ModelConfig, tensors: Mapping[str, np.ndarray]) -> P
     return params
 
 
-def _read_weights(directory: Path, cfg: ModelConfig) -> dict[str, np.ndarray]:
-    """The state dict of a Marian directory: safetensors (single or sharded), else a weights-only .bin."""
+def _read_weights(directory: Path, cfg: ModelConfig, what: str = "Marian weights") -> dict[str, np.ndarray]:
+    """The state dict of a Hugging Face directory (Marian's, FSMT's: `what` names it in messages):
+    safetensors (single or sharded), else a weights-only .bin."""
     from rosetta.checkpoint import read_safetensors
 
     if (directory / WEIGHTS_FILE).is_file():
-        return read_safetensors(directory / WEIGHTS_FILE, "Marian weights")[1]
+        return read_safetensors(directory / WEIGHTS_FILE, what)[1]
     if (directory / INDEX_FILE).is_file():
         index = read_json(directory / INDEX_FILE, "a shard index", limit=INDEX_LIMIT, schema=INDEX_SCHEMA)
         shards = sorted(set(index["weight_map"].values()))
@@ -262,7 +264,7 @@ def _read_weights(directory: Path, cfg: ModelConfig) -> dict[str, np.ndarray]:
             raise CheckpointError(f"{directory / INDEX_FILE}: no weight_map of shard file names")
         tensors: dict[str, np.ndarray] = {}
         for shard in shards:
-            tensors.update(read_safetensors(directory / shard, "Marian weights shard")[1])
+            tensors.update(read_safetensors(directory / shard, f"{what} shard")[1])
         return tensors
     if (directory / PICKLE_FILE).is_file():
         return _read_pickle(directory / PICKLE_FILE)

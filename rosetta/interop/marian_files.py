@@ -6,6 +6,9 @@ Where they are:
   `target_vocab.json` (separate vocabularies only), `tokenizer_config.json`,
   `generation_config.json`; a model trained here and written with `--to marian` holds
   `tokenizer.json` (our BPE, Hugging Face's fast format) instead of the SentencePiece files;
+- an FSMT directory holds `vocab-src.json`, `vocab-tgt.json`, `merges.txt` and
+  `tokenizer_config.json`: they travel (checked against the model's vocabularies) but are never run,
+  as their Moses step needs `sacremoses` (rosetta/tokenizer.py: fsmt_refusal);
 - a checkpoint file `X.safetensors` (or `X.msgpack`) written by `rosetta convert` keeps them in
   the folder `X.tokenizer/` beside it, the sidecar; `rosetta translate --checkpoint X.safetensors`
   finds it there (`--tokenizer` names another);
@@ -23,13 +26,21 @@ from rosetta.config import ModelConfig, read_json_object
 from rosetta.errors import CheckpointError
 from rosetta.files import atomic_write_bytes
 from rosetta.generation import GenerationSettings, check_generation_config
-from rosetta.tokenizer import MARIAN_TOKENIZER_FILES, find_tokenizer, is_marian_tokenizer_dir
+from rosetta.tokenizer import (
+    FSMT_TOKENIZER_FILES,
+    MARIAN_TOKENIZER_FILES,
+    check_fsmt_vocabularies,
+    find_tokenizer,
+    is_fsmt_tokenizer_dir,
+    is_marian_tokenizer_dir,
+)
 
 GENERATION_CONFIG = "generation_config.json"
 BPE_FILE = "tokenizer.json"
 SIDECAR_SUFFIX = ".tokenizer"
+DIRECTORY_FORMATS = ("marian", "fsmt")  # Hugging Face directories: the tokenizer goes inside
 # Every file a sidecar may hold: a new one replaces them all (no stale target_vocab.json stays).
-COMPANION_FILES = (*MARIAN_TOKENIZER_FILES, BPE_FILE, GENERATION_CONFIG)
+COMPANION_FILES = (*MARIAN_TOKENIZER_FILES, *FSMT_TOKENIZER_FILES, BPE_FILE, GENERATION_CONFIG)
 
 
 def sidecar(checkpoint: str | os.PathLike) -> Path:
@@ -61,9 +72,9 @@ def copy_companions(source: str | os.PathLike | None, cfg: ModelConfig, dest: st
         files = {BPE_FILE: source}
     else:
         files = {name: source / name for name in COMPANION_FILES if (source / name).is_file()}
-    if not files and to_format == "marian":
+    if not files and to_format in DIRECTORY_FORMATS:
         return []
-    if to_format == "marian":
+    if to_format in DIRECTORY_FORMATS:
         written = []
         if BPE_FILE in files and not is_marian_tokenizer_dir(source if source.is_dir() else source.parent):
             written.append(write_tokenizer(files.pop(BPE_FILE), dest, cfg))
@@ -95,8 +106,9 @@ def check_companions(source: str | os.PathLike, cfg: ModelConfig) -> GenerationS
 
         Tokenizer.load(source).check_fits(cfg)
         return None
-    tokenizer = find_tokenizer(source)
-    if tokenizer is not None:
+    if is_fsmt_tokenizer_dir(source):  # FSMT's Moses + BPE files: checked, never run (rosetta/tokenizer.py)
+        check_fsmt_vocabularies(source, cfg)
+    elif (tokenizer := find_tokenizer(source)) is not None:
         tokenizer.check_fits(cfg)
     return read_generation_settings(source, cfg)
 
@@ -106,7 +118,7 @@ def has_tokenizer(source: str | os.PathLike | None) -> bool:
     if source is None:
         return False
     source = Path(source)
-    return source.is_file() or find_tokenizer(source) is not None
+    return source.is_file() or is_fsmt_tokenizer_dir(source) or find_tokenizer(source) is not None
 
 
 # -- generation_config.json -> our search ------------------------------------------------------
