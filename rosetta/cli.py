@@ -283,10 +283,11 @@ def build_parser() -> argparse.ArgumentParser:
                                "marian (a Hugging Face MarianMTModel directory), flax-wmt (Flax "
                                "examples/wmt params, msgpack), ctranslate2 (output only: a CTranslate2 "
                                "model directory, through CTranslate2's own converter; pip install "
-                               "ctranslate2). Output format from DST's name: .safetensors, .msgpack, else "
-                               "a directory (marian). The tokenizer travels with the weights: into a "
-                               "marian directory, or the folder NAME.tokenizer/ beside a file "
-                               "(docs/real-models.md).")
+                               "ctranslate2), fsmt (a Hugging Face FSMTForConditionalGeneration "
+                               "directory: fairseq's WMT19 models; --to fsmt). Output format from DST's "
+                               "name: .safetensors, .msgpack, else a directory (marian). The tokenizer "
+                               "travels with the weights: into a marian or fsmt directory, or the folder "
+                               "NAME.tokenizer/ beside a file (docs/real-models.md).")
     p.add_argument("src", type=nonempty_path, help="the model to read")
     p.add_argument("dst", type=nonempty_path, help="where to write it")
     p.add_argument("--from", dest="from_format", choices=READ_FORMATS,
@@ -295,7 +296,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--set", action="append", default=[], metavar="FIELD=VALUE",
                    help="a config field the input cannot say (max_len, eos_id, ...; repeatable)")
     p.add_argument("--overwrite", action="store_true",
-                   help="marian or ctranslate2 output: write into a folder that is not empty (its "
+                   help="marian, fsmt or ctranslate2 output: write into a folder that is not empty (its "
                         "config.json, model.safetensors or model.bin, ... are replaced; other files stay)")
     p.set_defaults(func=cmd_convert)
 
