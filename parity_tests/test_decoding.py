@@ -139,6 +139,36 @@ def test_torch_topk_ranks_ties_by_index_as_a_stable_sort(dtype):
             np.testing.assert_array_equal(values.numpy(), np.take_along_axis(matrix, want, -1))
 
 
+def test_torch_topk_of_long_rows_through_their_best_chunks_ranks_as_a_stable_sort():
+    """topk_stable's preselection (rows of 4,000 and 32,000: chunks of 125 and 128) against numpy's
+    stable argsort: ties across and inside chunks at the top-k boundary, rows all equal (NEG), -0.0
+    beside 0.0, -inf, a NaN row (the whole row's keys instead), and the beam's [B, K, V] shape."""
+    import torch
+
+    from rosetta.generation import NEG
+    from torch_impl.decode import _best_chunks, topk_stable
+
+    rng = np.random.default_rng(1)
+    for V in (4000, 32000):
+        x = rng.normal(size=(6, 2, V)).astype(np.float32)
+        x[0, 0, [5, 300, 3999 - 7]] = x[0, 0, 900] = 9.0  # four equal best, in three chunks
+        x[0, 1] = rng.integers(-2, 3, size=V) * 0.5  # ties everywhere, across every chunk
+        x[1, 0] = NEG
+        x[1, 1, :] = -np.inf
+        x[1, 1, [10, 2000]] = [-0.0, 0.0]
+        x[2, 0, 17] = np.nan
+        for k in (1, 8):
+            finite = torch.from_numpy(np.delete(x, 2, 0))
+            assert _best_chunks(finite, k) is not None  # the preselection's path, checked below
+            assert _best_chunks(torch.from_numpy(x), k) is None  # a NaN: the whole row's keys
+            want = np.argsort(-finite.numpy(), axis=-1, kind="stable")[..., :k]
+            values, index = topk_stable(finite, k)
+            np.testing.assert_array_equal(index.numpy(), want)
+            np.testing.assert_array_equal(values.numpy(), np.take_along_axis(finite.numpy(), want, -1))
+            index = topk_stable(torch.from_numpy(x), k)[1].numpy()
+            assert np.isnan(x[2, 0, index[2, 0, 0]])  # NaN first, as the keys order it
+
+
 @pytest.mark.ported
 @pytest.mark.parametrize("beam_size", [1, 3])
 def test_cache_off_gives_the_same_search(backend, beam_size):
