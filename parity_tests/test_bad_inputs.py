@@ -254,16 +254,21 @@ def test_banned_tokens_with_log_probability_minus_infinity_are_not_refused(monke
             return logp
 
         monkeypatch.setattr(decode, "next_log_probs", next_log_probs)
+    elif backend == "torch":  # a -inf logit is a -inf log-probability, on every path of the search
+        plain = decode.Steps.logits
+
+        def logits(self, *args):
+            out = plain(self, *args)
+            out[:, banned] = -np.inf
+            return out
+
+        monkeypatch.setattr(decode.Steps, "logits", logits)
     else:
         steps = decode.Steps
         plain = steps.next_log_probs
 
         def next_log_probs(self, *args):
-            out = plain(self, *args)
-            if backend == "torch":
-                out[:, banned] = -np.inf
-                return out
-            logp, cache = out
+            logp, cache = plain(self, *args)
             return logp.at[:, np.array(banned)].set(-np.inf), cache
 
         monkeypatch.setattr(steps, "next_log_probs", next_log_probs)

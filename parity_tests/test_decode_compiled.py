@@ -79,11 +79,10 @@ def test_steps_after_every_sentence_finished_change_nothing(counter, monkeypatch
     src, _ = random_batch(cfg, 4, 8, 2, seed=10)
     L = 8 + 20  # source length + margin
     eager_steps, compiled_steps = [], []
-    next_log_probs = decode.Steps.next_log_probs
-    monkeypatch.setattr(decode.Steps, "next_log_probs",
-                        lambda self, *args: eager_steps.append(1) or next_log_probs(self, *args))
+    logits = decode.Steps.logits  # a step's decoder pass, greedy's and beam search's
+    monkeypatch.setattr(decode.Steps, "logits", lambda self, *args: eager_steps.append(1) or logits(self, *args))
     eager = Model(cfg, params, "float32", "cpu", compile=False).generate(src, beam_size, 0.6, 20)
-    monkeypatch.setattr(decode.Steps, "next_log_probs", next_log_probs)
+    monkeypatch.setattr(decode.Steps, "logits", logits)
     original = compilation.compiled
 
     def counting(fn, **kwargs):

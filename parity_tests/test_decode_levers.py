@@ -29,7 +29,8 @@ from rosetta.parity import random_batch
 # as parity_tests/test_decode_compiled.py bounds another summation order of the same step.
 LEVERS_SCORE_RTOL = 1e-6
 # Each framework's lever switches (module constants of its decode.py; off: the search before them).
-LEVERS = {"torch": ("TWO_STAGE_TOPK", "SHARED_CROSS", "STACKED_CACHE", "STEP_ATTENTION", "DROP_FINISHED"),
+LEVERS = {"torch": ("TWO_STAGE_TOPK", "SHARED_CROSS", "STACKED_CACHE", "STEP_ATTENTION", "DROP_FINISHED",
+                   "FIRST_ONE_ROW", "RANK_LOGITS"),
           "jax": ("TWO_STAGE_TOPK", "SHARED_CROSS")}
 
 
@@ -314,7 +315,7 @@ EOS_BIAS = 2.0  # a logit added to eos: beam search ends a sentence with eos (ch
 
 @pytest.mark.parametrize("beam_size", [1, 4])
 @pytest.mark.parametrize("lever", ["STACKED_CACHE", "STEP_ATTENTION", "STEP_ATTENTION unpadded",
-                                   "DROP_FINISHED"])
+                                   "DROP_FINISHED", "FIRST_ONE_ROW", "RANK_LOGITS"])
 def test_each_new_torch_lever_alone_keeps_the_tokens_and_scores(monkeypatch, lever, beam_size):
     """Issue 47's PyTorch levers one at a time (the others off) against all off and the float64
     reference, on sentences that finish at different steps: the same tokens, the scores within a few
@@ -336,10 +337,15 @@ def test_each_new_torch_lever_alone_keeps_the_tokens_and_scores(monkeypatch, lev
         monkeypatch.setattr(decode, name, False)
     off = model.generate(src, beam_size, max_len_margin=6)
     monkeypatch.setattr(decode, lever, True)
-    rows = []
-    next_log_probs = decode.Steps.next_log_probs
-    monkeypatch.setattr(decode.Steps, "next_log_probs",
-                        lambda self, tokens, t: rows.append(len(tokens)) or next_log_probs(self, tokens, t))
+    if lever == "FIRST_ONE_ROW":  # its one row a sentence reads the sentence's cross-attention keys
+        monkeypatch.setattr(decode, "SHARED_CROSS", True)
+    rows, ranked = [], []
+    logits = decode.Steps.logits
+    monkeypatch.setattr(decode.Steps, "logits",
+                        lambda self, tokens, t: rows.append(len(tokens)) or logits(self, tokens, t))
+    ranked_on_logits = decode.ranked_on_logits
+    monkeypatch.setattr(decode, "ranked_on_logits",
+                        lambda *args: ranked.append(ranked_on_logits(*args)) or ranked[-1])
     with torch.inference_mode():
         on = model.generate(src, beam_size, max_len_margin=6)
     assert on.tokens == off.tokens == want.tokens
@@ -348,8 +354,12 @@ def test_each_new_torch_lever_alone_keeps_the_tokens_and_scores(monkeypatch, lev
     full = len(src) * beam_size
     if lever == "DROP_FINISHED":
         assert rows[0] == full and rows[-1] < full and rows == sorted(rows, reverse=True)
+    elif lever == "FIRST_ONE_ROW" and beam_size > 1:  # step 0 on a row a sentence, then the beams'
+        assert rows[0] == len(src) and set(rows[1:]) == {full}
     else:
         assert set(rows) == {full}
+    # RANK_LOGITS ranks on the logits from step 1 (a beam search's; step 0 has dead beams: NEG ties).
+    assert (lever == "RANK_LOGITS" and beam_size > 1) == any(r is not None for r in ranked)
 
 
 def test_plain_attention_is_the_formula():
@@ -393,6 +403,7 @@ def test_stacked_cache_reorders_every_layer_by_one_gather(monkeypatch, stacked):
     cfg, params, src, _ = _case()
     monkeypatch.setattr(decode, "STACKED_CACHE", stacked)
     monkeypatch.setattr(decode, "DROP_FINISHED", False)
+    monkeypatch.setattr(decode, "FIRST_ONE_ROW", False)  # its step 1 gathers B x K rows of B: stacked
     gathers, calls = [0], [0]
 
     class Gathers(TorchDispatchMode):

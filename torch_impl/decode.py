@@ -46,6 +46,12 @@ SHARED_CROSS = True
 STACKED_CACHE = True
 STEP_ATTENTION = False  # off: slower in whole beam-4 calls on the 2-core AMD EPYC (docs/decoding.md)
 DROP_FINISHED = True
+# Issue 55's, eager beam search on a CPU: FIRST_ONE_ROW, step 0 on one row a sentence, not K equal ones
+# (Steps.one_row_first; with SHARED_CROSS, whose keys are a sentence's). RANK_LOGITS, from step 1: each
+# beam's top 2K ranked on its logits, one log-sum-exp a row instead of the log-softmax written out,
+# added to the scores and summed for NaNs (ranked_on_logits; the general path where it cannot tell).
+FIRST_ONE_ROW = True
+RANK_LOGITS = True
 
 
 def length_penalty(length: torch.Tensor | int, alpha: float, rule: str = "wu") -> torch.Tensor:
@@ -94,6 +100,7 @@ class Steps:
         self.cache = module.init_cache(memory, length, self.beams) if cache else None
         self.full = self.cache[0].stack if cache else None  # the stacked cache's buffer (reorder)
         self.spare: torch.Tensor | None = None
+        self.first_rows = 0  # one_row_first: the beams a sentence's one row of step 0 stands for
         self.cross_mask = source_mask(src, self.cfg.pad_id)
         if self.cache and STEP_ATTENTION and not static:  # eager: the single-query path
             for layer, layer_cache in zip(module.decoder.layers, self.cache, strict=True):
@@ -112,6 +119,29 @@ class Steps:
         return [self.limits, self.sentence_limits, self.banned, self.cross_mask, *stack, *caches]
 
     def next_log_probs(self, tokens: torch.Tensor, t: int | torch.Tensor) -> torch.Tensor:
+        return self.log_probs(self.logits(tokens, t), t, self.limits)
+
+    def log_probs(self, logits: torch.Tensor, t: int | torch.Tensor, limits: torch.Tensor) -> torch.Tensor:
+        """The float32 log-softmax of `logits` [N, V], constrained (`limits` [N]: each row's length limit)."""
+        logp = torch.log_softmax(logits.float(), dim=-1)
+        return constrain(logp, self.cfg, self.constraints, t + 1 >= limits, self.banned)
+
+    def one_row_first(self) -> bool:
+        """Eager beam search's step 0 on one row a sentence (FIRST_ONE_ROW): every beam of a sentence
+        feeds the same start token over the same empty cache, so its K rows would be K copies of one.
+        The self-attention cache shows its first B rows for that step; the next `reorder` takes row
+        b for each beam of sentence b (CTranslate2 expands its beams after the first step too).
+        False where the rows are not per sentence (no cache, or the cross-attention kept per row)."""
+        if not (FIRST_ONE_ROW and self.cache and self.beams > 1):
+            return False
+        sentences = len(self.sentence_limits)
+        for layer_cache in self.cache:
+            layer_cache.stack = self.full[:, :, :sentences]
+        self.first_rows = self.beams
+        return True
+
+    def logits(self, tokens: torch.Tensor, t: int | torch.Tensor) -> torch.Tensor:
+        """The decoder's logits [N, V] of output position t for rows whose emitted tokens are `tokens`."""
         bos = torch.full_like(tokens[:, :1], self.cfg.bos_id)
         if self.cache is not None:
             if isinstance(t, int):
@@ -123,8 +153,7 @@ class Steps:
             prefix = torch.cat([bos, tokens[:, :t]], dim=1)
             hidden = self.module.decode(prefix, self.memory, self.src)[:, -1:]
             logits = self.module.generator(hidden, self.module.tgt_table)[:, 0]
-        logp = torch.log_softmax(logits.float(), dim=-1)
-        return constrain(logp, self.cfg, self.constraints, t + 1 >= self.limits, self.banned)
+        return logits.float()
 
     def reorder(self, rows: torch.Tensor, t: int | torch.Tensor) -> None:
         """At the start of step t, the previous step's selection, in place: with STACKED_CACHE (or
@@ -132,6 +161,8 @@ class Steps:
         layer (ops.LayerCache.reorder)."""
         if not self.cache:
             return
+        if self.first_rows:  # after one_row_first's step: beam k of sentence b reads row b
+            rows, self.first_rows = rows // self.first_rows, 0
         stack = self.cache[0].stack
         if not STACKED_CACHE and len(rows) == stack.shape[2]:
             for layer_cache in self.cache:
@@ -181,10 +212,46 @@ def beam_topk(cand: torch.Tensor, k: int, topk: TopK) -> tuple[torch.Tensor, tor
     B, K, V = cand.shape
     if not TWO_STAGE_TOPK or k >= V:
         return topk(cand.view(B, K * V), k)
-    values, token = topk(cand, k)  # [B, K, k] each: a beam's top k, ties to the lower token
+    return second_stage(*topk(cand, k), V, topk)  # [B, K, k] each: a beam's top k, ties to the lower token
+
+
+def second_stage(values: torch.Tensor, token: torch.Tensor, V: int,
+                 topk: TopK) -> tuple[torch.Tensor, torch.Tensor]:
+    """beam_topk's second stage: the k best of the beams' K x k survivors `values` [B, K, k] (each
+    beam's in order, ties to the lower `token`), their values and flat indices beam * V + token."""
+    B, K, k = values.shape
     best, survivor = topk(values.view(B, K * k), k)
     origin = survivor // k
-    return best, origin * V + token.view(B, K * k).gather(1, survivor)
+    return best, origin * V + token.reshape(B, K * k).gather(1, survivor)
+
+
+def ranked_on_logits(logits: torch.Tensor, alive: torch.Tensor, banned: torch.Tensor,
+                     k: int) -> tuple[torch.Tensor, torch.Tensor] | None:
+    """RANK_LOGITS: each beam's top k candidates, values fl(fl(x - lse) + alive) (its log-probability,
+    x - logsumexp(x) rounded once, plus its score; ATen's log-softmax rounds twice, x - max - log sum:
+    the same to float32's last bit) and tokens, ordered by value, ties to the lower token, from
+    `logits` [B*K, V] (float32) and `alive` [B, K], without writing the log-softmax out. x -> fl(fl(x -
+    lse) + alive) never reverses an order, so the k + 1 best logits (ties to the lower token) hold the
+    top k by value wherever their k-th value is strictly above the (k+1)-th and above a banned token's
+    (NEG + alive, constrain's); and a row is broken (a NaN in its log-softmax) exactly where its lse is
+    not finite. None where any of that fails (a NaN, an infinity, a tie at the boundary, too few
+    tokens), `logits` then as given: the caller takes the general path."""
+    B, K = alive.shape
+    V = logits.shape[-1]
+    lse = torch.logsumexp(logits, dim=-1).view(B, K, 1)
+    if k + 1 > V - len(banned) or not bool(lse.isfinite().all()):
+        return None
+    kept = logits[:, banned]
+    logits[:, banned] = -torch.inf  # ranked last; their value would be NEG + alive (constrain)
+    top, token = topk_stable(logits.view(B, K, V), k + 1)
+    cand = (top - lse) + alive[:, :, None]
+    floor = torch.maximum(cand[..., k], NEG + alive)
+    if not bool((cand[..., k - 1] > floor).all()):
+        logits[:, banned] = kept
+        return None
+    # Ties the rounding made (distinct logits, equal values): ranked by token, as the general path.
+    order = _topk_by_keys(cand[..., :k], k, token[..., :k], V)[1]
+    return cand[..., :k].gather(-1, order), token[..., :k].gather(-1, order)
 
 
 def column(x: torch.Tensor, t: int | torch.Tensor) -> torch.Tensor:
@@ -388,14 +455,26 @@ def beam_search(module: Transformer, cfg: ModelConfig, src: torch.Tensor, beam_s
         # The cache follows the previous step's selection now, before this step writes it (jax_impl
         # reorders at the end of a step: the same order of operations; see ops.LayerCache.reorder).
         steps.reorder(rows, t)
-        logp = steps.next_log_probs(seqs.view(B * K, L), t)
-        V = logp.shape[-1]
-        cand = logp.view(B, K, V).add_(alive[:, :, None])  # in place: logp is this step's own
-        # Non-finite logits (numpy_ref): a NaN in a sentence's cand. By the sum over V, one read of it:
-        # cand holds no +inf (log-probabilities <= 0, scores <= 0, -inf at worst), so a sum is NaN
-        # exactly where a term is (a bool pass and a reduction over [B, K, V] took 3 ms a step).
-        broken = broken | (~done & cand.sum(dim=-1).isnan().any(dim=-1))
-        top_logp, top = beam_topk(cand, 2 * K, topk)
+        eager = isinstance(t, int)
+        first = eager and t == 0 and steps.one_row_first()  # every beam's row the same: one a sentence
+        logits = steps.logits(seqs[:, 0] if first else seqs.view(B * K, L), t)
+        V = logits.shape[-1]
+        ranked = None
+        if eager and RANK_LOGITS and not first and not steps.constraints.renormalize \
+                and not (steps.constraints.forced_eos and bool((t + 1 >= steps.limits).any())):
+            ranked = ranked_on_logits(logits, alive, steps.banned, 2 * K)
+        if ranked is not None:  # every lse finite: no sentence broke
+            top_logp, top = second_stage(*ranked, V, topk)
+        else:
+            logp = steps.log_probs(logits, t, limits if first else steps.limits)
+            logp = logp[:, None].expand(B, K, V) if first else logp.view(B, K, V)
+            # In place where logp is this step's own; step 0's one row a sentence stands for K beams.
+            cand = logp + alive[:, :, None] if first else logp.add_(alive[:, :, None])
+            # Non-finite logits (numpy_ref): a NaN in a sentence's cand. By the sum over V, one read of it:
+            # cand holds no +inf (log-probabilities <= 0, scores <= 0, -inf at worst), so a sum is NaN
+            # exactly where a term is (a bool pass and a reduction over [B, K, V] took 3 ms a step).
+            broken = broken | (~done & cand.sum(dim=-1).isnan().any(dim=-1))
+            top_logp, top = beam_topk(cand, 2 * K, topk)
         origin, token = top // V, top % V
         top_seqs = put_column(seqs.gather(1, origin[:, :, None].expand(B, 2 * K, L)), t, token)
         final = (token == cfg.eos_id) | (t + 1 >= limits)[:, None]
