@@ -12,8 +12,16 @@ import numpy as np
 from flax import nnx
 
 from jax_impl.model import LayerCache, Transformer, source_mask
+from jax_impl.topk import beam_topk
 from rosetta.config import ModelConfig
-from rosetta.generation import NEG, NO_CONSTRAINTS, Constraints, Generation, output_limits, strip
+from rosetta.generation import (
+    NEG,
+    NO_CONSTRAINTS,
+    Constraints,
+    Generation,
+    output_limits,
+    strip,
+)
 
 # Issue 47's decoding levers (docs/decoding.md), on; False gives the search as it was before them
 # (parity_tests/test_decode_levers.py compares the two; their speed effect is to be measured, not
@@ -94,20 +102,6 @@ class Steps:
     def reorder(cache: list[LayerCache], rows: jax.Array) -> list[LayerCache]:
         """The previous step's selection: new caches (ops.LayerCache.reorder)."""
         return [layer_cache.reorder(rows) for layer_cache in cache]
-
-
-def beam_topk(cand: jax.Array, k: int, two_stage: bool = True) -> tuple[jax.Array, jax.Array]:
-    """The k best of a sentence's beams' continuations cand [B, K, V], ranked as jax.lax.top_k ranks
-    cand.reshape(B, K * V): by value, ties to the lower flat index beam * V + v; their values [B, k]
-    and flat indices. `two_stage` (TWO_STAGE_TOPK): each beam's top k over its V tokens, then the top
-    k of those K x k; exact, ties included (the argument: torch_impl/decode.py's beam_topk; it holds
-    for any top-k that ranks by value with ties to the lower index, as lax.top_k does)."""
-    B, K, V = cand.shape
-    if not two_stage or k >= V:
-        return jax.lax.top_k(cand.reshape(B, K * V), k)
-    values, token = jax.lax.top_k(cand, k)  # [B, K, k] each: a beam's top k, ties to the lower token
-    best, survivor = jax.lax.top_k(values.reshape(B, K * k), k)
-    return best, (survivor // k) * V + jnp.take_along_axis(token.reshape(B, K * k), survivor, axis=1)
 
 
 # XLA's CPU backend fuses the output projection with the log-softmax's max (a reduce) into one

@@ -11,6 +11,7 @@ import pytest
 from numpy_ref import model as ref
 from numpy_ref.decode import length_penalty, log_softmax
 from rosetta import InputError, from_params, init_params, preset
+from rosetta.generation import NEG
 from rosetta.parity import random_batch, relative_error
 
 STEP_TOLERANCE = 1e-5  # float32 cached step logits vs float64 full recomputation
@@ -146,7 +147,7 @@ def test_torch_topk_of_long_rows_through_their_best_chunks_ranks_as_a_stable_sor
     import torch
 
     from rosetta.generation import NEG
-    from torch_impl.decode import _best_chunks, topk_stable
+    from torch_impl.topk import _best_chunks, topk_stable
 
     rng = np.random.default_rng(1)
     for V in (4000, 32000):
@@ -167,6 +168,32 @@ def test_torch_topk_of_long_rows_through_their_best_chunks_ranks_as_a_stable_sor
             np.testing.assert_array_equal(values.numpy(), np.take_along_axis(finite.numpy(), want, -1))
             index = topk_stable(torch.from_numpy(x), k)[1].numpy()
             assert np.isnan(x[2, 0, index[2, 0, 0]])  # NaN first, as the keys order it
+
+
+def test_jax_top_k_of_long_rows_through_their_best_chunks_is_lax_top_k():
+    """jax_impl's chunked top-k against jax.lax.top_k itself (the order JAX's search always had): ties
+    across chunks at the boundary, rows of ties, NEG, -inf, signed zeros (XLA ranks 0.0 above -0.0),
+    NaN and -NaN (XLA's total order puts them at the ends)."""
+    pytest.importorskip("jax")
+    import jax
+
+    from jax_impl.topk import top_k_by_chunks
+
+    rng = np.random.default_rng(2)
+    for V in (4000, 32000):
+        x = rng.normal(size=(5, 2, V)).astype(np.float32)
+        x[0, 0, [5, 300, 900, V - 7]] = 9.0
+        x[0, 1] = rng.integers(-2, 3, size=V) * 0.5
+        x[1, 0] = NEG
+        x[1, 1] = -np.inf
+        x[1, 1, [10, 2000]] = [-0.0, 0.0]
+        x[2, 0, 17] = np.nan
+        x[2, 1] = np.where(np.arange(V) % 7 == 0, -0.0, 0.0)
+        x[3, 0, 99] = -np.nan
+        for k in (1, 8):
+            want, got = jax.lax.top_k(x, k), top_k_by_chunks(x, k)
+            np.testing.assert_array_equal(np.asarray(got[1]), np.asarray(want[1]))
+            np.testing.assert_array_equal(np.asarray(got[0]), np.asarray(want[0]))
 
 
 @pytest.mark.ported

@@ -130,7 +130,7 @@ def test_no_source_file_is_over_500_lines():
 
 # -- Beyond model.py: the other files both framework backends have ---------------------------------
 
-MIRRORED = ("ops", "loss", "distributed", "train", "decode", "convert", "compilation", "backend")
+MIRRORED = ("ops", "loss", "distributed", "train", "decode", "topk", "convert", "compilation", "backend")
 TORCH_ONLY: dict[str, dict[str, str]] = {
     "ops": {
         "LayerCache.tensors": "a compiled step marks the cache's tensors static (CUDA graphs)",
@@ -176,13 +176,21 @@ TORCH_ONLY: dict[str, dict[str, str]] = {
         "Steps.tensors": "a compiled step marks what it reads static (CUDA graphs)",
         "column": "a 0-d tensor t indexed without a host read; JAX indexes with traced t",
         "put_column": "the same",
-        "topk_stable": "torch.topk leaves ties unordered; jax.lax.top_k takes the lower index",
-        "topk_exact": "the same, compiled",
-        "_topk_by_keys": "the same",
+        "Steps.log_probs": "the eager step's parts, apart for RANK_LOGITS (JAX's step is one jitted body)",
+        "Steps.one_row_first": "eager step 0 on a row a sentence (JAX's loop keeps static shapes)",
+        "Steps.logits": "the same as log_probs",
         "run": "the Python loop over compiled or eager steps; JAX's is one lax.while_loop",
         "_dynamic_dims": "the sizes torch.compile keeps dynamic; jax.jit compiles per shape",
         "Steps.keep": "finished sentences dropped from an eager search; JAX's loop has static shapes",
         "drop_finished": "the same",
+    },
+    "topk": {
+        "second_stage": "beam_topk's second stage, shared with RANK_LOGITS (an eager torch lever)",
+        "ranked_on_logits": "RANK_LOGITS: host reads decide the path (JAX's jitted step cannot branch)",
+        "topk_stable": "torch.topk leaves ties unordered; jax.lax.top_k takes the lower index",
+        "_best_chunks": "the same, through a long row's best chunks (host reads: NaN falls back)",
+        "topk_exact": "the same, compiled",
+        "_topk_by_keys": "the same",
     },
     "convert": {
         "torch_name": "nn.Linear stores [out, in] and other modules name their tensors `weight`",
@@ -244,6 +252,9 @@ JAX_ONLY: dict[str, dict[str, str]] = {
         "_beam_search": "the same for beam search",
         "_search_loop": "the searches' lax loop, its condition read every SYNC_EVERY steps (torch: run)",
         "_sync_every": "SYNC_EVERY by backend, a static argument of the jitted searches",
+    },
+    "topk": {
+        "top_k_by_chunks": "lax.top_k through a long row's best chunks (torch: topk_stable's _best_chunks)",
     },
     "convert": {
         "flax_name": "a state path's canonical name; Flax kernels need no transpose",

@@ -29,6 +29,17 @@ LENGTH_RULES = ("wu", "hf")
 # lp <= (2^20)^5 = 2^100 stays far inside float32 (2^128), so no alpha in [0, ALPHA_MAX] can make
 # lp overflow and turn every score into -0.0, which a larger alpha (1e300) does.
 ALPHA_MAX = 5.0
+# Beam search's top k of a long row through its k best chunks (torch_impl/decode.py _best_chunks, jax_impl
+# top_k_by_chunks; issue 55): the chunk widths tried, the first dividing the row taken (32,000 = 250 x
+# 128; 8,000 = 64 x 125).
+CHUNK_WIDTHS = (128, 125, 160, 100, 200, 250, 256, 64)
+
+
+def chunk_width(length: int, k: int) -> int | None:
+    """The chunk width for the k best of a row of `length`, None where chunks save nothing (a row
+    under 4 k widths, or no width of CHUNK_WIDTHS dividing it)."""
+    width = next((w for w in CHUNK_WIDTHS if length % w == 0), None)
+    return None if width is None or 4 * k * width > length else width
 
 
 @dataclass(frozen=True)
