@@ -29,6 +29,7 @@ from __future__ import annotations
 
 import argparse
 import datetime as dt
+import json
 import os
 import time
 
@@ -42,6 +43,7 @@ from benchmarks.common import (
     build_trainer,
     environment,
     given_path,
+    isa_sections,
     parser,
     with_machine,
     write_results,
@@ -51,6 +53,7 @@ from benchmarks.run import device_name
 from rosetta import preset
 from rosetta.cli_args import nonempty_path, positive_int
 from rosetta.config import PRESETS
+from rosetta.files import atomic_write_bytes
 from rosetta.flops import mfu, peak_flops
 from rosetta.harness.batching import BatchIterator
 from rosetta.harness.metrics import batch_work
@@ -142,7 +145,8 @@ def run(args: argparse.Namespace, pairs: dict[str, list]) -> dict:
             for impl, t in times.items():
                 median = float(np.median(t))
                 rows.append(dict(distribution=distribution, batching=batching, impl=impl, median_s=median,
-                                 min_s=min(t), max_s=max(t), repeats=args.repeats, batches=len(batches),
+                                 min_s=min(t), max_s=max(t), passes_s=list(t), repeats=args.repeats,
+                                 batches=len(batches),
                                  shapes=shapes, real_fraction=real / slots,
                                  real_tokens_per_s=real / median, real_flops=flops,
                                  real_mfu=mfu(flops, median, peak)))
@@ -153,6 +157,10 @@ def run(args: argparse.Namespace, pairs: dict[str, list]) -> dict:
                         None)
         if peer_row is not None and row["impl"] != "peer":
             row["ratio_vs_peer"] = row["real_tokens_per_s"] / peer_row["real_tokens_per_s"]
+            if row["batching"] == "bucketed":  # the same batches, passes interleaved: each pass's ratio
+                paired = [p / s for p, s in zip(peer_row["passes_s"], row["passes_s"], strict=True)]
+                row["paired_ratio_median"] = float(np.median(paired))
+                row["paired_ratio_range"] = [min(paired), max(paired)]
     return dict(suite="batches", device=device_name(), preset=args.preset, dtype=args.dtype,
                 max_tokens=args.max_tokens, rows=rows)
 
@@ -165,9 +173,12 @@ def markdown(result: dict) -> str:
              f"jax {env.get('jax')}; "
              f"{s}; the whole run took {result['wall_s']:.0f} s. Median of {result['rows'][0]['repeats']} "
              "interleaved passes over the same batches (spread in brackets). ratio vs peer: real target "
-             "tokens/s over the peer's on the bucketed batches of the same distribution.", "",
-             "| lengths | batching | real tokens | impl | ms per batch | real target tokens/s | real MFU | "
-             "ratio vs peer |", "| --- | --- | --- | --- | --- | --- | --- | --- |"]
+             "tokens/s over the peer's on the bucketed batches of the same distribution; paired: the "
+             "median of each pass's ratio (the peer's pass time over this one's: the same batches), "
+             "its range.",
+             "", "| lengths | batching | real tokens | impl | ms per batch | real target tokens/s | real MFU "
+             "| ratio vs peer | paired ratio [range] |", "| --- | --- | --- | --- | --- | --- | --- | --- "
+             "| --- |"]
     for r in result["rows"]:
         per = 1e3 / r["batches"]
         ratio = r.get("ratio_vs_peer")
@@ -175,8 +186,15 @@ def markdown(result: dict) -> str:
                      f"{r['median_s'] * per:.0f} [{r['min_s'] * per:.0f}–{r['max_s'] * per:.0f}] | "
                      f"{r['real_tokens_per_s']:,.0f} | "
                      f"{'–' if r['real_mfu'] is None else format(r['real_mfu'], '.1%')} | "
-                     f"{'–' if ratio is None else format(ratio, '.2f')} |")
+                     f"{'–' if ratio is None else format(ratio, '.2f')} | {_paired(r)} |")
     return "\n".join(lines) + "\n"
+
+
+def _paired(row: dict) -> str:
+    if "paired_ratio_median" not in row:  # the peer's own row, packed rows, files before issue 55
+        return "–"
+    low, high = row["paired_ratio_range"]
+    return f"{row['paired_ratio_median']:.2f} [{low:.2f}–{high:.2f}]"
 
 
 def main(argv: list[str] | None = None) -> None:
@@ -191,13 +209,21 @@ def main(argv: list[str] | None = None) -> None:
     cli.add_argument("--data-dir", type=nonempty_path, help="Multi30k directory (default: the harness's)")
     cli.add_argument("--out-dir", type=given_path, default=RESULTS)
     cli.add_argument("--no-write", action="store_true", help="print the table only")
-    cli.add_isa()
+    cli.add_isa(both=True)
     args = cli.parse_args(argv)
-    cli.apply_isa(args, argv)  # --isa: the run again, every library capped (docs/benchmarks.md)
     device = "".join(c if c.isalnum() else "-" for c in device_name().lower()).strip("-")
     name = f"batches_{args.preset}_{args.dtype}_{device}_{dt.date.today().isoformat()}"
-    if not args.no_write:  # the files it writes, and the data it reads, before the first measurement
+    if not args.no_write and not args.part:  # the files it writes, before the first measurement
         cli.check_out_dir(args.out_dir, [f"{name}.json", f"{name}.md"])
+    if args.isa == "both":  # each ISA in a process of its own (a library reads its cap when it starts)
+        parts = cli.run_isas(argv)
+        text = isa_sections(parts, markdown)
+        print(text)
+        if not args.no_write:
+            print("wrote", *write_results(name, {"environment": parts["native"]["environment"],
+                                                 "isas": parts}, text, args.out_dir))
+        return
+    cli.apply_isa(args, argv)  # --isa: the run again, every library capped (docs/benchmarks.md)
     with cli.refusing("--data-dir" if args.data_dir else None):
         vocab = preset(args.preset).src_vocab_size
         pairs = {d: length_pairs(d, vocab, args.data_dir) for d in args.distributions}
@@ -207,6 +233,9 @@ def main(argv: list[str] | None = None) -> None:
     result |= {"environment": env, "wall_s": time.perf_counter() - started,
                "settings": f"{args.max_tokens} tokens per batch, {args.batches} batches, packed rows of "
                            + ", ".join(f"{n} ({d})" for d, n in PACK_LENGTH.items())}
+    if args.part:  # a part of --isa both: the parent writes
+        atomic_write_bytes(args.part, json.dumps(result).encode())
+        return
     text = with_machine(markdown(result), env)
     print(text)
     if not args.no_write:

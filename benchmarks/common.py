@@ -193,6 +193,17 @@ def with_machine(markdown: str, env: dict) -> str:
     return f"{title}\n\n{line}\n{rest}"
 
 
+def isa_sections(parts: dict[str, dict], render: Callable[[dict], str]) -> str:
+    """One markdown of `--isa both`'s parts (Parser.run_isas): each part's table, `render(part)`, under a
+    "## ISA: its title" heading and its own machine line, after one title naming the ISAs."""
+    sections = []
+    for isa, part in parts.items():
+        title, _, rest = with_machine(render(part), part["environment"]).partition("\n")
+        sections.append(f"## {isa}: {title.lstrip('# ')}\n{rest}")
+    first = render(next(iter(parts.values()))).partition("\n")[0].lstrip("# ")
+    return f"# At each ISA ({', '.join(parts)}): {first}\n\n" + "\n".join(sections)
+
+
 def time_it(fn: Callable[[], object], repeats: int = 3, warmup: int = 1) -> dict:
     """Median and spread of wall-clock seconds over `repeats` calls, after `warmup` calls
     (compilation stays out of the numbers). `fn` must block until its result is ready."""

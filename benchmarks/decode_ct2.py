@@ -36,7 +36,15 @@ from pathlib import Path
 
 import numpy as np
 
-from benchmarks.common import RESULTS, environment, given_path, parser, with_machine, write_results
+from benchmarks.common import (
+    RESULTS,
+    environment,
+    given_path,
+    isa_sections,
+    parser,
+    with_machine,
+    write_results,
+)
 from rosetta import from_params, init_params
 from rosetta.cli_args import integer_type
 from rosetta.files import atomic_write_bytes
@@ -235,9 +243,7 @@ def main(argv: list[str] | None = None) -> None:
     if args.isa == "both":  # each ISA in a process of its own (a library reads its cap when it starts)
         parts = cli.run_isas(argv)
         env = parts["native"]["environment"]
-        text = f"# Decoding against CTranslate2 at each ISA ({', '.join(parts)})\n\n" + "\n".join(
-            "#" + with_machine(markdown(part, part["environment"]), part["environment"]).replace(
-                "# Decoding against CTranslate2,", f"# {isa}:", 1) for isa, part in parts.items())
+        text = isa_sections(parts, lambda part: markdown(part, part["environment"]))
         payload = {"environment": env, "isas": parts}
     else:
         cli.apply_isa(args, argv)  # --isa: the run again, every library capped (docs/benchmarks.md)
