@@ -21,6 +21,7 @@ from __future__ import annotations
 import json
 import os
 import re
+import shlex
 import shutil
 import statistics
 import subprocess
@@ -29,7 +30,7 @@ import tempfile
 import time
 from pathlib import Path
 
-from rosetta.machine import describe, machine_block
+from rosetta.machine import ISA_NAMES, describe, isa_environment, machine_block
 
 # XLA's probe, run in its own process (its XLA_FLAGS must name the dump folder before JAX starts): one
 # small program compiled with the persistent cache off, timed, and its object code kept for reading.
@@ -166,13 +167,29 @@ def table(block: dict) -> str:
     return "\n".join(lines) + "\n"
 
 
+def env_lines(isa: str) -> str:
+    """POSIX shell lines that put this process's environment at `isa` (rosetta.machine.isa_environment):
+    an export for each variable it sets or changes, an unset for each cap it takes away."""
+    now, wanted = dict(os.environ), isa_environment(isa)
+    lines = [f"export {k}={shlex.quote(v)}" for k, v in sorted(wanted.items()) if now.get(k) != v]
+    lines += [f"unset {k}" for k in sorted(set(now) - set(wanted))]
+    return "\n".join(lines)
+
+
 def main(argv: list[str] | None = None) -> None:
     from benchmarks.common import parser
 
     cli = parser(__file__, __doc__)
     cli.add_isa()
     cli.add_argument("--json", action="store_true", help="print the block as JSON instead of a table")
+    cli.add_argument("--print-env", choices=ISA_NAMES, metavar="ISA",
+                     help="print the shell lines that cap (avx2) or uncap (native) every library, for any "
+                          "other command: eval \"$(python -m benchmarks.machine --print-env avx2)\"; "
+                          "nothing is measured")
     args = cli.parse_args(argv)
+    if args.print_env:
+        print(env_lines(args.print_env))
+        return
     cli.apply_isa(args, argv)
     block = full_block()
     print(json.dumps(block, indent=2) if args.json else table(block), end="" if not args.json else "\n")

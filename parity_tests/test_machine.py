@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import ast
 import json
+import os
 import subprocess
 import sys
 from pathlib import Path
@@ -91,3 +92,18 @@ def test_rosetta_train_records_the_machine_in_run_json(tmp_path):
     record = json.loads((tmp_path / "torch" / "run.json").read_text())
     assert record["machine"]["cpu"]["vector_flags"] == cpu_facts()["vector_flags"]
     assert record["machine"]["isa_cap"] == isa_cap() and record["machine"]["matmul"]["gflops"] > 0
+
+
+def test_print_env_gives_the_shell_lines_of_the_cap_for_any_other_command():
+    """`eval "$(python -m benchmarks.machine --print-env avx2)"` caps what runs after it in that shell
+    (rosetta train, a user's script); --print-env native takes the cap away again, other flags kept."""
+    show = "import os; from rosetta.machine import isa_cap; print(isa_cap(), os.environ.get('XLA_FLAGS'))"
+    script = (f'eval "$(python -m benchmarks.machine --print-env avx2)" && python -c "{show}" && '
+              f'eval "$(python -m benchmarks.machine --print-env native)" && python -c "{show}"')
+    env = {**os.environ, "XLA_FLAGS": "--xla_force_host_platform_device_count=2",
+           "PATH": f"{Path(sys.executable).parent}:{os.environ['PATH']}"}
+    done = subprocess.run(["bash", "-c", script], cwd=ROOT, capture_output=True, text=True, env=env,
+                          timeout=120)
+    assert done.returncode == 0, done.stderr
+    devices = "--xla_force_host_platform_device_count=2"
+    assert done.stdout.splitlines() == [f"avx2 {devices} --xla_cpu_max_isa=AVX2", f"native {devices}"]
