@@ -56,8 +56,8 @@ STEP_ATTENTION = False  # off: slower in whole beam-4 calls on the 2-core AMD EP
 DROP_FINISHED = True
 # Issue 55's, eager beam search on a CPU: FIRST_ONE_ROW, step 0 on one row a sentence, not K equal ones
 # (Steps.one_row_first; with SHARED_CROSS, whose keys are a sentence's). RANK_LOGITS, from step 1: each
-# beam's top 2K ranked on its logits, one log-sum-exp a row instead of the log-softmax written out,
-# added to the scores and summed for NaNs (ranked_on_logits; the general path where it cannot tell).
+# beam's top 2K ranked on its logits, the scores added to those 2K only, not over [B, K, V], and no NaN
+# sum over them (topk.ranked_on_logits; the general path where it cannot tell).
 FIRST_ONE_ROW = True
 RANK_LOGITS = True
 
@@ -129,9 +129,11 @@ class Steps:
     def next_log_probs(self, tokens: torch.Tensor, t: int | torch.Tensor) -> torch.Tensor:
         return self.log_probs(self.logits(tokens, t), t, self.limits)
 
-    def log_probs(self, logits: torch.Tensor, t: int | torch.Tensor, limits: torch.Tensor) -> torch.Tensor:
-        """The float32 log-softmax of `logits` [N, V], constrained (`limits` [N]: each row's length limit)."""
-        logp = torch.log_softmax(logits.float(), dim=-1)
+    def log_probs(self, logits: torch.Tensor, t: int | torch.Tensor, limits: torch.Tensor,
+                  logp: torch.Tensor | None = None) -> torch.Tensor:
+        """The float32 log-softmax of `logits` [N, V] (or `logp`, already taken), constrained in place
+        (`limits` [N]: each row's length limit)."""
+        logp = torch.log_softmax(logits.float(), dim=-1) if logp is None else logp
         return constrain(logp, self.cfg, self.constraints, t + 1 >= limits, self.banned)
 
     def one_row_first(self) -> bool:
@@ -336,14 +338,14 @@ def beam_search(module: Transformer, cfg: ModelConfig, src: torch.Tensor, beam_s
         first = eager and t == 0 and steps.one_row_first()  # every beam's row the same: one a sentence
         logits = steps.logits(seqs[:, 0] if first else seqs.view(B * K, L), t)
         V = logits.shape[-1]
-        ranked = None
+        ranked, logp = None, torch.log_softmax(logits, dim=-1)
         if eager and RANK_LOGITS and not first and not steps.constraints.renormalize \
                 and not (steps.constraints.forced_eos and bool((t + 1 >= steps.limits).any())):
-            ranked = ranked_on_logits(logits, alive, steps.banned, 2 * K)
-        if ranked is not None:  # every lse finite: no sentence broke
+            ranked = ranked_on_logits(logits, logp, alive, steps.banned, 2 * K)
+        if ranked is not None:  # every row's log-softmax finite: no sentence broke
             top_logp, top = second_stage(*ranked, V, topk)
         else:
-            logp = steps.log_probs(logits, t, limits if first else steps.limits)
+            logp = steps.log_probs(logits, t, limits if first else steps.limits, logp)
             logp = logp[:, None].expand(B, K, V) if first else logp.view(B, K, V)
             # In place where logp is this step's own; step 0's one row a sentence stands for K beams.
             cand = logp + alive[:, :, None] if first else logp.add_(alive[:, :, None])

@@ -43,31 +43,32 @@ def second_stage(values: torch.Tensor, token: torch.Tensor, V: int,
     return best, origin * V + token.reshape(B, K * k).gather(1, survivor)
 
 
-def ranked_on_logits(logits: torch.Tensor, alive: torch.Tensor, banned: torch.Tensor,
+def ranked_on_logits(logits: torch.Tensor, logp: torch.Tensor, alive: torch.Tensor, banned: torch.Tensor,
                      k: int) -> tuple[torch.Tensor, torch.Tensor] | None:
-    """RANK_LOGITS: each beam's top k candidates, values fl(fl(x - lse) + alive) (its log-probability,
-    x - logsumexp(x) rounded once, plus its score; ATen's log-softmax rounds twice, x - max - log sum:
-    the same to float32's last bit) and tokens, ordered by value, ties to the lower token, from
-    `logits` [B*K, V] (float32) and `alive` [B, K], without writing the log-softmax out. x -> fl(fl(x -
-    lse) + alive) never reverses an order, so the k + 1 best logits (ties to the lower token) hold the
-    top k by value wherever their k-th value is strictly above the (k+1)-th and above a banned token's
-    (NEG + alive, constrain's); and a row is broken (a NaN in its log-softmax) exactly where its lse is
-    not finite. None where any of that fails (a NaN, an infinity, a tie at the boundary, too few
-    tokens), `logits` then as given: the caller takes the general path."""
+    """RANK_LOGITS: each beam's top k candidates, values logp + alive (as the general path's cand has
+    them: its log-softmax `logp` [B*K, V], unconstrained, plus the beam's score) and tokens, ordered by
+    value, ties to the lower token, ranked on `logits` [B*K, V] (float32; overwritten at the banned
+    tokens) and `alive` [B, K] without the scores added over [B, K, V] nor its NaN sum. x -> logp + alive
+    (a row's constants subtracted, rounded) never reverses an order, so the k + 1 best logits (ties to
+    the lower token) hold the top k by value wherever their k-th value is strictly above the (k+1)-th
+    and above a banned token's (NEG + alive, constrain's). A row's log-softmax holds a NaN (the general
+    path's broken sentence) exactly where its best logit's log-probability is not finite: a NaN or +inf
+    logit, or every logit -inf. None where any of that fails (a NaN, an infinity, a tie at the
+    boundary, too few tokens): the caller takes the general path with `logp`."""
     B, K = alive.shape
     V = logits.shape[-1]
-    lse = torch.logsumexp(logits, dim=-1).view(B, K, 1)
-    if k + 1 > V - len(banned) or not bool(lse.isfinite().all()):
+    if k + 1 > V - len(banned):
         return None
-    kept = logits[:, banned]
     logits[:, banned] = -torch.inf  # ranked last; their value would be NEG + alive (constrain)
     top, token = topk_stable(logits.view(B, K, V), k + 1)
-    cand = (top - lse) + alive[:, :, None]
+    values = logp.view(B, K, V).gather(-1, token)
+    if not bool(values[..., 0].isfinite().all()):
+        return None
+    cand = values + alive[:, :, None]
     floor = torch.maximum(cand[..., k], NEG + alive)
     if not bool((cand[..., k - 1] > floor).all()):
-        logits[:, banned] = kept
         return None
-    # Ties the rounding made (distinct logits, equal values): ranked by token, as the general path.
+    # Equal values of distinct logits (the rounding's): ranked by token, as the general path ranks them.
     order = _topk_by_keys(cand[..., :k], k, token[..., :k], V)[1]
     return cand[..., :k].gather(-1, order), token[..., :k].gather(-1, order)
 
