@@ -183,10 +183,11 @@ def embed(table: np.ndarray, ids: np.ndarray, cfg: ModelConfig, offset: int = 0,
     x = table[ids]
     if cfg.scale_embeddings:
         x = x * math.sqrt(cfg.d_model)
+    shift = cfg.position_offset  # SPEC §2: position p reads PE[p + position_offset] (fairseq: pad + 1)
     if positions is None:
-        table = positional_encoding(cfg.positional_encoding, ids.shape[1], cfg.d_model, offset)
+        table = positional_encoding(cfg.positional_encoding, ids.shape[1], cfg.d_model, offset + shift)
     else:
-        table = positional_encoding(cfg.positional_encoding, ids.shape[1], cfg.d_model)[positions]
+        table = positional_encoding(cfg.positional_encoding, ids.shape[1], cfg.d_model, shift)[positions]
     return x + table.astype(x.dtype)  # or float32 models would silently compute in float64
 
 

@@ -155,6 +155,8 @@ CONFIG_VARIANTS: dict[str, dict] = {
     "start_token_is_pad_eps_1e-6": dict(bos_id=0, layer_norm_eps=1e-6),
     "unequal_layers_heads_8": dict(num_encoder_layers=3, num_decoder_layers=1, num_heads=8),
     "logit_scale_flax_output_bias": dict(scale_embeddings=False, logit_scale=32 ** -0.5, output_bias=True),
+    "fairseq_positions_offset_pad_plus_1": dict(norm_first=True, positional_encoding="sinusoidal_concat_t2t",
+                                                pad_id=1, bos_id=0, position_offset=2),
 }
 
 # (batch, src_len, tgt_len, padded): padding in both sides, batch of 1, unequal lengths.

@@ -5,6 +5,7 @@ from __future__ import annotations
 import json
 import time
 
+import numpy as np
 import pytest
 
 from parity_tests.conftest import CONFIG_VARIANTS, variant_config
@@ -68,6 +69,10 @@ BAD_CONFIGS = [
     ({"norm_first": 1}, "norm_first must be true or false"),
     ({"final_norm": "no"}, "final_norm must be true or false"),
     ({"max_len": 0}, "max_len must be >= 1"),
+    ({"position_offset": -1}, "position_offset must be >= 0"),
+    ({"position_offset": True}, "position_offset must be an integer"),
+    ({"position_offset": 2.0}, "position_offset must be an integer"),
+    ({"max_len": 2**20, "position_offset": 1}, "max_len + position_offset must be <= 1,048,576"),
 ]
 
 
@@ -226,3 +231,36 @@ def test_default_checkpoint_metadata_is_unchanged_by_logit_scale(tmp_path):
     path = save_checkpoint(tmp_path / "s.safetensors", scaled, init_params(scaled))
     assert json.loads(dict(read_header(path).metadata)["config"])["logit_scale"] == 0.3
     assert load_checkpoint(path).config == scaled
+
+
+# -- position_offset (SPEC §1-2): left out of the JSON at 0, read back otherwise; the table shifts --
+
+def test_position_offset_is_left_out_of_the_json_at_zero_and_read_back_otherwise():
+    assert preset("tiny").position_offset == 0 and "position_offset" not in preset("tiny").to_dict()
+    assert preset("tiny", position_offset=0).to_json() == TINY_JSON_BEFORE_LOGIT_SCALE
+    fairseq = preset("tiny", pad_id=1, position_offset=2)
+    assert json.loads(fairseq.to_json())["position_offset"] == 2
+    assert ModelConfig.from_json(fairseq.to_json()) == fairseq
+    assert ModelConfig.from_json(TINY_JSON_BEFORE_LOGIT_SCALE).position_offset == 0  # an older file
+
+
+@pytest.mark.parametrize("kind", ["sinusoidal_interleaved", "sinusoidal_concat", "sinusoidal_concat_t2t"])
+def test_model_table_row_t_is_the_formula_at_t_plus_position_offset(kind):
+    """Row t of the table every backend holds is PE[t + position_offset], PE written out here from
+    the formulas (paper §3.5; tensor2tensor's get_timing_signal_1d for _t2t), not from the code."""
+    from rosetta.positional import model_table
+
+    d, k = 8, 3
+    cfg = preset("tiny", d_model=d, num_heads=2, positional_encoding=kind, max_len=10, position_offset=k)
+    p = np.arange(k, k + 10, dtype=np.float64)[:, None]
+    i = np.arange(d // 2)[None, :]
+    if kind == "sinusoidal_concat_t2t":
+        angles = p * np.exp(-i * np.log(10000.0) / (d // 2 - 1))
+    else:
+        angles = p / 10000.0 ** (2 * i / d)
+    if kind == "sinusoidal_interleaved":
+        want = np.stack([np.sin(angles), np.cos(angles)], axis=-1).reshape(10, d)
+    else:
+        want = np.concatenate([np.sin(angles), np.cos(angles)], axis=1)
+    np.testing.assert_allclose(model_table(cfg), want, rtol=0, atol=1e-12)
+    assert np.array_equal(model_table(cfg.replace(position_offset=0))[k:], model_table(cfg)[: 10 - k])

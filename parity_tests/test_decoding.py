@@ -16,6 +16,9 @@ from rosetta.parity import random_batch, relative_error
 
 STEP_TOLERANCE = 1e-5  # float32 cached step logits vs float64 full recomputation
 SCORE_TOLERANCE = 1e-5  # beam scores across backends, relative
+# fairseq's conventions (M2M100, NLLB, FSMT): pad 1, positions read from row pad + 1 (SPEC §1-2).
+FAIRSEQ = dict(norm_first=True, positional_encoding="sinusoidal_concat_t2t", pad_id=1, bos_id=0,
+               position_offset=2)
 
 
 def _perturbed(cfg, seed=0):
@@ -27,6 +30,7 @@ def _perturbed(cfg, seed=0):
 @pytest.mark.parametrize("overrides", [
     {}, dict(norm_first=True, activation="gelu", share_embeddings="none", output_bias=True),
     dict(positional_encoding="sinusoidal_concat_t2t", attention_bias=False, bos_id=0),
+    FAIRSEQ,
 ])
 def test_cached_step_logits_equal_full_recomputation(backend, overrides):
     cfg = preset("tiny", **overrides)
@@ -96,9 +100,10 @@ def _decision_margin(params, cfg, src, tokens):
     return min(gaps)
 
 
+@pytest.mark.parametrize("overrides", [{}, FAIRSEQ], ids=["default", "fairseq_position_offset"])
 @pytest.mark.parametrize("beam_size", [1, 4])
-def test_searches_agree_across_backends_on_random_weights(beam_size):
-    cfg = preset("tiny", max_len=40)
+def test_searches_agree_across_backends_on_random_weights(beam_size, overrides):
+    cfg = preset("tiny", max_len=40, **overrides)
     params = _perturbed(cfg, seed=5)
     src, _ = random_batch(cfg, 4, 8, 2, seed=6)
     want = from_params(cfg, params, "numpy").generate(src, beam_size, max_len_margin=6)

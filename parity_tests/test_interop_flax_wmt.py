@@ -480,6 +480,7 @@ WRITE_REFUSALS = {
     "bos_id": dict(bos_id=1),
     "num_encoder_layers": dict(num_decoder_layers=1),
     "d_model": dict(d_model=2, num_heads=1),
+    "position_offset": dict(position_offset=1),
 }
 
 

@@ -220,7 +220,7 @@ def test_absent_biases_are_written_as_zeros(tmp_path):
 
 @pytest.mark.parametrize("field, value", [("norm_first", True), ("final_norm", True),
                                           ("positional_encoding", "sinusoidal_interleaved"),
-                                          ("layer_norm_eps", 1e-6)])
+                                          ("layer_norm_eps", 1e-6), ("position_offset", 2)])
 def test_unrepresentable_config_is_refused_and_nothing_written(tmp_path, field, value):
     base = dict(src_vocab_size=11, tgt_vocab_size=11, d_model=8, num_heads=2, num_encoder_layers=1,
                 num_decoder_layers=1, d_ff=8, positional_encoding="sinusoidal_concat")

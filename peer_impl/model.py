@@ -54,7 +54,7 @@ class PeerTransformer(nn.Module):
         self.generator = nn.Linear(cfg.d_model, cfg.tgt_vocab_size, bias=False)
         self.generator.weight = self.embed.weight  # share_embeddings = "all"
         self.dropout = nn.Dropout(cfg.dropout)
-        table = positional_encoding(cfg.positional_encoding, cfg.max_len, cfg.d_model)
+        table = positional_encoding(cfg.positional_encoding, cfg.max_len, cfg.d_model, cfg.position_offset)
         # float64, cast with the module's .to(dtype) or at use: a float64 peer gets the exact table.
         self.register_buffer("positions", torch.from_numpy(table), persistent=False)
 

@@ -74,6 +74,7 @@ class ModelConfig:
     ffn_bias: bool = True
     scale_embeddings: bool = True
     positional_encoding: str = "sinusoidal_interleaved"
+    position_offset: int = 0
     share_embeddings: str = "all"
     output_bias: bool = False
     logit_scale: float = 1.0
@@ -100,11 +101,14 @@ class ModelConfig:
 
     # -- serialisation -------------------------------------------------------------------
     def to_dict(self) -> dict[str, Any]:
-        """The fields as plain data. `logit_scale` is left out at 1.0 (SPEC §2): a config written
-        before the field existed, and its checkpoint's bytes, stay exactly what they were."""
+        """The fields as plain data. `logit_scale` is left out at 1.0 and `position_offset` at 0
+        (SPEC §2): a config written before the fields existed, and its checkpoint's bytes, stay
+        exactly what they were (and read back with those defaults)."""
         data = dataclasses.asdict(self)
         if data["logit_scale"] == 1.0:
             del data["logit_scale"]
+        if data["position_offset"] == 0:
+            del data["position_offset"]
         return data
 
     def to_json(self) -> str:
@@ -242,8 +246,15 @@ def _validate(cfg: ModelConfig) -> None:
     for name in ("src_vocab_size", "tgt_vocab_size", "d_model", "num_heads",
                  "num_encoder_layers", "num_decoder_layers", "d_ff", "max_len"):
         _check_int(cfg, name, 1)
-    for name in ("pad_id", "bos_id", "eos_id"):
+    for name in ("pad_id", "bos_id", "eos_id", "position_offset"):
         _check_int(cfg, name, 0)
+    # The tables cover positions position_offset .. position_offset + max_len - 1 (SPEC §2): the
+    # same bound as max_len's keeps a hostile offset from asking for rows past it.
+    if cfg.max_len + cfg.position_offset > LIMITS["max_len"]:
+        raise ConfigError(
+            f"max_len + position_offset must be <= {LIMITS['max_len']:,} (the positional table's "
+            f"bound), got {cfg.max_len:,} + {cfg.position_offset:,}"
+        )
     for name in ("dropout", "activation_dropout", "attention_dropout"):
         _check_rate(cfg, name)
     for name in ("norm_first", "attention_bias", "ffn_bias", "scale_embeddings", "output_bias"):

@@ -43,9 +43,11 @@ POSITION_ROWS = 1024
 
 def model_table(cfg: ModelConfig, rows: int | None = None) -> np.ndarray:
     """The table a model holds: its first `rows` positions, min(max_len, POSITION_ROWS) if None
-    (when the model is built), in float64; each backend casts it once to its parameters' type."""
+    (when the model is built), in float64; each backend casts it once to its parameters' type.
+    Row r is PE[r + position_offset] (SPEC §2), so position t, in training and at decoding step t
+    alike, reads row t and every caller stays unaware of the offset (fairseq: pad_id + 1)."""
     rows = min(cfg.max_len, POSITION_ROWS) if rows is None else rows
-    return positional_encoding(cfg.positional_encoding, rows, cfg.d_model)
+    return positional_encoding(cfg.positional_encoding, rows, cfg.d_model, cfg.position_offset)
 
 
 def grown_rows(rows: int, built: int, max_len: int) -> int:

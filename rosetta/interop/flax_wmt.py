@@ -83,6 +83,7 @@ FIXED_FIELDS: dict[str, tuple[Any, str]] = {
     "final_norm": (True, "the example has encoder_norm and encoderdecoder_norm"),
     "layer_norm_eps": (LAYER_NORM_EPS, "the example uses nn.LayerNorm's default epsilon 1e-6"),
     "positional_encoding": (POSITIONAL, "the example adds models.sinusoidal_init's table"),
+    "position_offset": (0, "the example's first token reads row 0 of its table"),
     "activation": ("relu", "the example's MlpBlock applies nn.relu"),
     "pad_id": (0, "the example's masks are `ids > 0`"),
     "bos_id": (0, "the example's shift_right and beam search start the decoder with token 0"),

@@ -344,6 +344,8 @@ def check_representable(cfg: ModelConfig) -> None:
                         f"sinusoidal_concat)")
     if cfg.layer_norm_eps != LAYER_NORM_EPS:
         problems.append(f"layer_norm_eps={cfg.layer_norm_eps} (Marian's LayerNorm uses {LAYER_NORM_EPS})")
+    if cfg.position_offset != 0:
+        problems.append(f"position_offset={cfg.position_offset} (Marian's first token reads row 0)")
     if cfg.logit_scale != 1.0:
         problems.append(f"logit_scale={cfg.logit_scale!r} (MarianMTModel's logits are lm_head(h) + "
                         f"final_logits_bias; its config has no logit scale)")
