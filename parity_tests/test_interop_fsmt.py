@@ -10,7 +10,6 @@ here (modeling_fsmt.SinusoidalPositionalEmbedding.get_embedding, in float64).
 from __future__ import annotations
 
 import copy
-import dataclasses
 import json
 import math
 
@@ -28,12 +27,6 @@ from rosetta.errors import CheckpointError, ConfigError, TokenizerError
 from rosetta.interop.convert import convert, detect_format
 from rosetta.interop.fsmt import is_fsmt, params_to_fsmt, read_fsmt, table_tolerance, write_fsmt
 
-# FSMT's positions need the contract's position_offset (SPEC §1-2, issue 58 item 1). Until the field
-# is in rosetta.config these tests cannot run (every FSMT read names the unknown field); the refusals
-# that come before the config is built run either way.
-needs_offset = pytest.mark.skipif(
-    "position_offset" not in {f.name for f in dataclasses.fields(rosetta.ModelConfig)},
-    reason="rosetta.config has no position_offset yet (issue 58 item 1): FSMT's positions need it")
 EOS = 2  # fairseq's dictionary: <s> 0, <pad> 1, </s> 2, <unk> 3; the decoder starts from </s>
 BASE = dict(langs=["en", "de"], src_vocab_size=23, tgt_vocab_size=19, d_model=16, encoder_layers=2,
             decoder_layers=2, encoder_attention_heads=4, decoder_attention_heads=4, encoder_ffn_dim=32,
@@ -129,7 +122,6 @@ def fairseq_table(rows: int, d: int, pad: int) -> torch.Tensor:
     return table
 
 
-@needs_offset
 def test_fsmt_logits_in_every_backend(fsmt_dir, backend):
     name, model, path = fsmt_dir
     assert is_fsmt(path) and detect_format(path) == "fsmt"
@@ -142,7 +134,6 @@ def test_fsmt_logits_in_every_backend(fsmt_dir, backend):
     assert relative(np.asarray(ours, np.float64), theirs, real_targets(cfg, tgt)) <= TOLERANCE
 
 
-@needs_offset
 def test_fsmt_logits_in_float64(fsmt_dir, backend, monkeypatch):
     """Every backend in float64 against Hugging Face in float64, its positional tables replaced by
     fairseq's formula in float64 (it computes them in float32: table_tolerance). FSMT's causal mask
@@ -160,7 +151,6 @@ def test_fsmt_logits_in_float64(fsmt_dir, backend, monkeypatch):
     assert relative(np.asarray(ours), hf_logits(hf, src, tgt), real_targets(cfg, tgt)) <= TOLERANCE_64
 
 
-@needs_offset
 def test_fsmt_to_ours_to_fsmt_is_bit_exact(fsmt_dir):
     """Every stored tensor comes back bit for bit, the positional tables (recomputed, not stored in
     our checkpoint) within fairseq's float32 rounding of them."""
@@ -178,7 +168,6 @@ def test_fsmt_to_ours_to_fsmt_is_bit_exact(fsmt_dir):
             assert np.array_equal(back[name], value), name
 
 
-@needs_offset
 @pytest.mark.parametrize("share", ["all", "src_tgt", "decoder", "none"])
 def test_ours_to_fsmt_to_ours_and_from_pretrained(tmp_path, share):
     """A checkpoint of ours, `rosetta convert --to fsmt`: the config and weights come back exactly,
@@ -255,7 +244,6 @@ def ending_dir(request, tmp_path_factory):
     return model, cfg, params, src
 
 
-@needs_offset
 def test_fsmt_greedy_equals_generate(ending_dir):
     model, cfg, params, src = ending_dir
     margin = 6
@@ -271,7 +259,6 @@ def test_fsmt_greedy_equals_generate(ending_dir):
     assert any(n > 0 for n in lengths), lengths
 
 
-@needs_offset
 @pytest.mark.parametrize("alpha", [0.6, 1.0])
 def test_fsmt_beam_with_the_hugging_face_rule_equals_generate(ending_dir, alpha):
     model, cfg, params, src = ending_dir
@@ -308,7 +295,6 @@ def test_config_fields_fsmt_computes_and_we_cannot_are_refused(tmp_path, field, 
         read_fsmt(path)
 
 
-@needs_offset
 def test_fields_fsmt_ignores_are_noted_once(tmp_path, capsys):
     path = _saved(tmp_path)
     config = json.loads((path / "config.json").read_text())
@@ -322,7 +308,6 @@ def test_fields_fsmt_ignores_are_noted_once(tmp_path, capsys):
     assert "hidden_size" not in err  # an alias of d_model, agreeing with it
 
 
-@needs_offset
 @pytest.mark.parametrize("field, value", [
     ("norm_first", True), ("final_norm", True), ("positional_encoding", "sinusoidal_concat"),
     ("position_offset", 0), ("layer_norm_eps", 1e-6), ("output_bias", True), ("logit_scale", 0.5),
@@ -337,7 +322,6 @@ def test_unrepresentable_config_is_refused_and_nothing_written(tmp_path, field, 
     assert not (tmp_path / "hf").exists()
 
 
-@needs_offset
 def test_missing_misshapen_and_foreign_tensors_are_named(tmp_path):
     path = _saved(tmp_path)
     weights = path / "model.safetensors"
@@ -377,7 +361,6 @@ def write_fsmt_tokenizer(path, src_size: int, tgt_size: int) -> None:
                                                             "tokenizer_class": "FSMTTokenizer"}))
 
 
-@needs_offset
 def test_tokenizer_files_travel_and_translate_refuses_in_one_line(tmp_path, capsys, monkeypatch):
     """DIR -> ours -> --to fsmt: the vocabularies, merges and langs go along (checked against the
     model); `rosetta translate` on the directory names what tokenizing its text needs."""
@@ -396,7 +379,6 @@ def test_tokenizer_files_travel_and_translate_refuses_in_one_line(tmp_path, caps
     assert err.count("\n") == 1 and "sacremoses" in err and "vocab-src.json" in err, err
 
 
-@needs_offset
 def test_tokenizer_of_another_model_is_refused_before_writing(tmp_path):
     path = _saved(tmp_path)
     write_fsmt_tokenizer(path, 23, 17)  # the target vocabulary of another model

@@ -338,9 +338,9 @@ def check_representable(cfg: ModelConfig) -> None:
         problems.append("final_norm=true (FSMT has no final LayerNorm)")
     if cfg.positional_encoding != POSITIONS:
         problems.append(f"positional_encoding={cfg.positional_encoding!r} (FSMT computes {POSITIONS})")
-    if getattr(cfg, "position_offset", None) != cfg.pad_id + 1:
-        problems.append(f"position_offset={getattr(cfg, 'position_offset', 0)} (FSMT's first token reads "
-                        f"row pad_id + 1 = {cfg.pad_id + 1})")
+    if cfg.position_offset != cfg.pad_id + 1:
+        problems.append(f"position_offset={cfg.position_offset} (FSMT's first token reads row pad_id + 1 "
+                        f"= {cfg.pad_id + 1})")
     if cfg.layer_norm_eps != LAYER_NORM_EPS:
         problems.append(f"layer_norm_eps={cfg.layer_norm_eps} (FSMT's LayerNorm uses {LAYER_NORM_EPS})")
     if cfg.output_bias:
