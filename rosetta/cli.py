@@ -284,7 +284,9 @@ def build_parser() -> argparse.ArgumentParser:
                                "examples/wmt params, msgpack), ctranslate2 (output only: a CTranslate2 "
                                "model directory, through CTranslate2's own converter; pip install "
                                "ctranslate2), fsmt (a Hugging Face FSMTForConditionalGeneration "
-                               "directory: fairseq's WMT19 models; --to fsmt). Output format from DST's "
+                               "directory: fairseq's WMT19 models; --to fsmt), m2m100 (a Hugging Face "
+                               "M2M100ForConditionalGeneration directory: M2M100 and NLLB-200; --to "
+                               "m2m100). Output format from DST's "
                                "name: .safetensors, .msgpack, else a directory (marian). The tokenizer "
                                "travels with the weights: into a marian or fsmt directory, or the folder "
                                "NAME.tokenizer/ beside a file (docs/real-models.md).")

@@ -5,7 +5,8 @@ Each converter is one module with its mapping table at the top: nn_transformer.p
 (`torch.nn.Transformer` modules -> canonical), marian.py (Hugging Face `MarianMTModel`
 directories, both directions), flax_wmt.py (the parameter tree of Flax's `examples/wmt`, both
 directions), fsmt.py (Hugging Face `FSMTForConditionalGeneration` directories, both
-directions). Converters read and write the contract (`rosetta.config`, `rosetta.params`,
-`rosetta.checkpoint`) and never import the harness; marian.py, fsmt.py and flax_wmt.py need neither
+directions), m2m100.py (Hugging Face `M2M100ForConditionalGeneration` directories: M2M100 and
+NLLB-200, both directions). Converters read and write the contract (`rosetta.config`, `rosetta.params`,
+`rosetta.checkpoint`) and never import the harness; marian.py, fsmt.py, m2m100.py and flax_wmt.py need neither
 torch nor jax.
 """

@@ -6,8 +6,10 @@
 Formats: `rosetta` (our checkpoint file, SPEC §3), `marian` (a Hugging Face `MarianMTModel`
 directory), `flax-wmt` (Flax's `examples/wmt` parameter tree, msgpack), `fsmt` (a Hugging Face
 `FSMTForConditionalGeneration` directory: config.json's model_type "fsmt"; written with `--to
-fsmt`). `nn-transformer` takes module objects, not a file: `read_nn_transformer` brings it under
-the same roof for Python users. The input format is detected where it is unambiguous; the output
+fsmt`), `m2m100` (a Hugging Face `M2M100ForConditionalGeneration` directory, M2M100 and NLLB-200:
+model_type "m2m_100"; written with `--to m2m100`). `nn-transformer` takes module objects, not a
+file: `read_nn_transformer` brings it under the same roof for Python users. The input format is
+detected where it is unambiguous; the output
 format comes from the destination's name (`.safetensors` -> rosetta, `.msgpack` -> flax-wmt, a
 directory -> marian) unless given. Whatever the output format cannot represent is refused, naming
 the config field, before anything is written.
@@ -23,14 +25,15 @@ from typing import Any, NamedTuple
 from rosetta.checkpoint import FORMAT, load_checkpoint, read_header, save_checkpoint
 from rosetta.config import ModelConfig
 from rosetta.errors import CheckpointError, ConfigError, RosettaError
-from rosetta.interop import flax_msgpack, flax_wmt, fsmt, marian, marian_files
+from rosetta.interop import flax_msgpack, flax_wmt, fsmt, m2m100, marian, marian_files
 from rosetta.params import Params
 
-FORMATS = ("rosetta", "marian", "flax-wmt", "ctranslate2", "fsmt")
+FORMATS = ("rosetta", "marian", "flax-wmt", "ctranslate2", "fsmt", "m2m100")
 WRITE_ONLY = ("ctranslate2",)  # CTranslate2's model directory is an output only
 READ_FORMATS = tuple(f for f in FORMATS if f not in WRITE_ONLY)
 FORMAT_NAMES = {"rosetta": "rosetta", "marian": "Marian", "flax-wmt": "Flax WMT",
-                "ctranslate2": "CTranslate2", "fsmt": "FSMT"}
+                "ctranslate2": "CTranslate2", "fsmt": "FSMT", "m2m100": "M2M100"}
+TOKENIZER_CLASSES = {"marian": "MarianTokenizer", "fsmt": "FSMTTokenizer", "m2m100": "M2M100Tokenizer"}
 SUFFIXES = {".safetensors": "rosetta", ".msgpack": "flax-wmt"}
 
 
@@ -55,8 +58,9 @@ def _check_marian_config(path: Path) -> None:
     config = path / marian.CONFIG_FILE
     model_type = marian.read_config(path).get("model_type")
     if model_type != "marian":
-        raise ConfigError(f"{config}: model_type is {model_type!r}, not 'marian' (rosetta reads Hugging Face "
-                          f"MarianMTModel directories only)")
+        raise ConfigError(f"{config}: model_type is {model_type!r}, not 'marian', 'fsmt' or 'm2m_100' "
+                          f"(rosetta reads Hugging Face MarianMTModel, FSMTForConditionalGeneration and "
+                          f"M2M100ForConditionalGeneration directories)")
 
 
 def _msgpack_problem(path: Path) -> str | None:
@@ -87,6 +91,8 @@ def detect_format(path: str | os.PathLike) -> str:
         if is_marian_like(path):
             if fsmt.is_fsmt(path):  # config.json's model_type decides
                 return "fsmt"
+            if m2m100.is_m2m100(path):
+                return "m2m100"
             _check_marian_config(path)
             return "marian"
         if (path / "model.safetensors").is_file():
@@ -135,6 +141,8 @@ def read_model(path: str | os.PathLike, fmt: str | None = None,
         return marian.read_marian(path, **overrides)
     if fmt == "fsmt":
         return fsmt.read_fsmt(path, **overrides)
+    if fmt == "m2m100":
+        return m2m100.read_m2m100(path, **overrides)
     return flax_wmt.read_flax_wmt(path, **overrides)
 
 
@@ -154,6 +162,8 @@ def write_model(path: str | os.PathLike, cfg: ModelConfig, params: Mapping[str, 
         return marian.write_marian(path, cfg, params)
     if fmt == "fsmt":
         return fsmt.write_fsmt(path, cfg, params, fsmt.langs_of(tokenizer))
+    if fmt == "m2m100":
+        return m2m100.write_m2m100(path, cfg, params)
     return flax_wmt.write_flax_wmt(path, cfg, params)
 
 
@@ -183,7 +193,7 @@ def convert(src: str | os.PathLike, dst: str | os.PathLike, from_format: str | N
     _check_format(fmt_out, "--to")
     # A folder already holding files (a Hugging Face download, an earlier export: telling them
     # apart by name would guess) keeps them unless the user says otherwise.
-    folder_out = fmt_out in ("marian", "ctranslate2", "fsmt")
+    folder_out = fmt_out in ("marian", "ctranslate2", "fsmt", "m2m100")
     if folder_out and not overwrite and Path(dst).is_dir() and any(Path(dst).iterdir()):
         files = ("config.json, model.bin and the vocabulary" if fmt_out == "ctranslate2"
                  else f"{marian.CONFIG_FILE}, {marian.WEIGHTS_FILE} and other files of the same names")
@@ -195,10 +205,10 @@ def convert(src: str | os.PathLike, dst: str | os.PathLike, from_format: str | N
     # What `translate` would refuse of the tokenizer and generation_config.json, refused first.
     settings = marian_files.check_companions(companions, cfg) if companions is not None else None
     notes = list(settings.notes) if settings is not None else []
-    if fmt_out in ("marian", "fsmt") and not marian_files.has_tokenizer(companions):
+    if fmt_out in ("marian", "fsmt", "m2m100") and not marian_files.has_tokenizer(companions):
         notes.append(f"{src}: no tokenizer goes with the model (a Marian directory's own files, a checkpoint "
                      f"file's NAME.tokenizer/ folder), so {dst} gets none; "
-                     f"{'MarianTokenizer' if fmt_out == 'marian' else 'FSMTTokenizer'} needs one, and "
+                     f"{TOKENIZER_CLASSES[fmt_out]} needs one, and "
                      f"`rosetta translate` its --tokenizer")
     if fmt_out == "ctranslate2" and settings is not None:
         from rosetta.interop.ctranslate2 import search_note

@@ -38,7 +38,7 @@ from rosetta.tokenizer import (
 GENERATION_CONFIG = "generation_config.json"
 BPE_FILE = "tokenizer.json"
 SIDECAR_SUFFIX = ".tokenizer"
-DIRECTORY_FORMATS = ("marian", "fsmt")  # Hugging Face directories: the tokenizer goes inside
+DIRECTORY_FORMATS = ("marian", "fsmt", "m2m100")  # Hugging Face directories: the tokenizer goes inside
 # Every file a sidecar may hold: a new one replaces them all (no stale target_vocab.json stays).
 COMPANION_FILES = (*MARIAN_TOKENIZER_FILES, *FSMT_TOKENIZER_FILES, BPE_FILE, GENERATION_CONFIG)
 
