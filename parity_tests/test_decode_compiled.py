@@ -80,7 +80,8 @@ def test_steps_after_every_sentence_finished_change_nothing(counter, monkeypatch
     L = 8 + 20  # source length + margin
     eager_steps, compiled_steps = [], []
     logits = decode.Steps.logits  # a step's decoder pass, greedy's and beam search's
-    monkeypatch.setattr(decode.Steps, "logits", lambda self, *args: eager_steps.append(1) or logits(self, *args))
+    monkeypatch.setattr(decode.Steps, "logits",
+                        lambda self, *args: eager_steps.append(1) or logits(self, *args))
     eager = Model(cfg, params, "float32", "cpu", compile=False).generate(src, beam_size, 0.6, 20)
     monkeypatch.setattr(decode.Steps, "logits", logits)
     original = compilation.compiled
