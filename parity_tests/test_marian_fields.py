@@ -117,3 +117,26 @@ def test_an_alias_is_read_as_its_field_and_a_contradiction_refused(tmp_path):
     (tmp_path / "config.json").write_text(json.dumps({**config, "encoder_layers": 2, "num_hidden_layers": 5}))
     with pytest.raises(ConfigError, match="num_hidden_layers 5 contradicts encoder_layers 2"):
         read_marian(tmp_path)
+
+
+@pytest.mark.parametrize("fields,named", [
+    ({"dtype": None, "torch_dtype": "float16"}, "torch_dtype float16"),  # dtype null: torch_dtype read
+    ({"torch_dtype": "float16", "zzz_unknown": 1}, "torch_dtype float16"),  # an unknown field last
+    ({"dtype": "bfloat16", "dropout": 0.1, "activation_dropout": 0.2}, "dtype bfloat16"),  # an ignored last
+])
+def test_the_half_precision_note_names_its_field_whatever_comes_after_it(fields, named, capsys):
+    """Issue 57: the note was skipped or named the loop's last field (resolve_fields reused `key`)."""
+    from rosetta.interop.marian_fields import resolve_fields
+
+    source = f"half-{sorted(fields)}"  # one source a case: each note is printed once a source
+    resolve_fields(fields, set(), source)
+    notes = [n for n in capsys.readouterr().err.splitlines() if "transformers computes in it" in n]
+    assert notes == [f"rosetta: note: {source}: {named}: transformers computes in it; rosetta computes in "
+                     "the dtype you choose (--dtype, float32 by default)"]
+
+
+def test_a_string_architectures_of_another_model_is_noted(capsys):
+    from rosetta.interop.marian_fields import resolve_fields
+
+    resolve_fields({"architectures": "BartForConditionalGeneration"}, set(), "arch-string")
+    assert "architectures ['BartForConditionalGeneration'] is ignored" in capsys.readouterr().err

@@ -68,17 +68,20 @@ def resolve_fields(hf: Mapping[str, Any], read: set[str], source: str) -> dict[s
                 raise ConfigError(f"{source}: {alias} {value!r} contradicts {name} {out[name]!r} "
                                   f"(MarianConfig reads {alias} as {name}); give one value")
             out[name] = value
-    key = "dtype" if "dtype" in hf else "torch_dtype"  # torch_dtype: dtype's old name, read when alone
-    dtype = hf.get(key)
+    # torch_dtype: dtype's old name, read where dtype is absent or null (issue 57: a null dtype beside
+    # torch_dtype "float16" got no note)
+    dtype_key = "dtype" if hf.get("dtype") is not None else "torch_dtype"
+    dtype = hf.get(dtype_key)
     if dtype is not None and dtype not in FLOAT_DTYPES:
-        raise ConfigError(f"{source}: {key} {dtype!r} is not a floating-point type (from_pretrained refuses "
-                          f"it too); give one of {', '.join(FLOAT_DTYPES)}")
+        raise ConfigError(f"{source}: {dtype_key} {dtype!r} is not a floating-point type (from_pretrained "
+                          f"refuses it too); give one of {', '.join(FLOAT_DTYPES)}")
     notes = []
     for key, value in hf.items():
         if key in IGNORED and value != IGNORED[key][0]:
             why = IGNORED[key][1]
             notes.append((key, f"{key} {_json(value)} is ignored, as MarianMTModel ignores it ({why})"))
     architectures = hf.get("architectures")
+    architectures = [architectures] if isinstance(architectures, str) else architectures  # one name
     if isinstance(architectures, list) and any(a not in MARIAN_ARCHITECTURES for a in architectures):
         notes.append(("architectures", f"architectures {_json(architectures)} is ignored, as MarianMTModel "
                                        f"ignores it (model_type marian decides)"))
@@ -91,10 +94,10 @@ def resolve_fields(hf: Mapping[str, Any], read: set[str], source: str) -> dict[s
         if (source, key) not in _noted:
             _noted.add((source, key))
             print(f"rosetta: note: {source}: {line}", file=sys.stderr)
-    if dtype in ("float16", "bfloat16") and (source, key) not in _noted:
-        _noted.add((source, key))
-        print(f"rosetta: note: {source}: {key} {dtype}: transformers computes in it; rosetta computes in "
-              f"the dtype you choose (--dtype, float32 by default)", file=sys.stderr)
+    if dtype in ("float16", "bfloat16") and (source, dtype_key) not in _noted:
+        _noted.add((source, dtype_key))
+        print(f"rosetta: note: {source}: {dtype_key} {dtype}: transformers computes in it; rosetta computes "
+              f"in the dtype you choose (--dtype, float32 by default)", file=sys.stderr)
     return out
 
 
