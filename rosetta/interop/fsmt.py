@@ -58,7 +58,7 @@ import numpy as np
 
 from rosetta.checkpoint import DTYPES, check_params
 from rosetta.config import ModelConfig
-from rosetta.errors import CheckpointError, ConfigError, RosettaError
+from rosetta.errors import CheckpointError, ConfigError
 from rosetta.files import atomic_write_bytes
 from rosetta.interop import marian
 from rosetta.interop.marian_fields import FLOAT_DTYPES, SILENT
@@ -247,20 +247,6 @@ def _tensor_names(cfg: ModelConfig, rows: int) -> dict[str, tuple[int, ...]]:
     return shapes
 
 
-def _sharing(tensors: Mapping[str, np.ndarray]) -> str:
-    """The sharing three untied tables show: equal tables compute as one (SPEC §1 share_embeddings)."""
-    enc, dec, out = (tensors.get(f"model.{n}.weight") for n in (
-        "encoder.embed_tokens", "decoder.embed_tokens", "decoder.output_projection"))
-    if enc is None or dec is None or out is None:
-        return "none"  # params_from_fsmt names the missing one
-
-    def same(a: np.ndarray, b: np.ndarray) -> bool:
-        return a.shape == b.shape and np.array_equal(a, b)
-
-    return {(True, True): "all", (True, False): "src_tgt", (False, True): "decoder",
-            (False, False): "none"}[(same(enc, dec), same(out, dec))]
-
-
 def params_from_fsmt(cfg: ModelConfig, tensors: Mapping[str, np.ndarray], rows: int) -> Params:
     """Canonical parameters from an FSMT state dict (checked name by name, shape by shape; the
     positional tables checked against ours and dropped). `rows`: the tables' (table_rows)."""
@@ -301,30 +287,24 @@ def params_from_fsmt(cfg: ModelConfig, tensors: Mapping[str, np.ndarray], rows: 
     return params
 
 
-def read_config(directory: str | os.PathLike) -> dict[str, Any]:
-    """The JSON object of `directory`'s config.json, read within rosetta/json_input.py's bounds."""
-    return read_json(Path(directory) / CONFIG_FILE, "a model config", limit=marian.CONFIG_LIMIT)
-
-
 def read_fsmt(path: str | os.PathLike, **overrides: Any) -> tuple[ModelConfig, Params]:
     """(config, canonical params) of a Hugging Face FSMT directory."""
     directory = Path(path)
     if not (directory / CONFIG_FILE).is_file():
         raise CheckpointError(f"{directory}: not an FSMT directory (no {CONFIG_FILE})")
-    hf = read_config(directory)
+    hf = marian.read_config(directory)
     cfg = config_from_fsmt(hf, source=str(directory / CONFIG_FILE), **overrides)
     tensors = marian._read_weights(directory, cfg, WHAT)
     if cfg.share_embeddings == "none" and "share_embeddings" not in overrides:
-        cfg = cfg.replace(share_embeddings=_sharing(tensors))
+        cfg = cfg.replace(share_embeddings=marian.sharing_of(tensors, "model.encoder.embed_tokens.weight",
+                                                             "model.decoder.embed_tokens.weight",
+                                                             "model.decoder.output_projection.weight"))
     return cfg, params_from_fsmt(cfg, tensors, table_rows(hf))
 
 
 def is_fsmt(path: str | os.PathLike) -> bool:
     """A directory whose config.json says model_type "fsmt" (never raises)."""
-    try:
-        return read_config(path).get("model_type") == "fsmt"
-    except RosettaError:
-        return False
+    return marian.has_model_type(path, "fsmt")
 
 
 # -- ours -> FSMT ----------------------------------------------------------------------------

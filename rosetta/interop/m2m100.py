@@ -51,11 +51,11 @@ import numpy as np
 
 from rosetta.checkpoint import DTYPES, check_params
 from rosetta.config import ModelConfig
-from rosetta.errors import CheckpointError, ConfigError, RosettaError
+from rosetta.errors import CheckpointError, ConfigError
 from rosetta.files import atomic_write_bytes
 from rosetta.interop import marian
 from rosetta.interop.marian_fields import FLOAT_DTYPES, SILENT
-from rosetta.json_input import Field, check_schema, field, read_json
+from rosetta.json_input import Field, check_schema, field
 from rosetta.params import Params, embedding_names
 
 CONFIG_FILE, WEIGHTS_FILE = marian.CONFIG_FILE, marian.WEIGHTS_FILE
@@ -204,15 +204,6 @@ def _tensor_names(cfg: ModelConfig) -> dict[str, tuple[int, ...]]:
     return shapes
 
 
-def _sharing(tensors: Mapping[str, np.ndarray]) -> str:
-    """The sharing three untied tables show: equal tables compute as one (SPEC §1 share_embeddings)."""
-    enc, dec, out = (tensors.get(n) for n in (
-        "model.encoder.embed_tokens.weight", "model.decoder.embed_tokens.weight", "lm_head.weight"))
-    if enc is None or dec is None or out is None:
-        return "none"  # params_from_m2m100 names the missing one
-    return marian.SHARING[(bool(np.array_equal(enc, dec)), bool(np.array_equal(out, dec)))]
-
-
 def params_from_m2m100(cfg: ModelConfig, tensors: Mapping[str, np.ndarray], tied: bool = True) -> Params:
     """Canonical parameters from an M2M100 state dict (checked name by name, shape by shape).
     `tied`: config.json's tie_word_embeddings (`model.shared` is the model's table only then)."""
@@ -257,31 +248,25 @@ def params_from_m2m100(cfg: ModelConfig, tensors: Mapping[str, np.ndarray], tied
     return params
 
 
-def read_config(directory: str | os.PathLike) -> dict[str, Any]:
-    """The JSON object of `directory`'s config.json, read within rosetta/json_input.py's bounds."""
-    return read_json(Path(directory) / CONFIG_FILE, "a model config", limit=marian.CONFIG_LIMIT)
-
-
 def read_m2m100(path: str | os.PathLike, **overrides: Any) -> tuple[ModelConfig, Params]:
     """(config, canonical params) of a Hugging Face M2M100 / NLLB directory."""
     directory = Path(path)
     if not (directory / CONFIG_FILE).is_file():
         raise CheckpointError(f"{directory}: not an M2M100 directory (no {CONFIG_FILE})")
-    hf = read_config(directory)
+    hf = marian.read_config(directory)
     cfg = config_from_m2m100(hf, source=str(directory / CONFIG_FILE), **overrides)
     tensors = marian._read_weights(directory, cfg, WHAT)
     tied = hf.get("tie_word_embeddings", DEFAULTS["tie_word_embeddings"])
     if not tied and "share_embeddings" not in overrides:
-        cfg = cfg.replace(share_embeddings=_sharing(tensors))
+        cfg = cfg.replace(share_embeddings=marian.sharing_of(tensors, "model.encoder.embed_tokens.weight",
+                                                             "model.decoder.embed_tokens.weight",
+                                                             "lm_head.weight"))
     return cfg, params_from_m2m100(cfg, tensors, tied)
 
 
 def is_m2m100(path: str | os.PathLike) -> bool:
     """A directory whose config.json says model_type "m2m_100" (never raises)."""
-    try:
-        return read_config(path).get("model_type") == MODEL_TYPE
-    except RosettaError:
-        return False
+    return marian.has_model_type(path, MODEL_TYPE)
 
 
 # -- ours -> M2M100 --------------------------------------------------------------------------

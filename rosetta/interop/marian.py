@@ -322,12 +322,27 @@ def read_config(directory: str | os.PathLike) -> dict[str, Any]:
     return read_json(Path(directory) / CONFIG_FILE, "a model config", limit=CONFIG_LIMIT)
 
 
-def is_marian(path: str | os.PathLike) -> bool:
-    """A directory whose config.json says model_type "marian" (never raises)."""
+def has_model_type(path: str | os.PathLike, model_type: str) -> bool:
+    """A directory whose config.json says `model_type` (never raises): Marian's, FSMT's, M2M100's."""
     try:
-        return read_config(path).get("model_type") == "marian"
+        return read_config(path).get("model_type") == model_type
     except RosettaError:
         return False
+
+
+def is_marian(path: str | os.PathLike) -> bool:
+    """A directory whose config.json says model_type "marian" (never raises)."""
+    return has_model_type(path, "marian")
+
+
+def sharing_of(tensors: Mapping[str, np.ndarray], enc: str, dec: str, out: str) -> str:
+    """The sharing that three untied tables (tensor names `enc`, `dec`, `out`) show: equal tables
+    compute as one (SPEC §1 share_embeddings); "none" where one is missing (the reader names it)."""
+    tables = [tensors.get(name) for name in (enc, dec, out)]
+    if any(table is None for table in tables):
+        return "none"
+    enc_t, dec_t, out_t = tables
+    return SHARING[(bool(np.array_equal(enc_t, dec_t)), bool(np.array_equal(out_t, dec_t)))]
 
 
 # -- ours -> Marian ---------------------------------------------------------------------------
