@@ -75,7 +75,12 @@ def test_under_the_avx2_cap_every_library_reports_avx2():
     block = json.loads(done.stdout)
     assert block["isa_cap"] == "avx2"
     dispatch = block["torch_dispatch"]
-    assert dispatch["aten"] == "AVX2" and dispatch["mkl"] == "AVX2" and dispatch["onednn"].endswith("AVX2")
+    assert dispatch["aten"] == "AVX2"  # ATen takes the capability it is given wherever AVX2 exists
+    # oneDNN and MKL pick their own path at or below the cap (MKL may take a narrower one on some AMD
+    # CPUs): nothing wider than AVX2, and a banner read.
+    for library in ("onednn", "mkl"):
+        assert dispatch[library] != "unknown" and "512" not in dispatch[library] \
+            and "AMX" not in dispatch[library] and "AVX10" not in dispatch[library], dispatch
     assert block["xla_dispatch"]["max_isa"] == "AVX2"
     assert block["xla_dispatch"]["code"] in {"AVX2", "SSE (no ymm register)"}  # no zmm, no mask register
     assert block["ct2_dispatch"]["isa"] == "AVX2" and block["ct2_dispatch"]["mkl_max_isa"] == "AVX2"
