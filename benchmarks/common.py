@@ -30,7 +30,7 @@ from rosetta.errors import RosettaError
 from rosetta.files import atomic_write_bytes, check_writable
 from rosetta.harness.stepping import Stepper, cycle
 from rosetta.json_input import field, read_json
-from rosetta.machine import ISA_NAMES, describe, isa_cap, isa_environment
+from rosetta.machine import ISA_NAMES, cpu_facts, describe, isa_cap, isa_environment
 from rosetta.training import Batch, TrainConfig
 
 RESULTS = Path(__file__).parent / "results"
@@ -124,7 +124,7 @@ def environment() -> dict:
     info = {
         "date": dt.datetime.now(dt.timezone.utc).isoformat(timespec="seconds"),
         "machine": platform.node(), "platform": platform.platform(),
-        "processor": _cpu_model() or platform.processor() or platform.machine(),
+        "processor": cpu_facts()["model"],  # /proc/cpuinfo's model name, else platform's
         "cpus": os.cpu_count(),
         "python": platform.python_version(),
         "machine_block": full_block(),
@@ -141,17 +141,6 @@ def environment() -> dict:
     except (OSError, subprocess.CalledProcessError):
         info["commit"] = "unknown"
     return _versions(info)
-
-
-def _cpu_model() -> str | None:
-    """The CPU's model name on Linux (/proc/cpuinfo), e.g. "AMD EPYC 7B13"; None elsewhere."""
-    try:
-        for line in Path("/proc/cpuinfo").read_text().splitlines():
-            if line.startswith("model name"):
-                return line.split(":", 1)[1].strip()
-    except OSError:
-        pass
-    return None
 
 
 def _versions(info: dict) -> dict:
