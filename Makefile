@@ -30,9 +30,12 @@ demo: $(STAMP)
 # machines. On a GPU give `make test TEST_WORKERS=0` (one process: JAX preallocates GPU memory).
 # --dist worksteal: each worker starts on a contiguous half of the tests (the slowest modules first:
 # parity_tests/conftest.py's SLOW_FIRST) and an idle one takes half of the other's queue.
+# Each test's and module's wall and CPU seconds go to $(DURATIONS) (parity_tests/durations.py;
+# `python -m parity_tests.durations $(DURATIONS)` prints the costliest modules).
 TEST_WORKERS ?= 2
+DURATIONS ?= .test-durations.json
 test: $(STAMP)
-	$(BIN)/python -m pytest -q -n $(TEST_WORKERS) --dist worksteal
+	$(BIN)/python -m pytest -q -n $(TEST_WORKERS) --dist worksteal --durations-file=$(DURATIONS)
 
 lint: $(STAMP)
 	$(BIN)/ruff check .
