@@ -46,9 +46,14 @@ def length_penalty(length: jax.Array | int, alpha: float, rule: str = "wu") -> j
 
 
 def constrain(logp: jax.Array, cfg: ModelConfig, constraints: Constraints, last: jax.Array,
-              banned: np.ndarray) -> jax.Array:
+              banned: np.ndarray, first: jax.Array | bool = False) -> jax.Array:
     """numpy_ref/decode.py's `constrain` (Hugging Face's logits processors, in its order);
-    `banned` is constraints.banned_ids(cfg), a constant of the compiled search."""
+    `banned` is constraints.banned_ids(cfg), a constant of the compiled search; `first`: the first
+    position (traced: no branch on its value)."""
+    if constraints.forced_first is not None:
+        is_forced = jnp.arange(logp.shape[-1]) == constraints.forced_first
+        forced = jnp.where(is_forced, logp - logp, NEG)  # x - x: 0, NaN kept (as forced_eos below)
+        logp = jnp.where(first, forced, logp)
     if constraints.forced_eos:
         is_eos = jnp.arange(logp.shape[-1]) == cfg.eos_id
         # x - x: 0, but a NaN row (non-finite logits) stays NaN for check_scores to refuse
@@ -96,7 +101,7 @@ class Steps:
             hidden = jax.lax.dynamic_slice_in_dim(hidden, t, 1, axis=1)
             logits = self.module.generator(hidden, self.module.tgt_table)[:, 0]
         logp = jax.nn.log_softmax(logits.astype(jnp.float32), axis=-1)
-        return constrain(logp, self.cfg, self.constraints, t + 1 >= self.limits, self.banned), cache
+        return constrain(logp, self.cfg, self.constraints, t + 1 >= self.limits, self.banned, t == 0), cache
 
     @staticmethod
     def reorder(cache: list[LayerCache], rows: jax.Array) -> list[LayerCache]:

@@ -62,13 +62,19 @@ def encode(params: Params, cfg: ModelConfig, src: np.ndarray) -> np.ndarray:
     return memory
 
 
-def constrain(logp: np.ndarray, cfg: ModelConfig, constraints: Constraints, last: np.ndarray) -> np.ndarray:
+def constrain(logp: np.ndarray, cfg: ModelConfig, constraints: Constraints, last: np.ndarray,
+              first: bool = False) -> np.ndarray:
     """The search's log-probabilities [N, V] from the model's, Hugging Face's logits processors in
-    its order: pad and the banned ids out (NoBadWords); with forced_eos, rows at their last allowed
+    its order: pad and the banned ids out (NoBadWords); with forced_first, at the first position
+    (`first`) that token alone, at 0 (ForcedBOSTokenLogitsProcessor); with forced_eos, rows at their
+    last allowed
     position (`last` [N]) keep eos alone, at 0 as ForcedEOSTokenLogitsProcessor sets it, whatever
     its log-probability; with renormalize, log_softmax over what is left (LogitNormalization,
     last). What is out gets NEG (finite, as Marian does; Hugging Face: -inf)."""
     banned = constraints.banned_ids(cfg)
+    if constraints.forced_first is not None and first:
+        is_forced = np.arange(logp.shape[-1]) == constraints.forced_first
+        logp = np.where(is_forced, logp - logp, NEG)  # x - x: 0, NaN kept (as forced_eos below)
     if constraints.forced_eos:
         is_eos = np.arange(logp.shape[-1]) == cfg.eos_id
         # x - x: 0, but a NaN row (non-finite logits) stays NaN for check_scores to refuse
@@ -92,7 +98,7 @@ def next_log_probs(params: Params, cfg: ModelConfig, memory: np.ndarray, src: np
     hidden = ref.decode(params, cfg, prefix, memory, src, stages)[:, -1:]
     logp = log_softmax(ref.generator(params, cfg, hidden)[:, 0])
     logp[_past_float32(stages, len(tokens))] = np.nan
-    return constrain(logp, cfg, constraints, t + 1 >= limits)
+    return constrain(logp, cfg, constraints, t + 1 >= limits, t == 0)
 
 
 def greedy_search(params: Params, cfg: ModelConfig, src: np.ndarray, max_len_margin: int = 50,

@@ -157,13 +157,15 @@ def test_compilations_stay_bounded_as_batches_and_outputs_vary(monkeypatch, beam
 def test_compiled_constraints_equal_eager(counter, beam_size, rule):
     """Hugging Face's generation settings (rosetta.generation.Constraints) inside the compiled step."""
     cfg, params, src = _case()
-    kwargs = dict(length_rule=rule, banned=(5, 7, 11), renormalize=True, max_new_tokens=5, forced_eos=True)
+    kwargs = dict(length_rule=rule, banned=(5, 7, 11), renormalize=True, max_new_tokens=5, forced_eos=True,
+                  forced_first=13)
     want = from_params(cfg, params, "numpy").generate(src, beam_size, 1.0, 6, **kwargs)
     eager = Model(cfg, params, "float32", "cpu", compile=False).generate(src, beam_size, 1.0, 6, **kwargs)
     got = Model(cfg, params, "float32", "cpu", compile=True).generate(src, beam_size, 1.0, 6, **kwargs)
     assert counter.frame_count == 1
     assert got.tokens == eager.tokens == want.tokens
     assert all(len(row) < 5 for row in got.tokens)  # forced eos at the 5th token, stripped
+    assert all(row[0] == 13 for row in got.tokens)  # forced first (a tensor t == 0 in the step)
     np.testing.assert_allclose(got.scores, eager.scores, rtol=EAGER_SCORE_RTOL)
 
 

@@ -253,21 +253,20 @@ def test_m2m100_beam_4_with_the_hugging_face_rule_equals_generate(ending_dir, al
         assert ours.tokens == theirs, backend
 
 
-def test_m2m100_forced_language_code_path_is_our_argmax(ending_dir):
-    """generate with forced_bos_token_id (NLLB's target language code) emits [</s>, LANG, ...]; every
-    token after the forced one is the argmax of our logits on that prefix, in every backend (our
-    search has no forced first token yet: issue 58 item 4; this checks the model under it)."""
+@pytest.mark.parametrize("beams, alpha", [(1, 1.0), (4, 0.6)])
+def test_m2m100_search_with_a_forced_language_code_equals_generate(ending_dir, beams, alpha):
+    """generate with forced_bos_token_id (the target language code) emits [</s>, LANG, ...]; our
+    search with forced_first=LANG gives the same tokens, LANG first, in every backend."""
     model, cfg, params, src = ending_dir
-    for row in src:
-        row = row[row != cfg.pad_id]
-        theirs = hf_search(model, row, len(row) + 6, forced=LANG)
-        assert theirs[0] == LANG
-        tgt = np.array([[cfg.bos_id, *theirs]])
-        for backend in MODEL_BACKENDS:
-            logits = np.array(rosetta.from_params(cfg, params, backend=backend).logits(row[None], tgt))[0]
-            logits[:, cfg.pad_id] = -np.inf  # generate's bad_words_ids, as our search
-            chosen = logits[1:].argmax(-1).tolist()  # the tokens after the forced one (and eos)
-            assert chosen[: len(theirs) - 1] == theirs[1:], backend
+    margin = 6
+    limits = (src != cfg.pad_id).sum(axis=1) + margin
+    theirs = [hf_search(model, row[row != cfg.pad_id], int(limit), beams=beams, alpha=alpha, forced=LANG)
+              for row, limit in zip(src, limits, strict=True)]
+    assert all(row[0] == LANG for row in theirs)
+    for backend in MODEL_BACKENDS:
+        ours = rosetta.from_params(cfg, params, backend=backend).generate(
+            src, beam_size=beams, alpha=alpha, max_len_margin=margin, length_rule="hf", forced_first=LANG)
+        assert ours.tokens == theirs, backend
 
 
 # -- refusals ------------------------------------------------------------------------------------

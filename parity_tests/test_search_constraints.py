@@ -54,16 +54,47 @@ def test_the_oracle_constrains_as_hugging_faces_logits_processors(renormalize):
         np.testing.assert_allclose(np.log(np.exp(ours).sum(-1)), 0.0, atol=1e-12)
 
 
+@pytest.mark.parametrize("renormalize", [False, True])
+def test_the_oracle_forces_the_first_token_as_hugging_faces_processors(renormalize):
+    """forced_first (generate's forced_bos_token_id) at the first position: that token alone, at 0,
+    after the bans and before forced eos and the renormalization, as _get_logits_processor orders them."""
+    from transformers.generation.logits_process import (
+        ForcedBOSTokenLogitsProcessor,
+        ForcedEOSTokenLogitsProcessor,
+        LogitNormalization,
+        LogitsProcessorList,
+        NoBadWordsLogitsProcessor,
+    )
+
+    cfg = preset("tiny")
+    forced, banned, max_length = 17, (5, 9), 7
+    logp = log_softmax(np.random.default_rng(1).normal(size=(3, cfg.tgt_vocab_size)) * 3)
+    processors = LogitsProcessorList([
+        NoBadWordsLogitsProcessor([[cfg.pad_id], *([b] for b in banned)], cfg.eos_id),
+        ForcedBOSTokenLogitsProcessor(forced), ForcedEOSTokenLogitsProcessor(max_length, cfg.eos_id),
+        *([LogitNormalization()] if renormalize else [])])
+    constraints = Constraints(banned, renormalize, forced_eos=True, forced_first=forced)
+    for first, cur_len in ((True, 1), (False, 2)):
+        ours = constrain(logp, cfg, constraints, np.zeros(3, bool), first)
+        theirs = processors(torch.zeros((3, cur_len), dtype=torch.long), torch.from_numpy(logp)).numpy()
+        out = np.isneginf(theirs)
+        np.testing.assert_array_equal(ours[out], NEG)
+        np.testing.assert_allclose(ours[~out], theirs[~out], rtol=1e-12, atol=1e-12)
+    assert (constrain(logp, cfg, constraints, np.zeros(3, bool), True).argmax(-1) == forced).all()
+
+
 # -- every backend's search equals the oracle's --------------------------------------------------
 
 CFG = preset("tiny", max_len=40, num_encoder_layers=1, num_decoder_layers=1)  # one layer: quicker to compile
 MARGIN = 6
+FORCED = 61  # forced_first: a token the unconstrained searches do not start with (search_case checks)
 OPTIONS = {  # BANNED stands for the tokens the unconstrained search emits most
     "banned": dict(banned="BANNED"),
     "renormalize": dict(renormalize=True),
     "max_new_tokens": dict(max_new_tokens=4),
     "forced_eos": dict(forced_eos=True),
-    "all": dict(banned="BANNED", renormalize=True, max_new_tokens=5, forced_eos=True),
+    "forced_first": dict(forced_first=FORCED),
+    "all": dict(banned="BANNED", renormalize=True, max_new_tokens=5, forced_eos=True, forced_first=FORCED),
 }
 
 
@@ -77,6 +108,7 @@ def search_case():
     for beam in (1, 4):
         plain = oracle.generate(src, beam, max_len_margin=MARGIN)
         most[beam] = tuple(tok for tok, _ in Counter(t for row in plain.tokens for t in row).most_common(2))
+        assert FORCED not in most[beam] and all(row[:1] != [FORCED] for row in plain.tokens)
     return params, src, oracle, most
 
 
@@ -92,6 +124,19 @@ def test_each_backend_equals_the_oracle_under_each_option(search_case, backend, 
     kwargs = _options(option, most[beam])
     want = oracle.generate(src, beam, max_len_margin=MARGIN, **kwargs)
     got = from_params(CFG, params, backend).generate(src, beam, max_len_margin=MARGIN, **kwargs)
+    assert got.tokens == want.tokens
+    np.testing.assert_allclose(got.scores, want.scores, rtol=SCORE_TOLERANCE)
+
+
+def test_torch_forced_first_without_the_one_row_first_step(search_case, monkeypatch):
+    """With FIRST_ONE_ROW off, beam search's step 0 runs every beam's row and would rank on the logits
+    (RANK_LOGITS) but for the forced first token: the same tokens as the oracle."""
+    from torch_impl import decode
+
+    params, src, oracle, _ = search_case
+    monkeypatch.setattr(decode, "FIRST_ONE_ROW", False)
+    want = oracle.generate(src, 4, max_len_margin=MARGIN, forced_first=FORCED)
+    got = from_params(CFG, params, "torch").generate(src, 4, max_len_margin=MARGIN, forced_first=FORCED)
     assert got.tokens == want.tokens
     np.testing.assert_allclose(got.scores, want.scores, rtol=SCORE_TOLERANCE)
 
@@ -117,6 +162,9 @@ def test_the_options_do_what_they_say_in_the_oracle(search_case, beam):
     # Forced eos: the last allowed token is eos, so at most limit - 1 tokens remain after stripping.
     assert all(len(r) < limit for r, limit in zip(run["forced_eos"].tokens, limits, strict=True))
     assert max(len(r) for r in run["all"].tokens) == 4  # a row reached the cap of 5 and ended in eos
+    # Forced first: every sentence starts with it; its step adds 0 to the score.
+    assert all(row[:1] == [FORCED] for key in ("forced_first", "all") for row in run[key].tokens)
+    assert run["forced_first"].tokens != plain.tokens
 
 
 # -- against Hugging Face's own generate ----------------------------------------------------------
@@ -187,6 +235,10 @@ def test_generation_config_settings_equal_hugging_face_generate(marian_case, num
     (dict(max_new_tokens=2.0), "max_new_tokens must be an integer >= 1, got 2.0"),
     (dict(renormalize="yes"), "renormalize must be True or False, got 'yes'"),
     (dict(forced_eos=1), "forced_eos must be True or False, got 1"),
+    (dict(forced_first=64), "forced_first is token id 64, outside the target vocabulary [0, 64)"),
+    (dict(forced_first=True), "forced_first must be an integer >= 0, got True"),
+    (dict(forced_first=0), "forced_first is token id 0, which the search may not emit (pad)"),
+    (dict(forced_first=7, banned=[7]), "forced_first is token id 7, which the search may not emit (banned)"),
 ])
 def test_bad_constraints_are_refused_in_one_line(backend, kwargs, message):
     with pytest.raises(InputError) as err:  # CFG: a target vocabulary of 64 tokens, eos 2

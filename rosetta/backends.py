@@ -122,7 +122,7 @@ class BackendModel(ABC):
     def generate(self, src: object, beam_size: int = 1, alpha: float = 0.6,
                  max_len_margin: int = 50, length_rule: str = "wu", *, banned: Iterable[int] = (),
                  renormalize: bool = False, max_new_tokens: int | None = None,
-                 forced_eos: bool = False) -> Generation:
+                 forced_eos: bool = False, forced_first: int | None = None) -> Generation:
         """Translate source ids [B, S]: greedy search for beam_size 1, else beam search with
         the length penalty of Wu et al. 2016 (the paper: beam 4, alpha 0.6, margin 50), or with
         `length_rule="hf"` Hugging Face generate's rule (log P / n^alpha, rosetta/generation.py's
@@ -133,7 +133,10 @@ class BackendModel(ABC):
         (`bad_words_ids`; pad never is), `renormalize` the log-probabilities over the tokens left
         (`renormalize_logits`), `max_new_tokens` a cap on each sentence's tokens, eos included
         (`max_length` - 1), `forced_eos` eos as the only choice at a sentence's last position
-        (`forced_eos_token_id`). Identical algorithm in every backend (numpy_ref/decode.py).
+        (`forced_eos_token_id`), `forced_first` the only token at the first position, with
+        log-probability 0 (`forced_bos_token_id`: M2M100's and NLLB's target language code; it is
+        part of the returned tokens, as in generate's output). Identical algorithm in every backend
+        (numpy_ref/decode.py).
         Numeric arguments follow rosetta/inputs.py's rule (NumPy scalars welcome, bools refused);
         the beam is at most the target vocabulary size, alpha at most
         rosetta.generation.ALPHA_MAX. A search whose scores are not finite (weights that overflow
@@ -149,7 +152,8 @@ class BackendModel(ABC):
         max_len_margin = check_int(max_len_margin, "max_len_margin", minimum=0)
         if length_rule not in LENGTH_RULES:
             raise InputError(f"length_rule {length_rule!r}: one of {', '.join(LENGTH_RULES)}")
-        constraints = check_constraints(self.config, banned, renormalize, max_new_tokens, forced_eos)
+        constraints = check_constraints(self.config, banned, renormalize, max_new_tokens, forced_eos,
+                                        forced_first)
         return check_scores(self._generate(src, beam_size, alpha, max_len_margin, length_rule, constraints),
                             f"backend {self.name} at {self.dtype}")
 

@@ -60,12 +60,15 @@ class Constraints:
     renormalize: log-probabilities renormalized over the tokens left (HF `renormalize_logits`).
     max_new_tokens: at most this many tokens per sentence, eos included (HF `max_length` - 1).
     forced_eos: at a sentence's last allowed position only eos (HF `forced_eos_token_id` = eos).
+    forced_first: at the first position only this token, its log-probability set to 0 (HF
+    `forced_bos_token_id`: M2M100's and NLLB's target language code); None: no forcing.
     Hashable: JAX compiles one search per value."""
 
     banned: tuple[int, ...] = ()
     renormalize: bool = False
     max_new_tokens: int | None = None
     forced_eos: bool = False
+    forced_first: int | None = None
 
     def banned_ids(self, cfg: ModelConfig) -> np.ndarray:
         """The ids a search never emits: pad and the banned ones."""
@@ -76,7 +79,8 @@ NO_CONSTRAINTS = Constraints()
 
 
 def check_constraints(cfg: ModelConfig, banned: object = (), renormalize: object = False,
-                      max_new_tokens: object = None, forced_eos: object = False) -> Constraints:
+                      max_new_tokens: object = None, forced_eos: object = False,
+                      forced_first: object = None) -> Constraints:
     """The checked Constraints, or an InputError naming the argument at fault."""
     try:
         items = None if isinstance(banned, (str, bytes)) else list(banned)
@@ -97,7 +101,17 @@ def check_constraints(cfg: ModelConfig, banned: object = (), renormalize: object
             raise InputError(f"{name} must be True or False, got {flag!r}")
     if max_new_tokens is not None:
         max_new_tokens = check_int(max_new_tokens, "max_new_tokens", minimum=1)
-    return Constraints(tuple(sorted(set(ids))), bool(renormalize), max_new_tokens, bool(forced_eos))
+    if forced_first is not None:
+        forced_first = check_int(forced_first, "forced_first", minimum=0)
+        if forced_first >= vocab:
+            raise InputError(f"forced_first is token id {forced_first}, outside the target vocabulary "
+                             f"[0, {vocab})")
+        if forced_first == cfg.pad_id or forced_first in ids:
+            # Hugging Face forces it anyway (ForcedBOS after NoBadWords); our search never emits pad.
+            raise InputError(f"forced_first is token id {forced_first}, which the search may not emit "
+                             f"({'pad' if forced_first == cfg.pad_id else 'banned'})")
+    return Constraints(tuple(sorted(set(ids))), bool(renormalize), max_new_tokens, bool(forced_eos),
+                       forced_first)
 
 
 def check_alpha(alpha: object, name: str = "alpha") -> float:
@@ -156,13 +170,13 @@ def strip(cfg: ModelConfig, tokens: np.ndarray) -> list[list[int]]:
 HF_NEW_TOKENS = 20  # GenerationConfig's max_length default: generate then adds 20 tokens to its input
 # Fields rosetta's search honours as generate does (or notes where it cannot: eos lists, other ids).
 HONOURED = ("num_beams", "length_penalty", "max_length", "max_new_tokens", "bad_words_ids", "suppress_tokens",
-            "renormalize_logits", "forced_eos_token_id", "eos_token_id", "decoder_start_token_id",
-            "bos_token_id", "pad_token_id")
+            "renormalize_logits", "forced_eos_token_id", "forced_bos_token_id", "eos_token_id",
+            "decoder_start_token_id", "bos_token_id", "pad_token_id")
 # Fields the search does not do, with the value that means "off": a note names each one set.
 UNSUPPORTED = {"do_sample": False, "early_stopping": False, "min_length": 0, "min_new_tokens": None,
                "no_repeat_ngram_size": 0, "encoder_no_repeat_ngram_size": 0, "repetition_penalty": 1.0,
                "encoder_repetition_penalty": 1.0, "exponential_decay_length_penalty": None,
-               "begin_suppress_tokens": None, "sequence_bias": None, "forced_bos_token_id": None,
+               "begin_suppress_tokens": None, "sequence_bias": None,
                "guidance_scale": 1.0, "watermarking_config": None, "token_healing": False, "max_time": None,
                "stop_strings": None, "num_return_sequences": 1, "num_beam_groups": 1,
                "diversity_penalty": 0.0, "penalty_alpha": None, "dola_layers": None, "constraints": None,
@@ -190,7 +204,8 @@ class GenerationSettings:
 
     max_new_tokens: tokens after the start token, eos included (generate's max_length - 1, or its
     max_new_tokens). decoder_start: the token the decoder starts from (generate's
-    decoder_start_token_id, else bos_token_id). notes: one line each for what is not done."""
+    decoder_start_token_id, else bos_token_id). forced_first: generate's forced_bos_token_id (M2M100's
+    and NLLB's target language code), None without one. notes: one line each for what is not done."""
 
     source: str  # the file, for messages
     beam: int
@@ -201,13 +216,15 @@ class GenerationSettings:
     forced_eos: bool
     decoder_start: int
     notes: tuple[str, ...] = ()
+    forced_first: int | None = None
 
     def search(self) -> dict[str, Any]:
         """rosetta/cli_args.py's search_settings keys: Hugging Face's beam rule, and a margin that
         never binds before max_new_tokens (every source holds a token), as generate's one limit."""
         return {"beam": self.beam, "alpha": self.alpha, "length_rule": "hf", "margin": self.max_new_tokens,
                 "max_new_tokens": self.max_new_tokens, "banned": self.banned,
-                "renormalize": self.renormalize, "forced_eos": self.forced_eos}
+                "renormalize": self.renormalize, "forced_eos": self.forced_eos,
+                "forced_first": self.forced_first}
 
 
 def _shown(value: object) -> str:
@@ -263,6 +280,7 @@ def check_generation_config(gen: Mapping[str, Any], cfg: ModelConfig,
         fail("renormalize_logits", "true or false", renormalize)
     eos, forced = token_ids("eos_token_id", many=True), token_ids("forced_eos_token_id", many=True)
     start, bos = token_ids("decoder_start_token_id"), token_ids("bos_token_id")
+    forced_first = (token_ids("forced_bos_token_id") or (None,))[0]
     token_ids("pad_token_id")  # generate fills finished rows with it: no token of a translation
     words, suppressed = gen.get("bad_words_ids"), token_ids("suppress_tokens", many=True, empty=True) or ()
     if words is not None and not (isinstance(words, list) and all(isinstance(w, list) and w for w in words)):
@@ -316,5 +334,8 @@ def check_generation_config(gen: Mapping[str, Any], cfg: ModelConfig,
         value = gen.get(name)
         if value is not None and value != off and value not in ([], {}):
             notes.append(f"{where}: {name}={_shown(value)} is not part of rosetta's search; ignored")
-    return GenerationSettings(where, beam, alpha, new, tuple(sorted(banned - {cfg.pad_id, cfg.eos_id})),
-                              bool(renormalize), forced_eos, decoder_start, tuple(notes))
+    banned = tuple(sorted(banned - {cfg.pad_id, cfg.eos_id}))
+    if forced_first is not None and (forced_first == cfg.pad_id or forced_first in banned):
+        fail("forced_bos_token_id", "a token the search may emit (not pad, not banned)", forced_first)
+    return GenerationSettings(where, beam, alpha, new, banned, bool(renormalize), forced_eos, decoder_start,
+                              tuple(notes), forced_first)

@@ -69,9 +69,14 @@ def length_penalty(length: torch.Tensor | int, alpha: float, rule: str = "wu") -
 
 
 def constrain(logp: torch.Tensor, cfg: ModelConfig, constraints: Constraints, last: torch.Tensor,
-              banned: torch.Tensor) -> torch.Tensor:
+              banned: torch.Tensor, first: bool | torch.Tensor = False) -> torch.Tensor:
     """numpy_ref/decode.py's `constrain` (Hugging Face's logits processors, in its order);
-    `banned` is constraints.banned_ids(cfg) on logp's device, built once per search."""
+    `banned` is constraints.banned_ids(cfg) on logp's device, built once per search; `first`: the
+    first position (a 0-d tensor in a compiled step: no branch on its value)."""
+    if constraints.forced_first is not None and (not isinstance(first, bool) or first):
+        is_forced = torch.arange(logp.shape[-1], device=logp.device) == constraints.forced_first
+        forced = torch.where(is_forced, logp - logp, NEG)  # x - x: 0, NaN kept (as forced_eos below)
+        logp = forced if isinstance(first, bool) else torch.where(first, forced, logp)
     if constraints.forced_eos:
         is_eos = torch.arange(logp.shape[-1], device=logp.device) == cfg.eos_id
         # x - x: 0, but a NaN row (non-finite logits) stays NaN for check_scores to refuse
@@ -134,7 +139,7 @@ class Steps:
         """The float32 log-softmax of `logits` [N, V] (or `logp`, already taken), constrained in place
         (`limits` [N]: each row's length limit)."""
         logp = torch.log_softmax(logits.float(), dim=-1) if logp is None else logp
-        return constrain(logp, self.cfg, self.constraints, t + 1 >= limits, self.banned)
+        return constrain(logp, self.cfg, self.constraints, t + 1 >= limits, self.banned, t == 0)
 
     def one_row_first(self) -> bool:
         """Eager beam search's step 0 on one row a sentence (FIRST_ONE_ROW): every beam of a sentence
@@ -340,6 +345,7 @@ def beam_search(module: Transformer, cfg: ModelConfig, src: torch.Tensor, beam_s
         V = logits.shape[-1]
         ranked, logp = None, torch.log_softmax(logits, dim=-1)
         if eager and RANK_LOGITS and not first and not steps.constraints.renormalize \
+                and not (steps.constraints.forced_first is not None and t == 0) \
                 and not (steps.constraints.forced_eos and bool((t + 1 >= steps.limits).any())):
             ranked = ranked_on_logits(logits, logp, alive, steps.banned, 2 * K)
         if ranked is not None:  # every row's log-softmax finite: no sentence broke
