@@ -217,6 +217,17 @@ def opus_mt_dir(tmp_path_factory):
 
 
 @pytest.fixture(scope="session")
+def nllb_dir(tmp_path_factory):
+    """`rosetta example nllb` at a few steps (parity_tests/nllb_case.py): an M2M100 directory. Read-only."""
+    pytest.importorskip("transformers", reason="the nllb case is built with transformers' M2M100")
+    pytest.importorskip("sentencepiece", reason="the nllb case's tokenizer is SentencePiece")
+    from parity_tests.nllb_case import shared_case
+
+    base = tmp_path_factory.getbasetemp()
+    return shared_case(base.parent if os.environ.get("PYTEST_XDIST_WORKER") else base)
+
+
+@pytest.fixture(scope="session")
 def opus_mt_separate_dir(tmp_path_factory):
     """The opus-mt case with separate source and target vocabularies (target_vocab.json). Read-only."""
     return _opus_mt_case(tmp_path_factory, separate=True)

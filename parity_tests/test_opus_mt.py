@@ -197,7 +197,8 @@ def test_search_defaults_read_generation_config_as_transformers_does(tmp_path):
          "decoder_start_token_id": 1, "eos_token_id": 2}))
     settings, notes = search_defaults(tmp_path, cfg)
     assert settings == {"beam": 5, "alpha": 0.6, "length_rule": "hf", "margin": 39, "max_new_tokens": 39,
-                        "banned": (7,), "renormalize": True, "forced_eos": True}
+                        "banned": (7,), "renormalize": True, "forced_eos": True,
+                        "forced_first": None}
     assert [n.split(": ")[1].split("=")[0] for n in notes] == ["do_sample", "no_repeat_ngram_size"]
     (tmp_path / "generation_config.json").write_text(json.dumps({"bad_words_ids": [[5, 6]]}))
     with pytest.raises(ConfigError, match=r"bad_words_ids entry \[5, 6\]"):

@@ -36,6 +36,7 @@ import sys
 
 from rosetta.checkpoint import load_checkpoint, save_checkpoint
 from rosetta.cli_args import (
+    add_language_args,
     add_search_args,
     decoding_backend,
     non_negative_int,
@@ -180,7 +181,7 @@ def _open(path, tokenizer=None):
 
 def cmd_translate(args: argparse.Namespace) -> int:
     from rosetta.backends import from_params
-    from rosetta.harness.translate import translate_lines
+    from rosetta.harness.translate import apply_languages, translate_lines
 
     if bool(args.run) == bool(args.checkpoint):
         raise RosettaError("give --run DIR, or --checkpoint FILE|DIR (a Marian directory, or a checkpoint "
@@ -190,7 +191,7 @@ def cmd_translate(args: argparse.Namespace) -> int:
     opened = _open(args.run or args.checkpoint, args.tokenizer)
     backend, said = decoding_backend(args, opened.trained_by)
     model = from_params(opened.decoding_config, opened.params, backend, args.dtype)
-    search = search_settings(args, opened.search)
+    search = {**search_settings(args, opened.search), **apply_languages(opened, args.src_lang, args.tgt_lang)}
     lines = _stdin_lines()
     for line in translate_lines(model, opened.tokenizer, lines, batch_size=args.batch_size,
                                 **_generate_kwargs(search)):
@@ -276,6 +277,7 @@ def build_parser() -> argparse.ArgumentParser:
                    help="the tokenizer to use instead: a tokenizer.json, or a folder of Marian's source.spm, "
                         "target.spm, vocab.json (none found: lines are token ids)")
     add_search_args(p, beam=4)
+    add_language_args(p)
     p.set_defaults(func=cmd_translate)
 
     p = cmds.add_parser("convert", help="convert a model: rosetta, marian, flax-wmt, ctranslate2",

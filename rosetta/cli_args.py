@@ -107,7 +107,7 @@ real = real_type()  # `train` checks the range itself, as for `integer`
 # The search without flags and without a model's generation_config.json (the paper's settings,
 # §6.1; `generate` defaults to greedy).
 SEARCH_DEFAULTS = {"alpha": 0.6, "margin": 50, "length_rule": "wu", "banned": (), "renormalize": False,
-                   "max_new_tokens": None, "forced_eos": False}
+                   "max_new_tokens": None, "forced_eos": False, "forced_first": None}
 SEARCH_FLAGS = ("beam", "alpha", "margin", "length_rule")
 
 
@@ -135,6 +135,14 @@ def add_search_args(p: argparse.ArgumentParser, beam: int) -> None:
                         "generate's beam search, log P / n^alpha (default: hf for a model with a "
                         "generation_config.json, else wu)")
     p.set_defaults(default_beam=beam)
+
+
+def add_language_args(p: argparse.ArgumentParser) -> None:
+    """`translate` and `evaluate` on a model whose tokenizer has language codes (M2M100)."""
+    p.add_argument("--src-lang", help="the source language code (M2M100: 'de', written first in every "
+                                      "source; default: tokenizer_config.json's src_lang, else en)")
+    p.add_argument("--tgt-lang", help="the target language code, forced as the first token (generate's "
+                                      "forced_bos_token_id; default: generation_config.json's)")
 
 
 def decoding_backend(args: argparse.Namespace, trained_by: str | None) -> tuple[str, str | None]:

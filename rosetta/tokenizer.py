@@ -345,12 +345,7 @@ class SentencePieceTokenizer:
                 piece = piece or self.special["unk"]
             pieces.append(piece)
         text = self.spm_decode.DecodePieces(pieces).replace(SPIECE_UNDERLINE, " ").strip()
-        if self.clean_up_spaces:  # PreTrainedTokenizerBase.clean_up_tokenization
-            for before, after in ((" .", "."), (" ?", "?"), (" !", "!"), (" ,", ","), (" ' ", "'"),
-                                  (" n't", "n't"), (" 'm", "'m"), (" 's", "'s"), (" 've", "'ve"),
-                                  (" 're", "'re")):
-                text = text.replace(before, after)
-        return text
+        return clean_up_tokenization(text) if self.clean_up_spaces else text
 
     def check_fits(self, cfg: ModelConfig) -> None:
         """Each vocabulary's size must be its embedding's, its ids inside it, its `</s>` and `<pad>`
@@ -374,6 +369,14 @@ class SentencePieceTokenizer:
 
     def __repr__(self) -> str:
         return f"SentencePieceTokenizer({str(self.directory)!r}, separate_vocabs={self.separate_vocabs})"
+
+
+def clean_up_tokenization(text: str) -> str:
+    """PreTrainedTokenizerBase.clean_up_tokenization (a tokenizer's clean_up_tokenization_spaces)."""
+    for before, after in ((" .", "."), (" ?", "?"), (" !", "!"), (" ,", ","), (" ' ", "'"), (" n't", "n't"),
+                          (" 'm", "'m"), (" 's", "'s"), (" 've", "'ve"), (" 're", "'re")):
+        text = text.replace(before, after)
+    return text
 
 
 def _split_on(text: str, specials: Sequence[str]) -> list[str]:
@@ -443,6 +446,9 @@ def find_tokenizer(directory: str | os.PathLike[str]) -> Tokenizer | SentencePie
     directory = Path(directory)
     if is_fsmt_tokenizer_dir(directory):
         raise TokenizerError(fsmt_refusal(directory))
+    if (directory / "sentencepiece.bpe.model").exists():  # rosetta/interop/m2m100_tokenizer.py reads it
+        raise TokenizerError(f"{directory}: M2M100's tokenizer (sentencepiece.bpe.model): read it with "
+                             f"rosetta.interop.m2m100_tokenizer.find_text_tokenizer")
     if is_marian_tokenizer_dir(directory):
         return SentencePieceTokenizer(directory)
     if (directory / "tokenizer.json").is_file():

@@ -162,7 +162,7 @@ def cmd_evaluate(args: argparse.Namespace) -> int:
     if args.hyps is not None and Path(args.hyps).resolve() == Path(args.out).resolve():
         raise RosettaError(f"--hyps and --out both name {args.out}: the report would replace the hypotheses")
     from rosetta.cli_args import decoding_backend, search_settings
-    from rosetta.harness.translate import open_model
+    from rosetta.harness.translate import apply_languages, open_model
     from rosetta.interop.convert import is_marian_like
     from rosetta.interop.marian_files import companion_dir
 
@@ -181,7 +181,7 @@ def cmd_evaluate(args: argparse.Namespace) -> int:
     pair = ev.run_pair(run_record, args.pair)
     backend, said = decoding_backend(args, (run_record or {}).get("backend") or opened.trained_by)
     model = from_params(opened.decoding_config, opened.params, backend, args.dtype)
-    search = search_settings(args, opened.search)
+    search = {**search_settings(args, opened.search), **apply_languages(opened, args.src_lang, args.tgt_lang)}
     start = time.perf_counter()
     result = ev.evaluate_split(model, opened.tokenizer, args.split, pair, args.data_dir, args.limit,
                                batch_size=args.batch_size, beam=search.pop("beam"),
@@ -216,6 +216,16 @@ def cmd_example(args: argparse.Namespace) -> int:
     from rosetta.harness.example import build_opus_mt_dir, check_example_args
 
     check_example_args(args.dir, args.steps)  # before the data is read: a used DIR should not wait
+    if args.name == "nllb":
+        from rosetta.harness.example_nllb import build_nllb_dir
+
+        if args.separate:
+            raise RosettaError("--separate is opus-mt's: the nllb example has one vocabulary")
+        out = build_nllb_dir(args.dir, steps=args.steps, seed=args.seed, data_dir=args.data_dir)
+        print(f"wrote {out} (an M2M100ForConditionalGeneration trained {args.steps} steps on Multi30k, "
+              f"de-en and en-de); try:")
+        print(f'  echo "Ein Hund läuft." | rosetta translate --checkpoint {out} --tgt-lang en')
+        return 0
     out = build_opus_mt_dir(args.dir, separate=args.separate, steps=args.steps, seed=args.seed,
                             data_dir=args.data_dir)
     vocab = "separate vocabularies" if args.separate else "joint vocabulary"
@@ -226,7 +236,14 @@ def cmd_example(args: argparse.Namespace) -> int:
 
 def add_parsers(cmds: argparse._SubParsersAction) -> None:
     """Register `average`, `evaluate` and `example` on rosetta/cli.py's subcommands."""
-    from rosetta.cli_args import add_search_args, non_negative_int, nonempty_path, output_file, positive_int
+    from rosetta.cli_args import (
+        add_language_args,
+        add_search_args,
+        non_negative_int,
+        nonempty_path,
+        output_file,
+        positive_int,
+    )
     from rosetta.harness.average import DEFAULT_LAST
 
     p = cmds.add_parser("average", help="average checkpoints into one (paper §6.1: the last 5)",
@@ -255,16 +272,19 @@ def add_parsers(cmds: argparse._SubParsersAction) -> None:
                    help="Multi30k directory (default $ROSETTA_DATA_DIR, else the package's bundled copy)")
     p.add_argument("--limit", type=positive_int, help="the first N sentences only (default all)")
     add_search_args(p, beam=4)  # the search flags of `generate` and `translate` (paper §6.1: beam 4)
+    add_language_args(p)
     p.add_argument("--hyps", type=output_file, metavar="FILE", help="also write the hypotheses, one a line")
     p.add_argument("--out", type=output_file, required=True, metavar="FILE.json",
                    help="where to write the JSON report")
     p.set_defaults(func=cmd_evaluate)
 
-    p = cmds.add_parser("example", help="build a small trained opus-mt-style directory, offline",
+    p = cmds.add_parser("example", help="build a small trained opus-mt or M2M100 directory, offline",
                         epilog="needs torch, transformers and sentencepiece. DIR must be new or an empty "
                                "folder; it appears only once complete (docs/real-models.md)")
-    p.add_argument("name", choices=["opus-mt"], help="the example: opus-mt (Hugging Face MarianMTModel, "
-                                                     "SentencePiece tokenizers, German to English)")
+    p.add_argument("name", choices=["opus-mt", "nllb"],
+                   help="the example: opus-mt (Hugging Face MarianMTModel, SentencePiece tokenizers, German "
+                        "to English) or nllb (M2M100ForConditionalGeneration + M2M100Tokenizer, language "
+                        "codes, German <-> English)")
     p.add_argument("dir", type=nonempty_path, metavar="DIR", help="the folder to write")
     p.add_argument("--separate", action="store_true",
                    help="separate source and target vocabularies (target_vocab.json) instead of a joint one")

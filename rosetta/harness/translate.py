@@ -31,7 +31,7 @@ from rosetta.harness.report import RUN_SCHEMA, read_json
 from rosetta.harness.run_dir import LATEST, check_checkpoint_dir, is_checkpoint_name, latest_checkpoint
 from rosetta.inputs import check_int, parse_id_line
 from rosetta.params import Params
-from rosetta.tokenizer import TextTokenizer, find_tokenizer, load_tokenizer
+from rosetta.tokenizer import TextTokenizer, load_tokenizer
 
 
 def resolve_run(path: str | os.PathLike[str]) -> tuple[Path, Path | None]:
@@ -103,7 +103,9 @@ def open_model(path: str | os.PathLike[str], tokenizer: str | os.PathLike[str] |
     (weights converted in memory; its tokenizer and generation_config.json), or a run or checkpoint
     directory (resolve_run). `tokenizer` (a tokenizer.json or a folder of Marian's files) replaces
     the one found; it must fit the model either way."""
+    from rosetta.interop import m2m100
     from rosetta.interop.convert import is_marian_like, read_model
+    from rosetta.interop.m2m100_tokenizer import find_text_tokenizer, is_m2m100_tokenizer_dir
     from rosetta.interop.marian_files import companion_dir, read_generation_settings
 
     path, run_dir = Path(path), None
@@ -118,11 +120,13 @@ def open_model(path: str | os.PathLike[str], tokenizer: str | os.PathLike[str] |
         raise RosettaError(f"{path}: no such checkpoint file or model directory")
     cfg, params = read_model(weights)
     if tokenizer is not None:
-        found = load_tokenizer(tokenizer)
+        m2m = is_m2m100_tokenizer_dir(tokenizer)
+        found = find_text_tokenizer(tokenizer) if m2m else load_tokenizer(tokenizer)
     elif companions is None:
         found = None
-    else:
-        found = load_tokenizer(companions) if companions.is_file() else find_tokenizer(companions)
+    else:  # an M2M100 directory's tokenizer files must be there (find_text_tokenizer names the missing one)
+        found = (load_tokenizer(companions) if companions.is_file()
+                 else find_text_tokenizer(companions, m2m100=is_marian_like(path) and m2m100.is_m2m100(path)))
     if found is not None:
         found.check_fits(cfg)
     settings = read_generation_settings(companions, cfg) if companions is not None else None
@@ -130,6 +134,24 @@ def open_model(path: str | os.PathLike[str], tokenizer: str | os.PathLike[str] |
         return OpenedModel(weights, cfg, params, found, run_dir=run_dir)
     return OpenedModel(weights, cfg, params, found, settings.search(), list(settings.notes), run_dir,
                        settings.decoder_start)
+
+
+def apply_languages(opened: OpenedModel, src_lang: str | None, tgt_lang: str | None) -> dict[str, Any]:
+    """--src-lang and --tgt-lang on a tokenizer with language codes (M2M100's: the source's code goes
+    first in every source, the target's is forced first, as generate's forced_bos_token_id): the
+    search settings they change ({"forced_first": id}, or {}). Refused in one line for a code the
+    tokenizer does not have, or a tokenizer without codes."""
+    if src_lang is None and tgt_lang is None:
+        return {}
+    tokenizer = opened.tokenizer
+    if not hasattr(tokenizer, "lang_id"):
+        flag = "--src-lang" if src_lang is not None else "--tgt-lang"
+        raise RosettaError(f"{flag}: the tokenizer of {opened.path} has no language codes (M2M100 "
+                           f"directories have them; an opus-mt model reads >>xx<< at the start of a line)")
+    if src_lang is not None:
+        tokenizer.lang_id(src_lang, "--src-lang")
+        tokenizer.src_lang = src_lang
+    return {} if tgt_lang is None else {"forced_first": tokenizer.lang_id(tgt_lang, "--tgt-lang")}
 
 
 def encode_line(line: str, number: int, tokenizer: TextTokenizer | None, cfg: ModelConfig) -> list[int]:
@@ -148,7 +170,8 @@ def translate_lines(model: BackendModel, tokenizer: TextTokenizer | None, lines:
                     alpha: float = 0.6, max_len_margin: int = 50, batch_size: int = 32,
                     length_rule: str = "wu", **constraints: Any) -> list[str]:
     """One output per input line (an empty line gives an empty output), in input order.
-    `constraints` are `model.generate`'s keywords (banned, renormalize, max_new_tokens, forced_eos)."""
+    `constraints` are `model.generate`'s keywords (banned, renormalize, max_new_tokens, forced_eos,
+    forced_first)."""
     cfg = model.config
     batch_size = check_int(batch_size, "batch_size", minimum=1)
     outputs = [""] * len(lines)

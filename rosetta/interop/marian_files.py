@@ -6,6 +6,8 @@ Where they are:
   `target_vocab.json` (separate vocabularies only), `tokenizer_config.json`,
   `generation_config.json`; a model trained here and written with `--to marian` holds
   `tokenizer.json` (our BPE, Hugging Face's fast format) instead of the SentencePiece files;
+- an M2M100 directory holds `sentencepiece.bpe.model`, `vocab.json` and `tokenizer_config.json`
+  (rosetta/interop/m2m100_tokenizer.py);
 - an FSMT directory holds `vocab-src.json`, `vocab-tgt.json`, `merges.txt` and
   `tokenizer_config.json`: they travel (checked against the model's vocabularies) but are never run,
   as their Moses step needs `sacremoses` (rosetta/tokenizer.py: fsmt_refusal);
@@ -26,11 +28,11 @@ from rosetta.config import ModelConfig, read_json_object
 from rosetta.errors import CheckpointError
 from rosetta.files import atomic_write_bytes
 from rosetta.generation import GenerationSettings, check_generation_config
+from rosetta.interop.m2m100_tokenizer import SPM_FILE, find_text_tokenizer, is_m2m100_tokenizer_dir
 from rosetta.tokenizer import (
     FSMT_TOKENIZER_FILES,
     MARIAN_TOKENIZER_FILES,
     check_fsmt_vocabularies,
-    find_tokenizer,
     is_fsmt_tokenizer_dir,
     is_marian_tokenizer_dir,
 )
@@ -40,7 +42,7 @@ BPE_FILE = "tokenizer.json"
 SIDECAR_SUFFIX = ".tokenizer"
 DIRECTORY_FORMATS = ("marian", "fsmt", "m2m100")  # Hugging Face directories: the tokenizer goes inside
 # Every file a sidecar may hold: a new one replaces them all (no stale target_vocab.json stays).
-COMPANION_FILES = (*MARIAN_TOKENIZER_FILES, *FSMT_TOKENIZER_FILES, BPE_FILE, GENERATION_CONFIG)
+COMPANION_FILES = (*MARIAN_TOKENIZER_FILES, *FSMT_TOKENIZER_FILES, SPM_FILE, BPE_FILE, GENERATION_CONFIG)
 
 
 def sidecar(checkpoint: str | os.PathLike) -> Path:
@@ -76,7 +78,8 @@ def copy_companions(source: str | os.PathLike | None, cfg: ModelConfig, dest: st
         return []
     if to_format in DIRECTORY_FORMATS:
         written = []
-        if BPE_FILE in files and not is_marian_tokenizer_dir(source if source.is_dir() else source.parent):
+        folder = source if source.is_dir() else source.parent
+        if BPE_FILE in files and not (is_marian_tokenizer_dir(folder) or is_m2m100_tokenizer_dir(folder)):
             written.append(write_tokenizer(files.pop(BPE_FILE), dest, cfg))
             files.pop("tokenizer_config.json", None)  # write_tokenizer wrote the fast tokenizer's
         for name, path in files.items():  # the original generation_config.json replaces write_marian's
@@ -108,7 +111,7 @@ def check_companions(source: str | os.PathLike, cfg: ModelConfig) -> GenerationS
         return None
     if is_fsmt_tokenizer_dir(source):  # FSMT's Moses + BPE files: checked, never run (rosetta/tokenizer.py)
         check_fsmt_vocabularies(source, cfg)
-    elif (tokenizer := find_tokenizer(source)) is not None:
+    elif (tokenizer := find_text_tokenizer(source)) is not None:
         tokenizer.check_fits(cfg)
     return read_generation_settings(source, cfg)
 
@@ -118,7 +121,7 @@ def has_tokenizer(source: str | os.PathLike | None) -> bool:
     if source is None:
         return False
     source = Path(source)
-    return source.is_file() or is_fsmt_tokenizer_dir(source) or find_tokenizer(source) is not None
+    return source.is_file() or is_fsmt_tokenizer_dir(source) or find_text_tokenizer(source) is not None
 
 
 # -- generation_config.json -> our search ------------------------------------------------------
