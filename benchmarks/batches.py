@@ -51,7 +51,7 @@ from benchmarks.common import (
 from benchmarks.peer import make_peer
 from benchmarks.run import device_name
 from rosetta import preset
-from rosetta.cli_args import nonempty_path, positive_int
+from rosetta.cli_args import count, nonempty_path, positive_int
 from rosetta.config import PRESETS
 from rosetta.files import atomic_write_bytes
 from rosetta.flops import mfu, peak_flops
@@ -202,8 +202,8 @@ def main(argv: list[str] | None = None) -> None:
     cli.add_argument("--preset", default="small", choices=sorted(PRESETS))
     cli.add_argument("--dtype", default="float32", choices=("float32", "bfloat16"))
     cli.add_argument("--max-tokens", type=positive_int, default=4096, help="tokens a batch (default 4096)")
-    cli.add_argument("--batches", type=positive_int, default=3, help="batches a (distribution, batching)")
-    cli.add_argument("--repeats", type=positive_int, default=3, help="timed passes over them")
+    cli.add_argument("--batches", type=count, default=3, help="batches a (distribution, batching)")
+    cli.add_argument("--repeats", type=count, default=3, help="timed passes over them")
     cli.add_argument("--distributions", nargs="+", choices=DISTRIBUTIONS, default=list(DISTRIBUTIONS))
     cli.add_argument("--batchings", nargs="+", choices=BATCHINGS, default=list(BATCHINGS))
     cli.add_argument("--data-dir", type=nonempty_path, help="Multi30k directory (default: the harness's)")
@@ -211,6 +211,8 @@ def main(argv: list[str] | None = None) -> None:
     cli.add_argument("--no-write", action="store_true", help="print the table only")
     cli.add_isa(both=True)
     args = cli.parse_args(argv)
+    # issue 57: a budget whose batch cannot be held (one float32 d_model vector a token, a side)
+    cli.fits_memory("--max-tokens", args.max_tokens, 8 * preset(args.preset).d_model, "tokens")
     device = "".join(c if c.isalnum() else "-" for c in device_name().lower()).strip("-")
     name = f"batches_{args.preset}_{args.dtype}_{device}_{dt.date.today().isoformat()}"
     if not args.no_write and not args.part:  # the files it writes, before the first measurement

@@ -23,7 +23,7 @@ from pathlib import Path
 from typing import Any, NoReturn
 
 from rosetta.backends import get_trainer
-from rosetta.cli_args import nonempty_path
+from rosetta.cli_args import machine_memory, nonempty_path
 from rosetta.config import ModelConfig
 from rosetta.device import cache_dir
 from rosetta.errors import RosettaError
@@ -94,6 +94,23 @@ class Parser(argparse.ArgumentParser):
         argv = sys.argv[1:] if argv is None else list(argv)
         done = subprocess.run([sys.executable, "-m", module, *argv], env=isa_environment(args.isa))
         raise SystemExit(done.returncode)
+
+    def bound(self, flag: str, value: int, maximum: int, why: str) -> int:
+        """`value` of `flag` once it is at most `maximum`, a bound that depends on other flags or on the
+        machine (a preset's max_len, what its memory holds); else one line naming the flag, the bound
+        and `why`, before any work. Bounds known when parsing are integer_type's `maximum` instead."""
+        if value > maximum:
+            self.error(f"argument {flag}: must be <= {maximum:,} ({why}), got {value:,}")
+        return value
+
+    def fits_memory(self, flag: str, value: int, bytes_each: int, what: str) -> int:
+        """`value` of `flag`, a number of `what` (rows, tokens, sentences) each needing `bytes_each` bytes
+        at the least, once that many fit in this machine's memory (rosetta.cli_args.machine_memory: a
+        bound it certainly cannot pass, e.g. the 36 TiB of `profile_step --batch 10**12`)."""
+        memory = machine_memory()
+        return self.bound(flag, value, max(1, memory // bytes_each),
+                          f"{what} of {bytes_each:,} bytes at the least: this machine's memory is "
+                          f"{memory / 2**30:.1f} GiB")
 
     @contextlib.contextmanager
     def refusing(self, flag: str | None = None) -> Iterator[None]:

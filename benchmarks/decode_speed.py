@@ -16,7 +16,7 @@ import numpy as np
 
 from benchmarks.common import RESULTS, environment, parser, time_it, with_machine, write_results
 from rosetta import from_params, init_params, preset
-from rosetta.cli_args import positive_int
+from rosetta.cli_args import count
 from rosetta.parity import random_batch
 
 
@@ -64,7 +64,7 @@ def markdown(result: dict, env: dict) -> str:
 def main(argv: list[str] | None = None) -> None:
     cli = parser(__file__, __doc__)
     cli.add_argument("--quick", action="store_true")
-    cli.add_argument("--repeats", type=positive_int, default=3)
+    cli.add_argument("--repeats", type=count, default=3)
     cli.add_argument("--no-write", action="store_true", help="print only")
     cli.add_isa()
     args = cli.parse_args(argv)

@@ -30,7 +30,7 @@ from benchmarks.common import RESULTS, environment, given_path, parser, with_mac
 from benchmarks.peer import make_peer
 from benchmarks.run import SUITES, alternate, training_batches
 from rosetta import preset
-from rosetta.cli_args import positive_int
+from rosetta.cli_args import count
 
 FRAMEWORKS = ("jax", "torch")
 
@@ -80,9 +80,9 @@ def main(argv: list[str] | None = None) -> None:
     cli = parser(__file__, __doc__)
     cli.add_argument("--preset", default="tiny", choices=sorted(SUITES["cpu"].presets),
                      help="the cpu suite's size of it (default tiny)")
-    cli.add_argument("--pairs", type=positive_int, default=6, help="alternations per framework (default 6)")
-    cli.add_argument("--steps", type=positive_int, default=4, help="steps a stretch (default 4)")
-    cli.add_argument("--repeats", type=positive_int, default=7, help="stretches a row (default 7)")
+    cli.add_argument("--pairs", type=count, default=6, help="alternations per framework (default 6)")
+    cli.add_argument("--steps", type=count, default=4, help="steps a stretch (default 4)")
+    cli.add_argument("--repeats", type=count, default=7, help="stretches a row (default 7)")
     cli.add_argument("--out-dir", type=given_path, default=RESULTS)
     cli.add_argument("--no-write", action="store_true", help="print only")
     cli.add_isa()

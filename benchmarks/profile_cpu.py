@@ -30,7 +30,7 @@ import numpy as np
 import torch
 
 from benchmarks.common import RESULTS, environment, given_path, parser, write_results
-from rosetta.cli_args import positive_int
+from rosetta.cli_args import core_count, machine_cores
 
 KINDS = ("output projection matmuls (over V)", "layer matmuls", "attention matmuls",
          "loss, log-softmax over V", "dropout random bits", "top-k and beam bookkeeping",
@@ -194,8 +194,8 @@ def table(title: str, wall: float, kinds: Counter) -> str:
 def main(argv: list[str] | None = None) -> None:
     cli = parser(__file__, __doc__)
     cli.add_argument("--what", choices=("train", "decode", "both"), default="both")
-    cli.add_argument("--threads", type=positive_int, default=2,
-                     help="torch threads (XLA takes every core)")
+    cli.add_argument("--threads", type=core_count, default=min(2, machine_cores()),
+                     help="torch threads, at most the cores (XLA takes every core)")
     cli.add_argument("--out-dir", type=given_path, default=RESULTS)
     cli.add_argument("--no-write", action="store_true", help="print only")
     cli.add_argument("--quick", action="store_true", help="tiny models (the smoke test); nothing written")

@@ -21,37 +21,15 @@ time by kind (KINDS); the 15 largest kernels; kernel launches, idle share and ho
 step. Search FLOPs (`search_flops`): real, each sentence at its source and output length; padded, the
 batch's source length and its longest output.
 
-How a trace is read (`summarize`: trace events in, a table out; parity_tests/test_profile_step.py
-feeds it synthetic traces with known intervals):
-- device work: torch on CUDA: the `kernel`, `gpu_memcpy`, `gpu_memset` events; torch on a CPU: the
-  `cpu_op` events (operators); JAX on a GPU: the events on the `Stream` lines of a `/device:GPU`
-  process; JAX on a CPU: XLA's thunks (events with an `hlo_op`). Each counts its self time (nested
-  device events taken out, per thread), so nested operators are not counted twice.
-- kind: the first KINDS entry one of whose fragments is in the event's name (lower case); for a name
-  that matches none, the same look at its `hlo_op`, `tf_op`, `long_name`, `name` arguments (JAX's
-  kernels). A fusion that mixes kinds counts as the first kind it names; torch's `copy_`
-  (`copy_kernel` on CUDA), a cast or a layout copy, counts as a cast.
-- launches: device events with no device event nested in them (on a CPU the innermost operators).
-- idle: 1 - (the union of the device events' intervals) / (first start to last end of the profiled
-  steps, run back to back). On a CPU: the time in no operator (Python, dispatch).
-- syncs (the host waiting for the device): torch on CUDA: the runtime's cudaStreamSynchronize,
-  cudaDeviceSynchronize, cudaEventSynchronize and synchronous cudaMemcpy calls; torch on a CPU:
-  aten::_local_scalar_dense (.item(), bool(), int() of a tensor); JAX on a GPU: the device-to-host
-  copies on its streams (MemcpyD2H); JAX on a CPU, where nothing is copied: the host's reads,
-  `np.asarray(jax.Array)` (jax.Array._value: float(), jax.device_get) and `CommonPjRtBuffer::Await`
-  outside one (np.asarray of an array not computed yet: a read of one already computed is not seen,
-  so this count varies). A profiled stretch ends with the Stepper's flush: one read.
-On a CPU, XLA's thunks run on several threads (their sum can exceed the span) and most are fusions
-whose names do not say what they compute ("other"; benchmarks.profile_cpu maps them through the HLO).
+How a trace is read: benchmarks/profile_trace.py.
 Results: benchmarks/results/profile-step_<preset>-<dtype>_<device>_<date>.{json,md}. GPU figures:
 none measured yet.
 """
 
 from __future__ import annotations
 
+import argparse
 import datetime as dt
-import gzip
-import json
 import multiprocessing
 import os
 import re
@@ -73,6 +51,7 @@ from torch.profiler import ProfilerActivity, profile
 
 from benchmarks.common import (
     RESULTS,
+    Parser,
     build_trainer,
     environment,
     given_path,
@@ -83,163 +62,18 @@ from benchmarks.common import (
     write_results,
 )
 from benchmarks.peer import make_peer
+from benchmarks.profile_trace import KIND_ORDER, load_trace, summarize
 from benchmarks.run import SUITES, Size, measure, training_batches
 from jax_impl import train as jax_train
 from rosetta import preset
 from rosetta.backends import get_backend
-from rosetta.cli_args import positive_int, positive_real
+from rosetta.cli_args import MAX_COUNT, count, positive_int, positive_real
 from rosetta.config import PRESETS
 from rosetta.flops import forward_flops
 from rosetta.harness.metrics import batch_work, mfu, peak_flops
 from rosetta.harness.stepping import Stepper, cycle
 from rosetta.parity import random_batch
 from torch_impl import train as torch_train
-
-OTHER = "other elementwise and casts"
-# Name fragments (lower case) -> kind; the first entry that matches wins, no match is OTHER. One
-# table for torch's CUDA kernels and CPU operators, and XLA's GPU kernels and CPU thunks.
-KINDS = (
-    ("attention", ("sdpa", "flash", "fmha", "attention", "scaled_dot_product")),
-    ("GEMM", ("gemm", "nvjet", "cutlass", "xmma", "cublas", "matmul", "aten::mm", "aten::addmm", "aten::bmm",
-              "baddbmm", "linear", "dot")),
-    ("loss and softmax", ("softmax", "nll_loss", "cross_entropy", "logsumexp")),
-    ("LayerNorm", ("layer_norm", "layernorm", "gammabeta")),
-    ("dropout", ("dropout", "bernoulli", "philox", "threefry", "rng", "random")),
-    ("optimizer", ("adam", "multi_tensor_apply", "foreach")),
-    (OTHER, ("copy_kernel", "aten::copy_", "_to_copy")),  # torch's casts, before "copy" below
-    ("copies", ("memcpy", "memset", "copy", "transpose", "concatenate", "aten::cat", "index", "gather",
-                "scatter", "dynamic-update-slice", "dynamic_update_slice")),
-    (OTHER, ("convert",)),  # XLA's casts, after its cache writes (dynamic-update-slice_convert_fusion)
-)
-KIND_ORDER = ("GEMM", "attention", "loss and softmax", "LayerNorm", "dropout", OTHER, "optimizer", "copies")
-CUDA_SYNCS = ("cudaStreamSynchronize", "cudaDeviceSynchronize", "cudaEventSynchronize", "cudaMemcpy")
-# JAX's host reads of device arrays on a CPU: jax.Array._value (float(), jax.device_get), and PjRt's
-# wait for a buffer (NumPy's np.asarray of an array not computed yet).
-JAX_READS = ("np.asarray(jax.Array)", "CommonPjRtBuffer::Await")
-ARG_NAMES = ("hlo_op", "tf_op", "long_name", "name")  # what a JAX kernel's arguments say it computes
-TOP = 15
-
-
-def kind_of(text: str) -> str:
-    text = text.lower()
-    return next((kind for kind, keys in KINDS if any(k in text for k in keys)), OTHER)
-
-
-def classify(event: dict) -> str:
-    """The kind of a device event: by its name, else by what its arguments name."""
-    kind = kind_of(event["name"])
-    if kind != OTHER:
-        return kind
-    args = event.get("args") or {}
-    return kind_of(" ".join(str(args[k]) for k in ARG_NAMES if k in args))
-
-
-def load_trace(path: Path) -> list[dict]:
-    """The events of a trace-event JSON file, .json or .json.gz (torch.profiler's, jax.profiler's)."""
-    opener = gzip.open if path.suffix == ".gz" else open
-    with opener(path, "rt") as f:
-        data = json.load(f)
-    return data["traceEvents"] if isinstance(data, dict) else data
-
-
-def _names(events: list[dict]) -> tuple[dict, dict]:
-    """Process names by pid and thread names by (pid, tid), from the metadata events."""
-    meta = [e for e in events if e.get("ph") == "M"]
-    procs = {e["pid"]: e["args"]["name"] for e in meta if e["name"] == "process_name"}
-    threads = {(e["pid"], e.get("tid")): e["args"]["name"] for e in meta if e["name"] == "thread_name"}
-    return procs, threads
-
-
-def device_events(events: list[dict], framework: str, device: str) -> list[dict]:
-    """The events that are the device's work (the module docstring's rule for each framework and device)."""
-    spans = [e for e in events if e.get("ph") == "X" and "dur" in e]
-    if framework == "torch":
-        cats = ("kernel", "gpu_memcpy", "gpu_memset") if device == "cuda" else ("cpu_op",)
-        return [e for e in spans if e.get("cat") in cats]
-    if device == "cuda":  # the Stream lines; without any, every line but XLA's derived ones (XLA Ops)
-        procs, threads = _names(events)
-        gpu = [e for e in spans if str(procs.get(e["pid"], "")).startswith("/device:GPU")]
-        line = {id(e): str(threads.get((e["pid"], e.get("tid")), "")) for e in gpu}
-        streams = [e for e in gpu if line[id(e)].startswith("Stream")]
-        return streams or [e for e in gpu if not line[id(e)].startswith("XLA")]
-    return [e for e in spans if "hlo_op" in (e.get("args") or {})]
-
-
-def host_syncs(events: list[dict], framework: str, device: str) -> int:
-    """How many times the host waited for the device (the module docstring's rule)."""
-    spans = [e for e in events if e.get("ph") == "X"]
-    if framework == "jax" and device == "cuda":
-        copies = (e["name"].lower() for e in device_events(events, "jax", device))
-        return sum("d2h" in name or "dtoh" in name for name in copies)
-    if framework == "jax":  # the reads, a wait inside a read not counted again
-        reads, reach = 0, float("-inf")
-        for e in sorted((e for e in spans if e["name"] in JAX_READS), key=lambda e: e["ts"]):
-            reads += e["ts"] >= reach
-            reach = max(reach, e["ts"] + e.get("dur", 0))
-        return reads
-    if device == "cuda":
-        return sum(e.get("cat") == "cuda_runtime" and e["name"] in CUDA_SYNCS for e in spans)
-    return sum(e["name"] == "aten::_local_scalar_dense" for e in spans)
-
-
-def self_times(events: list[dict]) -> list[tuple[dict, float, bool]]:
-    """(event, its duration less its directly nested events', whether nothing is nested in it), nesting
-    taken per (pid, tid); an event that overlaps another without lying inside it is not nested."""
-    found: dict[int, list] = {}
-    by_thread: dict[tuple, list[dict]] = {}
-    for e in events:
-        by_thread.setdefault((e.get("pid"), e.get("tid")), []).append(e)
-    for thread in by_thread.values():
-        stack: list[dict] = []
-        for e in sorted(thread, key=lambda e: (e["ts"], -e["dur"])):
-            end = e["ts"] + e["dur"]
-            while stack and stack[-1]["ts"] + stack[-1]["dur"] <= e["ts"]:
-                stack.pop()
-            found[id(e)] = [e, float(e["dur"]), True]
-            if stack and end <= stack[-1]["ts"] + stack[-1]["dur"]:
-                parent = found[id(stack[-1])]
-                parent[1] -= e["dur"]
-                parent[2] = False
-            stack.append(e)
-    return [(e, max(t, 0.0), leaf) for e, t, leaf in found.values()]
-
-
-def union_length(intervals: list[tuple[float, float]]) -> float:
-    """The length of the union of [start, end) intervals."""
-    total, reach = 0.0, float("-inf")
-    for start, end in sorted(intervals):
-        if end > reach:
-            total += end - max(start, reach)
-            reach = end
-    return total
-
-
-def summarize(events: list[dict], framework: str, device: str, steps: int) -> dict:
-    """A trace of `steps` steps as per-step figures: ms by kind (every kind of KIND_ORDER), device ms,
-    the span and the busy time, the idle share, launches, syncs, and the TOP largest kernels."""
-    work = device_events(events, framework, device)
-    kinds = dict.fromkeys(KIND_ORDER, 0.0)
-    kernels: dict[str, list] = {}
-    launches = 0
-    for event, us, leaf in self_times(work):
-        kind = classify(event)
-        kinds[kind] += us
-        entry = kernels.setdefault(event["name"], [kind, 0.0, 0])
-        entry[1] += us
-        entry[2] += 1
-        launches += leaf
-    start = min((e["ts"] for e in work), default=0.0)
-    span = max((e["ts"] + e["dur"] for e in work), default=0.0) - start
-    busy = union_length([(e["ts"], e["ts"] + e["dur"]) for e in work])
-    top = sorted(kernels.items(), key=lambda kv: -kv[1][1])[:TOP]
-    per_step = 1e3 * steps  # µs over the trace -> ms per step
-    return {"steps": steps, "events": len(work), "kinds_ms": {k: us / per_step for k, us in kinds.items()},
-            "device_ms": sum(kinds.values()) / per_step, "span_ms": span / per_step,
-            "busy_ms": busy / per_step,
-            "idle_share": 1 - busy / span if span > 0 else None, "launches_per_step": launches / steps,
-            "syncs_per_step": host_syncs(events, framework, device) / steps,
-            "top": [{"name": name, "kind": kind, "ms_per_step": us / per_step, "calls_per_step": n / steps}
-                    for name, (kind, us, n) in top]}
 
 
 def torch_trace(fn: Callable[[], object], device: str, folder: Path) -> list[dict]:
@@ -440,6 +274,22 @@ def results_name(preset_name: str, dtype: str, device: str, partial: bool) -> st
     return f"{prefix}_{preset_name}-{dtype}_{slug}_{dt.date.today().isoformat()}"
 
 
+def sizes(cli: Parser, args: argparse.Namespace) -> Size:
+    """The run's shapes: the GPU suite's for the preset, each flag given in its place, bounded (issue
+    57): --length by the preset's max_len, --batch and --sentences by what this machine's memory
+    holds at one float32 vector of d_model per token (the embeddings alone; a step holds far more)."""
+    base = SUITES["gpu"].presets.get(args.preset, SUITES["gpu"].presets["base"])
+    cfg = preset(args.preset)
+    length = cli.bound("--length", args.length or base.length, cfg.max_len, f"preset {args.preset}'s max_len")
+    size = Size(args.batch or base.batch, length, args.sentences or base.decode_batch,
+                min(base.decode_len, length), min(base.margin, length))
+    token = 4 * cfg.d_model
+    cli.fits_memory("--batch", size.batch, 2 * length * token, f"rows of {length} tokens a side")
+    cli.fits_memory("--sentences", size.decode_batch, BEAM * (size.decode_len + size.margin) * token,
+                    f"sentences of {BEAM} beams")
+    return size
+
+
 def main(argv: list[str] | None = None) -> None:
     cli = parser(__file__, __doc__)
     cli.add_argument("--preset", default="base", choices=sorted(PRESETS))
@@ -448,12 +298,16 @@ def main(argv: list[str] | None = None) -> None:
     cli.add_argument("--device", default="cuda", choices=("cuda", "cpu"))
     cli.add_argument("--parts", nargs="+", choices=[p.key for p in PARTS], default=list(DEFAULT_PARTS),
                      help="the parts to run (default: all but train-peer)")
-    cli.add_argument("--warmup", type=positive_int, default=3, help="unprofiled steps first (compiles)")
-    cli.add_argument("--steps", type=positive_int, default=5, help="timed steps, unprofiled")
-    cli.add_argument("--profiled", type=positive_int, default=3, help="steps under the profiler")
-    cli.add_argument("--batch", type=positive_int, help="training rows (default: the GPU suite's)")
-    cli.add_argument("--length", type=positive_int, help="training tokens a side (default: the GPU suite's)")
-    cli.add_argument("--sentences", type=positive_int, help="sentences searched (default: the GPU suite's)")
+    cli.add_argument("--warmup", type=count, default=3,
+                     help=f"unprofiled steps first (compiles; at most {MAX_COUNT:,})")
+    cli.add_argument("--steps", type=count, default=5, help="timed steps, unprofiled")
+    cli.add_argument("--profiled", type=count, default=3, help="steps under the profiler")
+    cli.add_argument("--batch", type=positive_int,
+                     help="training rows (default: the GPU suite's; at most what memory holds)")
+    cli.add_argument("--length", type=positive_int,
+                     help="training tokens a side (default: the GPU suite's; at most the preset's max_len)")
+    cli.add_argument("--sentences", type=positive_int,
+                     help="sentences searched (default: the GPU suite's; at most what memory holds)")
     cli.add_argument("--peak-tflops", type=positive_real, default=None,
                      help="the device's peak TFLOP/s in the run's dtype, for MFU (default: "
                           "rosetta/flops.py's table of known GPUs)")
@@ -469,15 +323,13 @@ def main(argv: list[str] | None = None) -> None:
     args.dtype = args.dtype or ("bfloat16" if args.device == "cuda" else "float32")
     parts = [p for p in PARTS if p.key in args.parts]
     name = results_name(args.preset, args.dtype, args.device, set(args.parts) != set(DEFAULT_PARTS))
+    size = sizes(cli, args)  # refused in one line before anything is built
     if not args.no_write:  # before the minutes of compiling
         cli.check_out_dir(args.out_dir, [f"{name}.json", f"{name}.md"])
     started = time.perf_counter()
     env = environment()
-    base = SUITES["gpu"].presets.get(args.preset, SUITES["gpu"].presets["base"])
-    length = args.length or base.length
-    size = Size(args.batch or base.batch, length, args.sentences or base.decode_batch,
-                min(base.decode_len, length), min(base.margin, length))
-    _, cfg, params = make_peer(preset(args.preset, max_len=max(128, size.decode_len + size.margin + 1)))
+    max_len = max(128, size.length, size.decode_len + size.margin + 1)
+    _, cfg, params = make_peer(preset(args.preset, max_len=max_len))
     batches = training_batches(cfg, args.preset, size)
     print(f"profile_step: {args.preset} {args.dtype} on {args.device}, parts "
           f"{' '.join(p.key for p in parts)}", flush=True)

@@ -57,7 +57,7 @@ from pathlib import Path
 import numpy as np
 
 from benchmarks.common import RESULTS, Parser, environment, given_path, parser, with_machine, write_results
-from rosetta.cli_args import non_negative_int, positive_int, positive_real
+from rosetta.cli_args import MAX_COUNT, core_count, count, integer_type, positive_int, positive_real
 from rosetta.config import preset
 from rosetta.errors import RosettaError
 from rosetta.json_input import read_json
@@ -368,7 +368,8 @@ def run(args: argparse.Namespace) -> dict:
 def parse(argv: list[str] | None) -> tuple[Parser, argparse.Namespace]:
     cli = parser(__file__, __doc__)
     cli.add_argument("--framework", nargs="+", choices=FRAMEWORKS, default=list(FRAMEWORKS))
-    cli.add_argument("--workers", nargs="+", type=positive_int, default=[1, 2], help="the Ns to measure")
+    cli.add_argument("--workers", nargs="+", type=core_count, default=[1, 2],
+                     help="the Ns to measure (at most the cores: a process each)")
     cli.add_argument("--preset", choices=PRESET_NAMES, default="small")
     cli.add_argument("--dtype", choices=("float32", "bfloat16"), default="float32")
     budget = cli.add_mutually_exclusive_group()
@@ -379,8 +380,8 @@ def parse(argv: list[str] | None) -> tuple[Parser, argparse.Namespace]:
     cli.add_argument("--buckets", nargs="+", type=positive_int, default=list(BUCKETS),
                      help="batch lengths (default: the harness's up to the longest pair); each one "
                           "in use is one more compilation for JAX, so one bucket (48) is quickest")
-    cli.add_argument("--steps", type=positive_int, default=10, help="timed steps")
-    cli.add_argument("--warmup-steps", type=non_negative_int, default=3)
+    cli.add_argument("--steps", type=count, default=10, help="timed steps")
+    cli.add_argument("--warmup-steps", type=integer_type(0, MAX_COUNT), default=3)
     cli.add_argument("--out-dir", type=given_path, default=None, help="default: benchmarks/results")
     cli.add_argument("--overwrite", action="store_true", help="replace today's results file")
     cli.add_argument("--no-write", action="store_true", help="print the table only")
@@ -399,6 +400,12 @@ def parse(argv: list[str] | None) -> tuple[Parser, argparse.Namespace]:
         cli.error(f"--buckets: {args.buckets[-1]} is longer than preset {args.preset}'s max_len")
     if (args.max_tokens if args.max_tokens is not None else args.per_worker_tokens) < args.buckets[-1]:
         cli.error(f"a token budget must be at least {args.buckets[-1]} (the longest batch shape)")
+    # issue 57: the largest global batch must be one memory can hold (one float32 d_model vector a token)
+    budget_flag, tokens = (("--max-tokens", args.max_tokens) if args.max_tokens is not None
+                           else ("--per-worker-tokens", args.per_worker_tokens))
+    share = 1 if args.max_tokens is not None else max(args.workers)
+    cli.fits_memory(budget_flag, tokens, 8 * share * preset(args.preset).d_model,
+                    "tokens" if share == 1 else f"tokens a worker, {share} workers")
     if args.worker and (len(args.framework) != 1 or len(args.workers) != 1 or args.result is None):
         cli.error("--worker measures one framework at one N into --result")
     return cli, args

@@ -18,6 +18,7 @@ from pathlib import Path
 import pytest
 
 from parity_tests.test_output_paths import snapshot
+from rosetta.cli_args import MAX_COUNT, machine_cores
 
 # What each benchmark measures (or trains, or renders) first: replaced by a failure in every case.
 MEASURES = {
@@ -33,6 +34,10 @@ PROC = Path("/proc/self").is_dir()  # Linux: a folder in which no file can be cr
 FILE = "{tmp}/a_file"  # a regular file where an output folder should be
 NOT_A_FOLDER = "{tmp}/a_file/{name}: {tmp}/a_file is a file, not a directory"
 PROC_REASON = "/proc/x/{name}: a file cannot be created in /proc (No such file or directory)"
+
+CORES = machine_cores()
+COUNT = "argument {flag}: must be an integer >= 1 and <= " + str(MAX_COUNT) + ", got '{got}'"
+MEMORY = "{{any}} ({what} of {{any}} bytes at the least: this machine's memory is {{any}} GiB), got {got}"
 
 # (benchmark, arguments, what the one line holds after `error: `; {tmp} the test's folder, {name}
 # the first file the benchmark would write there, up to its date).
@@ -70,8 +75,9 @@ CASES = [
     ("scaling", ["--timeout", "inf"], "argument --timeout: must be a finite number > 0, got 'inf'"),
     ("scaling", ["--timeout", "-1"], "argument --timeout: must be a finite number > 0, got '-1'"),
     ("scaling", ["--timeout", "0"], "argument --timeout: must be a finite number > 0, got '0'"),
-    ("scaling", ["--steps", "0"], "argument --steps: must be an integer >= 1, got '0'"),
-    ("scaling", ["--warmup-steps", "-1"], "argument --warmup-steps: must be an integer >= 0, got '-1'"),
+    ("scaling", ["--steps", "0"], COUNT.format(flag="--steps", got="0")),
+    ("scaling", ["--warmup-steps", "-1"],
+     f"argument --warmup-steps: must be an integer >= 0 and <= {MAX_COUNT}, got '-1'"),
     ("scaling", ["--workers", "2", "2"], "argument --workers: takes distinct integers >= 1"),
     ("scaling", ["--max-tokens", "1e9"], "argument --max-tokens: must be an integer >= 1, got '1e9'"),
     ("run", ["--suite", "smoke", "--peak-tflops", "nan"],
@@ -85,10 +91,43 @@ CASES = [
      "argument --budget: must be a finite number > 0, got 'inf'"),
     ("time_to_quality", ["--out", "{tmp}/run", "--bleu-at", "101"],
      "argument --bleu-at: must be a finite number >= 0 and <= 100, got '101'"),
-    ("decode_speed", ["--repeats", "0"], "argument --repeats: must be an integer >= 1, got '0'"),
-    ("loop_overhead", ["--pairs", "0"], "argument --pairs: must be an integer >= 1, got '0'"),
+    ("decode_speed", ["--repeats", "0"], COUNT.format(flag="--repeats", got="0")),
+    ("loop_overhead", ["--pairs", "0"], COUNT.format(flag="--pairs", got="0")),
     ("profile_step", ["--device", "cpu", "--steps", "nan"],
-     "argument --steps: must be an integer >= 1, got 'nan'"),
+     COUNT.format(flag="--steps", got="nan")),
+    # Sizes (issue 57: --batch 10**12 asked for 36 TiB and died in a traceback; --repeats 10**30 ran
+    # for ever): a stated maximum (MAX_COUNT), the machine's cores, a preset's max_len, or what the
+    # machine's memory holds (os.sysconf: its pages times their size), one check each in one place.
+    ("profile_step", ["--device", "cpu", "--length", "1000000000"],
+     "argument --length: must be <= 1,024 (preset base's max_len), got 1,000,000,000"),
+    ("profile_step", ["--device", "cpu", "--preset", "tiny", "--length", "129"],
+     "argument --length: must be <= 128 (preset tiny's max_len), got 129"),
+    ("profile_step", ["--device", "cpu", "--batch", "1000000000000"], "argument --batch: must be <= " + MEMORY
+     .format(what="rows of 64 tokens a side", got="1,000,000,000,000")),
+    ("profile_step", ["--device", "cpu", "--sentences", str(10**9)],
+     "argument --sentences: must be <= " + MEMORY.format(what="sentences of 4 beams", got="1,000,000,000")),
+    *[("profile_step", ["--device", "cpu", flag, str(MAX_COUNT + 1)],
+       COUNT.format(flag=flag, got=MAX_COUNT + 1))
+      for flag in ("--warmup", "--steps", "--profiled")],
+    ("loop_overhead", ["--repeats", str(10**30)], COUNT.format(flag="--repeats", got=10**30)),
+    *[("loop_overhead", [flag, str(MAX_COUNT + 1)], COUNT.format(flag=flag, got=MAX_COUNT + 1))
+      for flag in ("--pairs", "--steps")],
+    *[("batches", [flag, str(MAX_COUNT + 1)], COUNT.format(flag=flag, got=MAX_COUNT + 1))
+      for flag in ("--batches", "--repeats")],
+    ("batches", ["--max-tokens", str(10**15)], "argument --max-tokens: must be <= " + MEMORY
+     .format(what="tokens", got="1,000,000,000,000,000")),
+    ("decode_speed", ["--repeats", str(MAX_COUNT + 1)], COUNT.format(flag="--repeats", got=MAX_COUNT + 1)),
+    ("scaling", ["--steps", str(MAX_COUNT + 1)], COUNT.format(flag="--steps", got=MAX_COUNT + 1)),
+    ("scaling", ["--warmup-steps", str(MAX_COUNT + 1)],
+     f"argument --warmup-steps: must be an integer >= 0 and <= {MAX_COUNT}, got '{MAX_COUNT + 1}'"),
+    ("scaling", ["--workers", "1", str(CORES + 1)],
+     f"argument --workers: must be an integer >= 1 and <= {CORES}, got '{CORES + 1}'"),
+    ("scaling", ["--max-tokens", str(10**15)], "argument --max-tokens: must be <= " + MEMORY
+     .format(what="tokens", got="1,000,000,000,000,000")),
+    ("scaling", ["--workers", "1", "--per-worker-tokens", str(10**15)],
+     "argument --per-worker-tokens: must be <= " + MEMORY.format(what="tokens", got="1,000,000,000,000,000")),
+    ("profile_cpu", ["--threads", str(CORES + 1)],
+     f"argument --threads: must be an integer >= 1 and <= {CORES}, got '{CORES + 1}'"),
 ]
 
 

@@ -1,10 +1,10 @@
-"""benchmarks/profile_step.py (issue 45, item 1): its trace reader against synthetic traces whose
-intervals are written out here, so the idle share, the kinds' sums, the launches and the syncs are
-counted by hand (each expected value's arithmetic is in the comment beside it), not by the code under
-test; its table of kinds against real kernel and operator names, each with the kind its library
-documents it as; its search FLOPs against a count made term by term from the paper's layers; and its
-CPU twin end to end (`--device cpu --preset tiny`, the smallest shapes), which runs every part and
-writes its results file into a temporary folder.
+"""benchmarks/profile_step.py (issue 45, item 1): its trace reader (benchmarks/profile_trace.py) against
+synthetic traces whose intervals are written out here, so the idle share, the kinds' sums, the
+launches and the syncs are counted by hand (each expected value's arithmetic is in the comment beside
+it), not by the code under test; its table of kinds against real kernel and operator names, each with
+the kind its library documents it as; its search FLOPs against a count made term by term from the
+paper's layers; and its CPU twin end to end (`--device cpu --preset tiny`, the smallest shapes),
+which runs every part and writes its results file into a temporary folder.
 
 The CPU twin compiles PyTorch's step through dynamo's aot_eager backend instead of inductor (the same
 graph capture and trainer code; inductor's code generation takes minutes per graph on this project's
@@ -18,6 +18,7 @@ from types import SimpleNamespace
 import pytest
 
 from benchmarks import profile_step as ps
+from benchmarks import profile_trace as pt
 from rosetta import preset
 from rosetta.flops import training_flops
 
@@ -62,13 +63,13 @@ TORCH_CUDA = [
 
 
 def test_torch_cuda_trace_by_hand():
-    got = ps.summarize(TORCH_CUDA, "torch", "cuda", steps=2)
+    got = pt.summarize(TORCH_CUDA, "torch", "cuda", steps=2)
     # Busy: [100, 115] (the matmul, attention over it, LayerNorm inside) + [120, 125] + [126, 129]
     # + [130, 132] = 15 + 5 + 3 + 2 = 25 µs of the span 100..132 = 32 µs: idle 7/32.
     assert got["idle_share"] == pytest.approx(7 / 32)
     assert got["span_ms"] == pytest.approx(32 / 2 / 1e3) and got["busy_ms"] == pytest.approx(25 / 2 / 1e3)
     # µs over 2 steps -> ms per step: each kernel's duration / 2000.
-    want = {"GEMM": 10, "attention": 10, "LayerNorm": 3, "dropout": 5, ps.OTHER: 1, "loss and softmax": 1,
+    want = {"GEMM": 10, "attention": 10, "LayerNorm": 3, "dropout": 5, pt.OTHER: 1, "loss and softmax": 1,
             "optimizer": 1, "copies": 2}
     assert got["kinds_ms"] == pytest.approx({k: us / 2e3 for k, us in want.items()})
     assert got["device_ms"] == pytest.approx(33 / 2e3)
@@ -88,12 +89,12 @@ def test_torch_cpu_trace_nests_operators():
         span("aten::copy_", 5, 2, tid=2, cat="cpu_op"),  # autograd's thread, overlapping the linear
         span("ProfilerStep#1", -5, 40, tid=1, cat="user_annotation"),  # not an operator
     ]
-    got = ps.summarize(events, "torch", "cpu", steps=1)
+    got = pt.summarize(events, "torch", "cpu", steps=1)
     # Self times: linear 10 - 8 = 2 and addmm 8 (GEMM 10); layer_norm 4 - 3 = 1 and native 3 (4);
     # item 1.5 - 1 = 0.5, _local_scalar_dense 1 and copy_ 2 (a cast: other, 3.5).
     assert got["kinds_ms"]["GEMM"] == pytest.approx(0.010)
     assert got["kinds_ms"]["LayerNorm"] == pytest.approx(0.004)
-    assert got["kinds_ms"][ps.OTHER] == pytest.approx(0.0035) and got["device_ms"] == pytest.approx(0.0175)
+    assert got["kinds_ms"][pt.OTHER] == pytest.approx(0.0035) and got["device_ms"] == pytest.approx(0.0175)
     # Busy [0, 10] (copy_ inside it) + [12, 16] + [20, 21.5] = 15.5 of the span 0..21.5.
     assert got["idle_share"] == pytest.approx(1 - 15.5 / 21.5)
     assert got["launches_per_step"] == 4  # innermost: addmm, native_layer_norm, _local_scalar_dense, copy_
@@ -119,9 +120,9 @@ def test_jax_gpu_trace_reads_stream_lines_and_arguments():
         span("CommonPjRtBuffer::Await", 82, 1, pid=2, tid=5),
         span("fusion.9", 90, 1, pid=2, tid=5, hlo_op="fusion.9"),  # a host thunk: not the GPU's work
     ]
-    got = ps.summarize(events, "jax", "cuda", steps=1)
+    got = pt.summarize(events, "jax", "cuda", steps=1)
     assert got["kinds_ms"] == pytest.approx({"GEMM": 0.020, "attention": 0.010, "loss and softmax": 0.005,
-                                             "LayerNorm": 0, "dropout": 0, ps.OTHER: 0.005, "optimizer": 0,
+                                             "LayerNorm": 0, "dropout": 0, pt.OTHER: 0.005, "optimizer": 0,
                                              "copies": 0.003})
     # Busy 20 + 5 + 10 + 5 + 3 = 43 of the span 0..65.
     assert got["idle_share"] == pytest.approx(22 / 65) and got["launches_per_step"] == 5
@@ -133,7 +134,7 @@ def test_jax_gpu_lines_named_otherwise():
     events = [meta("process_name", "/device:GPU:0", 1), meta("thread_name", "gpu 0 compute", 1, 3),
               meta("thread_name", "XLA Modules", 1, 4),
               span("loop_add_fusion", 0, 4, pid=1, tid=3), span("jit__train_step", 0, 10, pid=1, tid=4)]
-    got = ps.summarize(events, "jax", "cuda", steps=1)
+    got = pt.summarize(events, "jax", "cuda", steps=1)
     assert got["device_ms"] == pytest.approx(0.004) and got["idle_share"] == 0  # 4 µs, busy all its span
 
 
@@ -150,11 +151,11 @@ def test_jax_cpu_trace_thunks_on_two_threads():
         span("np.asarray(jax.Array)", 40, 5, tid=3), span("CommonPjRtBuffer::Await", 41, 1, tid=3),
         span("CommonPjRtBuffer::Await", 50, 1, tid=3),
     ]
-    got = ps.summarize(events, "jax", "cpu", steps=1)
+    got = pt.summarize(events, "jax", "cpu", steps=1)
     # GEMM: dot 10; copies: the cache write 3; other: exponential 2, fusion 10, the loop's own 10 - 3.
     assert got["kinds_ms"]["GEMM"] == pytest.approx(0.010)
     assert got["kinds_ms"]["copies"] == pytest.approx(0.003)
-    assert got["kinds_ms"][ps.OTHER] == pytest.approx(0.019) and got["device_ms"] == pytest.approx(0.032)
+    assert got["kinds_ms"][pt.OTHER] == pytest.approx(0.019) and got["device_ms"] == pytest.approx(0.032)
     # Busy: [0, 15] (the two threads' dot and fusion) + [20, 30] = 25 of the span 0..30.
     assert got["idle_share"] == pytest.approx(5 / 30)
     assert got["launches_per_step"] == 4 and got["syncs_per_step"] == 2
@@ -162,9 +163,9 @@ def test_jax_cpu_trace_thunks_on_two_threads():
 
 def test_overlap_on_one_thread_is_not_nesting():
     a, b = span("a", 0, 10), span("b", 9, 3)  # b starts inside a and ends after it (clock rounding)
-    assert sorted((e["name"], t, leaf) for e, t, leaf in ps.self_times([a, b])) == [("a", 10, True),
+    assert sorted((e["name"], t, leaf) for e, t, leaf in pt.self_times([a, b])) == [("a", 10, True),
                                                                                     ("b", 3, True)]
-    assert ps.union_length([(0, 10), (9, 12), (20, 21)]) == 13
+    assert pt.union_length([(0, 10), (9, 12), (20, 21)]) == 13
 
 
 @pytest.mark.parametrize("name,kind", [
@@ -180,7 +181,7 @@ def test_overlap_on_one_thread_is_not_nesting():
     ("void at::native::multi_tensor_apply_kernel<at::native::TensorListMetadata<4>, "
      "at::native::FusedAdamMathFunctor<float, 4, ADAM_MODE::ADAMW>>", "optimizer"),
     ("void at::native::unrolled_elementwise_kernel<at::native::direct_copy_kernel_cuda(TensorIteratorBase&)>",
-     ps.OTHER),  # autocast's casts
+     pt.OTHER),  # autocast's casts
     ("Memcpy DtoD (Device -> Device)", "copies"),
     # inductor names its kernels after the ops they fuse.
     ("triton_red_fused__log_softmax_backward_data_nll_loss_backward_0", "loss and softmax"),
@@ -188,15 +189,15 @@ def test_overlap_on_one_thread_is_not_nesting():
     # torch's CPU operators, our CPU dropout's draws included (torch_impl/ops.py).
     ("aten::addmm", "GEMM"), ("aten::_scaled_dot_product_flash_attention_for_cpu", "attention"),
     ("aten::native_layer_norm_backward", "LayerNorm"), ("aten::random_", "dropout"),
-    ("aten::_fused_adam_", "optimizer"), ("aten::_to_copy", ps.OTHER), ("aten::cat", "copies"),
-    ("aten::index_select", "copies"), ("aten::relu", ps.OTHER),
+    ("aten::_fused_adam_", "optimizer"), ("aten::_to_copy", pt.OTHER), ("aten::cat", "copies"),
+    ("aten::index_select", "copies"), ("aten::relu", pt.OTHER),
     # XLA's kernels and thunks.
     ("gemm_fusion_dot_3", "GEMM"), ("dot_general.188", "GEMM"), ("loop_transpose_fusion", "copies"),
     ("input_concatenate_fusion", "copies"), ("dynamic-update-slice_convert_fusion.1", "copies"),
-    ("wrapped_convert.31", ps.OTHER), ("loop_threefry2x32_fusion", "dropout"),
+    ("wrapped_convert.31", pt.OTHER), ("loop_threefry2x32_fusion", "dropout"),
 ])
 def test_kinds_of_real_names(name, kind):
-    assert ps.kind_of(name) == kind
+    assert pt.kind_of(name) == kind
 
 
 def test_search_flops_counted_term_by_term():

@@ -8,6 +8,7 @@ from __future__ import annotations
 import argparse
 import json
 import math
+import os
 import re
 from collections.abc import Callable
 
@@ -96,7 +97,23 @@ def parse_overrides(pairs: list[str]) -> dict:
     return out
 
 
+def machine_memory() -> int:
+    """This machine's physical memory in bytes (the pages the OS reports times their size)."""
+    return os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
+
+
+def machine_cores() -> int:
+    """The CPU cores this machine reports (1 where it reports none)."""
+    return os.cpu_count() or 1
+
+
+# The most of any count a benchmark times or repeats (repeats, steps, passes, rounds): the longest
+# default is 10, so ten thousand is far past any measurement and still ends (issue 57: 10**30).
+MAX_COUNT = 10_000
+
 positive_int = integer_type(minimum=1)
+count = integer_type(1, MAX_COUNT)  # a number of repeats, steps, passes: at least one, at most MAX_COUNT
+core_count = integer_type(1, machine_cores())  # threads or processes of this machine: at most its cores
 non_negative_int = integer_type(minimum=0)
 integer = integer_type()  # `train` checks the range itself (rosetta/harness/run_config.py: check_run)
 non_negative_real = real_type(minimum=0.0)
