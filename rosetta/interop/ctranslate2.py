@@ -24,6 +24,16 @@ every activation we have (relu, gelu, gelu_new, swish are in its `_SUPPORTED_ACT
 `final_logits_bias` (kept when non-zero, its pad entry dropped with the rest), post-norm without
 final or embedding LayerNorm; the rest of what Marian cannot hold `check_representable` refuses
 (LayerNorm epsilon 1e-5 included). docs/ctranslate2.md.
+
+Two more routes, chosen by the tokenizer that goes with the model (`route`):
+- an M2M100 tokenizer (`sentencepiece.bpe.model`, rosetta/interop/m2m100_tokenizer.py): the model
+  is written as an M2M100 directory (`write_m2m100` + the tokenizer files) and converted by the
+  same TransformersConverter (its M2M100Loader: pre-norm, positions from row pad + 1, the decoder
+  started from `</s>`'s row); its vocabulary lists the language codes read from the tokenizer's
+  `additional_special_tokens`, which transformers 5's M2M100Tokenizer no longer fills, so the
+  converter is handed a tokenizer that lists them (`_listing_codes`);
+- our BPE (`tokenizer.json`: a run of `rosetta train`, pad at 0): CTranslate2's spec API, filled as
+  its own converters fill it (rosetta/interop/ctranslate2_spec.py).
 """
 
 from __future__ import annotations
@@ -43,9 +53,10 @@ from rosetta.checkpoint import check_params
 from rosetta.config import ModelConfig
 from rosetta.errors import CheckpointError, ConfigError
 from rosetta.generation import GenerationSettings
-from rosetta.interop import marian, marian_files
+from rosetta.interop import m2m100, marian, marian_files
+from rosetta.interop.m2m100_tokenizer import M2M100TextTokenizer, find_text_tokenizer
 from rosetta.params import embedding_names
-from rosetta.tokenizer import TOKENIZER_CONFIG, VOCAB, SentencePieceTokenizer, Tokenizer, find_tokenizer
+from rosetta.tokenizer import TOKENIZER_CONFIG, VOCAB, SentencePieceTokenizer, Tokenizer
 
 PAD_TOKEN = "<pad>"  # the only last entry MarianMTLoader.get_vocabulary drops
 INSTALL = "pip install -e '.[ctranslate2]' (ctranslate2, transformers, sentencepiece; and torch)"
@@ -62,13 +73,22 @@ def _tokenizer(source: str | os.PathLike | None, cfg: ModelConfig) -> Tokenizer 
     found = None
     if source is not None:
         marian_files.check_companions(source, cfg)  # broken files or another model's: named
-        found = find_tokenizer(source) if Path(source).is_dir() else Tokenizer.load(source)
+        found = find_text_tokenizer(source) if Path(source).is_dir() else Tokenizer.load(source)
     if found is None:
         where = "" if source is None else f" ({source} holds none)"
         raise ConfigError(f"--to ctranslate2 needs the model's tokenizer{where}: CTranslate2's model "
                           f"directory holds the vocabulary; convert a Marian directory, a checkpoint file "
                           f"with its NAME.tokenizer/ folder beside it, or a run directory")
     return found
+
+
+def route(cfg: ModelConfig, tokenizer: str | os.PathLike | None) -> str:
+    """How the model goes to CTranslate2, from its tokenizer (checked against it): "marian", "m2m100"
+    or "spec" (our BPE); a ConfigError without one."""
+    found = _tokenizer(tokenizer, cfg)
+    if isinstance(found, M2M100TextTokenizer):
+        return "m2m100"
+    return "spec" if isinstance(found, Tokenizer) else "marian"
 
 
 def check_ctranslate2(cfg: ModelConfig, params: Mapping[str, Any],
@@ -161,6 +181,26 @@ def _quiet_transformers() -> Iterator[None]:
             logging.enable_progress_bar()
 
 
+def _listing_codes(converter_class: Any) -> Any:
+    """TransformersConverter whose tokenizer lists M2M100's language codes in special_tokens_map's
+    additional_special_tokens, where CTranslate2's M2M100Loader (get_vocabulary) reads them."""
+    class Converter(converter_class):
+        def load_tokenizer(self, tokenizer_class: Any, model_name_or_path: str, **kwargs: Any) -> Any:
+            tok = super().load_tokenizer(tokenizer_class, model_name_or_path, **kwargs)
+            codes = sorted(tok.lang_token_to_id, key=tok.lang_token_to_id.get)
+            base = type(tok)
+
+            class Listed(base):  # the instance keeps its state; only the property changes
+                @property
+                def special_tokens_map(self) -> dict[str, Any]:
+                    return {**base.special_tokens_map.fget(self), "additional_special_tokens": codes}
+
+            tok.__class__ = Listed
+            return tok
+
+    return Converter
+
+
 def _move_into(staging: Path, out: Path) -> None:
     """Put the converted model at `out`. A missing or empty `out`: one rename of the whole folder.
     A folder that holds files (convert() let it through on --overwrite): CTranslate2's own files
@@ -192,7 +232,19 @@ def write_ctranslate2(path: str | os.PathLike, cfg: ModelConfig, params: Mapping
     """Write a CTranslate2 model directory (`ctranslate2.Translator(path)` loads it) through
     CTranslate2's converter; `tokenizer` is what convert() passes (marian_files.companion_dir).
     Everything is checked before anything is written; a failed conversion leaves `path` as it was."""
-    check_ctranslate2(cfg, params, tokenizer)
+    way = route(cfg, tokenizer)
+    if way == "marian":
+        check_ctranslate2(cfg, params, tokenizer)
+    elif way == "m2m100":
+        check_params(cfg, params)
+        try:
+            m2m100.check_representable(cfg)
+        except ConfigError as e:
+            raise ConfigError(f"--to ctranslate2 goes through an M2M100 export: {e}") from None
+    else:
+        from rosetta.interop.ctranslate2_spec import check_spec
+
+        check_spec(cfg, params)
     converter_class = _converter()
     out = Path(path)
     if out.exists() and not out.is_dir():
@@ -202,10 +254,20 @@ def write_ctranslate2(path: str | os.PathLike, cfg: ModelConfig, params: Mapping
     # system), into a folder the converter creates itself, with the usual permissions.
     holder = Path(tempfile.mkdtemp(prefix=f".{out.name}.", suffix=".tmp", dir=out.parent))
     try:
-        with tempfile.TemporaryDirectory(prefix="rosetta-marian-") as hf_dir:
-            marian.write_marian(hf_dir, cfg, params)
-            marian_files.copy_companions(tokenizer, cfg, hf_dir, "marian")
-            _convert(converter_class, hf_dir, holder / "model", out)
+        if way == "spec":
+            from rosetta.interop.ctranslate2_spec import write_spec
+
+            bpe = Path(tokenizer) / marian_files.BPE_FILE if Path(tokenizer).is_dir() else Path(tokenizer)
+            write_spec(holder / "model", cfg, params, bpe)
+        else:
+            with tempfile.TemporaryDirectory(prefix=f"rosetta-{way}-") as hf_dir:
+                if way == "marian":
+                    marian.write_marian(hf_dir, cfg, params)
+                else:
+                    m2m100.write_m2m100(hf_dir, cfg, params)
+                    converter_class = _listing_codes(converter_class)
+                marian_files.copy_companions(tokenizer, cfg, hf_dir, way)
+                _convert(converter_class, hf_dir, holder / "model", out)
         _move_into(holder / "model", out)
     finally:
         shutil.rmtree(holder, ignore_errors=True)
