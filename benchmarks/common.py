@@ -34,6 +34,12 @@ from rosetta.machine import ISA_NAMES, cpu_facts, describe, isa_cap, isa_environ
 from rosetta.training import Batch, TrainConfig
 
 RESULTS = Path(__file__).parent / "results"
+# Where a run's files go without --out-dir (issue 57). RESULTS is the project's record: the tables the
+# docs render and the figures they quote, written by the benchmarks that measure and committed by
+# whoever ran them. gpu_check and profile_step check and take apart a step on the user's own machine:
+# their files are that user's, not a figure of the project's, so they go to USER_RESULTS, beside the
+# runs of `rosetta train` (runs/, which git ignores), under the folder the command runs in.
+USER_RESULTS = Path("runs") / "benchmarks"
 
 
 class Parser(argparse.ArgumentParser):
@@ -54,6 +60,14 @@ class Parser(argparse.ArgumentParser):
             except RosettaError as e:
                 self.error(f"argument {flag}: {e}" if flag else str(e))
         return out_dir
+
+    def add_out_dir(self, default: Path) -> None:
+        """`--out-dir`, defaulting to RESULTS (a measurement for the record) or USER_RESULTS (a user's
+        check of their own machine); checked before any work by `check_out_dir`."""
+        where = "benchmarks/results, the project's record" if default == RESULTS else \
+            f"{default}/ in the current folder (git ignores it); benchmarks/results is the project's record"
+        self.add_argument("--out-dir", type=given_path, default=default,
+                          help=f"where the results files go (default: {where})")
 
     def add_isa(self, both: bool = False) -> None:
         """`--isa`: the benchmark run with every library capped at an ISA (rosetta/machine.py); `both`:

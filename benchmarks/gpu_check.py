@@ -1,5 +1,6 @@
 """The GPU path checked in one command: one line per check, PASS or FAIL, a non-zero exit if any
-fails, and a results file (benchmarks/results/gpu-check_<device>_<date>.{json,md}).
+fails, and a results file (runs/benchmarks/gpu-check_<device>_<date>.{json,md}: a user's run,
+benchmarks/common.py USER_RESULTS; `--out-dir` elsewhere).
 
     python -m benchmarks.gpu_check                          # a GPU: `base`, at most 5 minutes
     python -m benchmarks.gpu_check --preset tiny            # a CPU: the same checks, in the suite
@@ -36,7 +37,7 @@ import numpy as np
 
 os.environ.setdefault("XLA_PYTHON_CLIENT_PREALLOCATE", "false")  # PyTorch runs in this process too
 
-from benchmarks.common import RESULTS, environment, given_path, parser, write_results
+from benchmarks.common import USER_RESULTS, environment, parser, write_results
 from numpy_ref import model as reference
 from rosetta import init_params, preset
 from rosetta.backends import from_params, get_backend, get_trainer
@@ -363,7 +364,7 @@ def main(argv: list[str] | None = None) -> int:
     cli.add_argument("--preset", default="base", choices=sorted(PRESETS))
     cli.add_argument("--device", default=None,
                      help="torch's device: cpu, cuda or cuda:N (default: cuda if there is one, else cpu)")
-    cli.add_argument("--out-dir", type=given_path, default=RESULTS)
+    cli.add_out_dir(USER_RESULTS)
     cli.add_argument("--no-write", action="store_true", help="print the lines only")
     cli.add_argument("--seed", type=positive_int, default=1)
     cli.add_argument("--only", nargs="+", choices=GROUPS, default=list(GROUPS),

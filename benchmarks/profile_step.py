@@ -22,8 +22,8 @@ step. Search FLOPs (`search_flops`): real, each sentence at its source and outpu
 batch's source length and its longest output.
 
 How a trace is read: benchmarks/profile_trace.py.
-Results: benchmarks/results/profile-step_<preset>-<dtype>_<device>_<date>.{json,md}. GPU figures:
-none measured yet.
+Results: runs/benchmarks/profile-step_<preset>-<dtype>_<device>_<date>.{json,md} (a user's run:
+benchmarks/common.py USER_RESULTS; `--out-dir` elsewhere). GPU figures: none measured yet.
 """
 
 from __future__ import annotations
@@ -50,11 +50,10 @@ import torch
 from torch.profiler import ProfilerActivity, profile
 
 from benchmarks.common import (
-    RESULTS,
+    USER_RESULTS,
     Parser,
     build_trainer,
     environment,
-    given_path,
     parser,
     release,
     time_training,
@@ -313,7 +312,7 @@ def main(argv: list[str] | None = None) -> None:
                           "rosetta/flops.py's table of known GPUs)")
     cli.add_argument("--loss-alone", action="store_true",
                      help="also time the loss alone (forward + backward)")
-    cli.add_argument("--out-dir", type=given_path, default=RESULTS)
+    cli.add_out_dir(USER_RESULTS)
     cli.add_argument("--no-write", action="store_true", help="print only")
     cli.add_isa()
     args = cli.parse_args(argv)

@@ -189,3 +189,29 @@ def test_an_output_folder_that_does_not_exist_yet_is_fine(tmp_path, capsys, monk
     scaling.main(["--preset", "tiny", "--buckets", "48", "--out-dir", str(out)])
     assert sorted(p.suffix for p in out.iterdir()) == [".json", ".md"]
     capsys.readouterr()
+
+
+def test_a_users_check_writes_under_runs_not_into_the_checkout(tmp_path, capsys, monkeypatch):
+    """gpu_check and profile_step, a user's check of their own machine, write runs/benchmarks/ in the
+    folder they run in by default (benchmarks/common.py USER_RESULTS; git ignores runs/), not the
+    project's record benchmarks/results (RESULTS); --out-dir names another folder. Measurements and the
+    machine block stood in for: what is checked is where the files land."""
+    from benchmarks import common, gpu_check, profile_step
+
+    stub = {"date": "today", "commit": "abc", "processor": "cpu"}
+    for bench in (gpu_check, profile_step):
+        monkeypatch.setattr(bench, "environment", lambda: stub)
+    monkeypatch.setattr(gpu_check, "parity_checks", lambda *a, **k: None)
+    monkeypatch.setattr(profile_step, "run_parts", lambda *a, **k: [])
+    monkeypatch.setattr(profile_step, "markdown", lambda result: "# a table\n")
+    record = sorted(common.RESULTS.iterdir())
+    monkeypatch.chdir(tmp_path)
+    gpu_check.main(["--preset", "tiny", "--device", "cpu", "--only", "parity"])
+    small = ["--device", "cpu", "--preset", "tiny", "--batch", "2", "--length", "8", "--sentences", "1"]
+    profile_step.main(small)
+    written = sorted(p.name for p in (tmp_path / "runs" / "benchmarks").iterdir())
+    assert [n.split("_")[0] for n in written] == ["gpu-check"] * 2 + ["profile-step"] * 2, written
+    assert sorted(common.RESULTS.iterdir()) == record  # nothing new in the checkout's record
+    profile_step.main([*small, "--out-dir", str(tmp_path / "mine")])
+    assert len(list((tmp_path / "mine").glob("profile-step_*"))) == 2
+    capsys.readouterr()
