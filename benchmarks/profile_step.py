@@ -34,6 +34,7 @@ import multiprocessing
 import os
 import re
 import statistics
+import sys
 import tempfile
 import time
 from collections.abc import Callable
@@ -121,7 +122,10 @@ def search_flops(cfg, rows: int, beam: int, src_len: int, tgt_len: int) -> int:
 
 
 def profile_impl(part: Part, cfg, params, size: Size, args, folder: Path) -> dict:
-    """One part measured (unprofiled), then profiled: its row of the results."""
+    """One part measured (unprofiled), then profiled: its row of the results, with the machine's load
+    (1-minute average, os.getloadavg) before and after and the part's own seconds, so that a part that
+    shared the machine with other work shows it (issue 57)."""
+    load_before, started = os.getloadavg()[0], time.perf_counter()
     trace = (lambda fn: jax_trace(fn, folder)) if part.framework == "jax" else \
         (lambda fn: torch_trace(fn, args.device, folder))
     if part.key.startswith("train"):
@@ -157,6 +161,8 @@ def profile_impl(part: Part, cfg, params, size: Size, args, folder: Path) -> dic
     row = {"part": part.key, "title": part.title, "framework": part.framework, "impl": part.impl,
            "median_s": t["median_s"], "warmup_s": t["warmup_s"], "flops": flops, "flops_padded": padded,
            "mfu": mfu(flops, t["median_s"], peak), "mfu_padded": mfu(padded, t["median_s"], peak),
+           "min_s": t["min_s"], "max_s": t["max_s"], "part_s": time.perf_counter() - started,
+           "load_before": load_before, "load_after": os.getloadavg()[0],
            **summarize(events, part.framework, args.device, args.profiled)}
     print(f"  {part.title}: {t['median_s'] * 1e3:.2f} ms a step, warm-up {t['warmup_s']:.1f} s, "
           f"{row['events']} device events profiled", flush=True)
@@ -216,33 +222,71 @@ def _pct(x: float | None, digits: int = 1) -> str:
     return "not known" if x is None else f"{x:.{digits}%}"
 
 
-def side_by_side(rows: list[dict]) -> str:
-    """The one table: ms per step and share of the device time by kind, one column per part."""
+# The table's words by device (issue 57): a CPU has no device to sit idle, no kernels to launch and
+# nothing to copy back, so its rows say what was measured there (profile_trace.py: the operators' or
+# thunks' self time, the time in none, the host's reads); launches, an ATen operator against an XLA
+# thunk, compare nothing on a CPU and are left out of its table (the JSON keeps the count).
+WORDS = {"cuda": {"time": "device time", "idle": "device idle", "launches": "kernel launches per step",
+                  "syncs": "host-device syncs per step"},
+         "cpu": {"time": "operator time", "idle": "time in no operator (Python, dispatch)", "launches": None,
+                 "syncs": "host reads of a result per step"}}
+
+
+def side_by_side(rows: list[dict], device: str) -> str:
+    """The one table: ms per step and share of the device (CPU: operator) time by kind, one column per
+    part; then the step, MFU, idle, launches and syncs in `device`'s words (WORDS), and each part's own
+    seconds and the machine's load around it."""
+    words = WORDS[device]
     head = "| kind | " + " | ".join(r["title"] for r in rows) + " |"
     lines = [head, "|" + " --- |" * (len(rows) + 1)]
     for kind in KIND_ORDER:
         cells = [f"{r['kinds_ms'][kind]:.2f} ({r['kinds_ms'][kind] / max(r['device_ms'], 1e-12):.0%})"
                  for r in rows]
         lines.append(f"| {kind} | " + " | ".join(cells) + " |")
-    summary = (("**device time, ms**", lambda r: f"{r['device_ms']:.2f}"),
+    summary = [(f"**{words['time']}, ms**", lambda r: f"{r['device_ms']:.2f}"),
                ("**step, unprofiled, ms**", lambda r: f"{r['median_s'] * 1e3:.2f}"),
                ("real-token MFU", lambda r: _pct(r["mfu"])), ("padded MFU", lambda r: _pct(r["mfu_padded"])),
-               ("device idle", lambda r: _pct(r["idle_share"], 0)),
-               ("kernel launches per step", lambda r: f"{r['launches_per_step']:,.0f}"),
-               ("host-device syncs per step", lambda r: f"{r['syncs_per_step']:.2f}"))
-    lines += [f"| {label} | " + " | ".join(fmt(r) for r in rows) + " |" for label, fmt in summary]
+               (words["idle"], lambda r: _pct(r["idle_share"], 0)),
+               (words["launches"], lambda r: f"{r['launches_per_step']:,.0f}"),
+               (words["syncs"], lambda r: f"{r['syncs_per_step']:.2f}"),
+               ("the part's seconds (warm-up, timed, profiled)", lambda r: _seconds(r.get("part_s"))),
+               ("machine load, 1-min average, before → after", _load)]
+    lines += [f"| {label} | " + " | ".join(fmt(r) for r in rows) + " |" for label, fmt in summary if label]
     return "\n".join(lines) + "\n"
 
 
-def details(row: dict) -> str:
-    """One part's line of figures and its TOP largest kernels."""
+def _seconds(s: float | None) -> str:
+    return "not recorded" if s is None else f"{s:.1f}"
+
+
+def _load(row: dict) -> str:
+    if "load_before" not in row:  # a results file from before issue 57
+        return "not recorded"
+    return f"{row['load_before']:.2f} → {row['load_after']:.2f}"
+
+
+def load_warnings(rows: list[dict], cores: int) -> list[str]:
+    """A line for each part during which the machine's load exceeded its cores: other work shared the
+    CPU, and that part's times do not compare with the others' (issue 57: JAX 79x faster on a busy
+    machine)."""
+    return [f"warning: the machine's load reached {max(r['load_before'], r['load_after']):.1f} around "
+            f"{r['title']}, above its {cores} cores: other work shared the CPU, and this part's times do not "
+            "compare with the others'" for r in rows
+            if "load_before" in r and max(r["load_before"], r["load_after"]) > cores]
+
+
+def details(row: dict, device: str) -> str:
+    """One part's line of figures and its TOP largest kernels (CPU: operators or thunks)."""
+    figures = (f"device busy {row['busy_ms']:.2f} of {row['span_ms']:.2f} ms a step, idle "
+               f"{_pct(row['idle_share'], 0)}, {row['launches_per_step']:,.0f} launches and "
+               f"{row['syncs_per_step']:.2f} syncs a step" if device == "cuda" else
+               f"in operators {row['busy_ms']:.2f} of {row['span_ms']:.2f} ms a step, in none "
+               f"{_pct(row['idle_share'], 0)}, {row['syncs_per_step']:.2f} host reads a step")
     lines = [f"### {row['title']}", "",
              f"{row['median_s'] * 1e3:.2f} ms a step unprofiled (warm-up {row['warmup_s']:.1f} s); profiled: "
-             f"device busy {row['busy_ms']:.2f} of {row['span_ms']:.2f} ms a step, idle "
-             f"{_pct(row['idle_share'], 0)}, {row['launches_per_step']:,.0f} launches and "
-             f"{row['syncs_per_step']:.2f} syncs a step; MFU {_pct(row['mfu'])} real-token, "
-             f"{_pct(row['mfu_padded'])} padded.", "",
-             "| kernel | kind | ms per step | calls per step |", "| --- | --- | --- | --- |"]
+             f"{figures}; MFU {_pct(row['mfu'])} real-token, {_pct(row['mfu_padded'])} padded.", "",
+             f"| {'kernel' if device == 'cuda' else 'operator'} | kind | ms per step | calls per step |",
+             "| --- | --- | --- | --- |"]
     for k in row["top"]:
         name = k["name"] if len(k["name"]) <= 90 else k["name"][:87] + "..."
         lines.append(f"| `{name.replace('|', '/')}` | {k['kind']} | {k['ms_per_step']:.3f} | "
@@ -252,6 +296,7 @@ def details(row: dict) -> str:
 
 def markdown(result: dict) -> str:
     env, s = result["environment"], result["settings"]
+    device = s["device"]
     text = (f"# Where a step goes: {s['preset']} {s['dtype']}, {env.get('gpu') or env['processor']}\n\n"
             f"{env['date']}, commit {env['commit']}, torch {env.get('torch')}, jax {env.get('jax')}; "
             f"{result['wall_s']:.0f} s. Training: {s['batch']} x {s['length']} tokens a side "
@@ -259,9 +304,11 @@ def markdown(result: dict) -> str:
             f"{s['sentences']} sentences of {s['decode_len']} tokens, `generate`. {s['warmup']} warm-up, "
             f"{s['steps']} timed and {s['profiled']} profiled steps a part "
             "(benchmarks/profile_step.py says how each figure is read).\n\n"
-            "## Device time by kind, ms per step (share of the device time)\n\n")
-    text += side_by_side(result["rows"])
-    text += "\n## Each part\n\n" + "\n".join(details(r) for r in result["rows"])
+            + "".join(f"**{line}**\n\n" for line in result.get("warnings", []))
+            + ("## Device time by kind, ms per step (share of the device time)\n\n" if device == "cuda" else
+               "## Operator time by kind (XLA: thunks), ms per step (share of the operator time)\n\n"))
+    text += side_by_side(result["rows"], device)
+    text += "\n## Each part\n\n" + "\n".join(details(r, device) for r in result["rows"])
     return text + (f"\n{result['loss_alone']}" if result.get("loss_alone") else "")
 
 
@@ -339,7 +386,10 @@ def main(argv: list[str] | None = None) -> None:
                 "length": size.length, "sentences": size.decode_batch, "decode_len": size.decode_len,
                 "beam": BEAM, "warmup": args.warmup, "steps": args.steps, "profiled": args.profiled,
                 "real_share": sum(b.num_tgt_tokens for b in batches) / sum(b.labels.size for b in batches)}
-    result = {"environment": env, "settings": settings, "rows": rows}
+    result = {"environment": env, "settings": settings, "rows": rows,
+              "warnings": load_warnings(rows, os.cpu_count() or 1)}
+    for line in result["warnings"]:
+        print(f"profile_step: {line}", file=sys.stderr, flush=True)
     if args.loss_alone:
         result["loss_alone"] = loss_timings(cfg, size, args.dtype, args.device, args.steps)
     result["wall_s"] = time.perf_counter() - started

@@ -234,6 +234,7 @@ def test_cpu_twin_end_to_end(tmp_path, capsys, monkeypatch):
         assert r["events"] > 0 and r["launches_per_step"] > 0, r["part"]
         assert sum(r["kinds_ms"].values()) == pytest.approx(r["device_ms"])
         assert 0 <= r["idle_share"] < 1 and r["busy_ms"] <= r["span_ms"]
+        assert r["load_before"] >= 0 and r["load_after"] >= 0 and r["part_s"] > 0  # issue 57
         assert 0 < len(r["top"]) <= 15
         sizes = [k["ms_per_step"] for k in r["top"]]
         assert sizes == sorted(sizes, reverse=True)
@@ -255,3 +256,45 @@ def test_bad_flags_refused_before_measuring(capsys, monkeypatch):
         with pytest.raises(SystemExit) as stop:
             ps.main(argv)
         assert stop.value.code == 2 and says in capsys.readouterr().err
+
+
+def _row(title: str, load: float) -> dict:
+    """A results row as profile_impl writes it, its figures made up (the table is what is tested)."""
+    kinds = dict.fromkeys(pt.KIND_ORDER, 0.0) | {"GEMM": 2.0, pt.OTHER: 1.0}
+    return {"part": title, "title": title, "framework": "torch", "median_s": 0.004, "min_s": 0.004,
+            "max_s": 0.005, "warmup_s": 1.0, "mfu": None, "mfu_padded": None, "kinds_ms": kinds,
+            "device_ms": 3.0, "busy_ms": 3.0, "span_ms": 4.0, "idle_share": 0.25, "launches_per_step": 40,
+            "syncs_per_step": 1.0, "top": [], "part_s": 12.5, "load_before": load, "load_after": load + 0.5}
+
+
+@pytest.mark.parametrize("device", ["cpu", "cuda"])
+def test_the_table_labels_its_rows_for_the_device_and_records_the_load(device):
+    """Issue 57: on a CPU the table says what was measured there (operator time, time in no operator,
+    the host's reads), not a GPU's notions (device idle, kernel launches, host-device syncs); every
+    part's own seconds and the machine's load before and after it are in the table."""
+    table = ps.side_by_side([_row("PyTorch eager", 0.5), _row("JAX", 0.25)], device)
+    labels = [line.split(" | ")[0].removeprefix("| ") for line in table.splitlines()[2:]]
+    gpu_words = ["**device time, ms**", "device idle", "kernel launches per step",
+                 "host-device syncs per step"]
+    cpu_words = ["**operator time, ms**", "time in no operator (Python, dispatch)",
+                 "host reads of a result per step"]
+    mine, other = (cpu_words, gpu_words) if device == "cpu" else (gpu_words, cpu_words)
+    assert all(w in labels for w in mine) and not any(w in labels for w in other), labels
+    assert "| the part's seconds (warm-up, timed, profiled) | 12.5 | 12.5 |" in table
+    assert "| machine load, 1-min average, before → after | 0.50 → 1.00 | 0.25 → 0.75 |" in table
+    detail = ps.details(_row("JAX", 0.25), device)
+    assert ("launches" in detail) == (device == "cuda") and ("operator |" in detail) == (device == "cpu")
+
+
+def test_a_load_above_the_cores_is_warned_in_the_results():
+    """A part during which the 1-minute load exceeded the cores gets a warning line, printed and at the
+    top of the results' markdown; a quiet part gets none."""
+    rows = [_row("PyTorch eager", 5.0), _row("JAX", 0.25)]
+    warnings = ps.load_warnings(rows, cores=2)
+    assert len(warnings) == 1 and "load reached 5.5 around PyTorch eager, above its 2 cores" in warnings[0]
+    env = {"processor": "cpu", "date": "today", "commit": "abc", "torch": "t", "jax": "j"}
+    settings = {"preset": "tiny", "dtype": "float32", "device": "cpu", "batch": 2, "length": 8,
+                "real_share": 0.5, "sentences": 1, "decode_len": 8, "warmup": 1, "steps": 1, "profiled": 1}
+    text = ps.markdown({"environment": env, "settings": settings, "rows": rows, "wall_s": 1.0,
+                        "warnings": warnings})
+    assert f"**{warnings[0]}**" in text and "## Operator time by kind" in text
