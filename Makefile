@@ -8,7 +8,7 @@ BIN    := $(VENV)/bin
 TORCH_SPEC ?= torch==2.13.0
 STAMP  := $(VENV)/.installed
 
-.PHONY: install demo test lint clean
+.PHONY: install demo check test lint clean
 
 install: $(STAMP)
 
@@ -36,6 +36,16 @@ TEST_WORKERS ?= 2
 DURATIONS ?= .test-durations.json
 test: $(STAMP)
 	$(BIN)/python -m pytest -q -n $(TEST_WORKERS) --dist worksteal --durations-file=$(DURATIONS)
+
+# The quick tier for a first minute (issue 56): the contract (config, checkpoint, the float64
+# reference), every backend's parity with it over the config matrix, and the refusals of bad input
+# (arguments, JSON, msgpack, checkpoints, output paths), with the code's layers; under 3 minutes cold on
+# 2 cores (docs/testing.md). `make test` runs these and everything else.
+CHECK_TESTS := $(addprefix parity_tests/test_,config.py checkpoint.py numpy_ref.py backend_parity.py \
+	bad_inputs.py cli_args.py untrusted_json.py untrusted_msgpack.py output_paths.py marian_fields.py \
+	edges_48.py layers.py structure.py)
+check: $(STAMP)
+	$(BIN)/python -m pytest -q -n $(TEST_WORKERS) --dist worksteal $(CHECK_TESTS)
 
 lint: $(STAMP)
 	$(BIN)/ruff check .
