@@ -129,14 +129,15 @@ def pin(nodes: Iterable[nnx.Pytree], mesh: Mesh) -> None:
         nnx.update(node, jax.lax.with_sharding_constraint(state, nnx.get_named_sharding(state, mesh)))
 
 
-def dropout_draws(mesh: Mesh | None) -> contextlib.AbstractContextManager:
-    """How threefry draws the dropout masks while the step is traced. On one device: the classic
-    mode, which hashes one counter pair per two mask values; the partitionable default (JAX >= 0.5)
-    hashes one pair per value, and the masks of a `small` step on this project's 2-core CPU took
-    ~1 s of its ~4.8 s that way (benchmarks/results, docs/benchmarks.md). On a mesh of several
-    devices: partitionable, so each device draws only its rows, and every layout draws the same
-    masks. Either way each mask is Bernoulli(1 - rate) exactly; only the stream differs."""
-    return jax.threefry_partitionable(mesh is not None and mesh.size > 1)
+def dropout_draws() -> contextlib.AbstractContextManager:
+    """How threefry draws the dropout masks while the step is traced: the classic mode, on one device
+    and on a mesh alike (issue 57: partitionable on a mesh and classic on one device drew different
+    masks, and 2 devices trained otherwise than 1). The partitionable default (JAX >= 0.5) hashes one
+    counter pair per value, the classic mode one per two (per four 16-bit values): the masks of a
+    `small` step on this project's 2-core CPU took ~1 s of its ~4.8 s the partitionable way
+    (docs/benchmarks.md). The CPU's masks are drawn a row at a time (ops.cpu_dropout), so each device
+    of a mesh draws its own rows, in either mode."""
+    return jax.threefry_partitionable(False)
 
 
 def any_process(flag: bool) -> bool:

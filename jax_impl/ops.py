@@ -76,13 +76,16 @@ def fused_attention(q: jax.Array, k: jax.Array, v: jax.Array, mask: jax.Array) -
 
 
 def cpu_dropout(x: jax.Array, p: float, key: jax.Array) -> jax.Array:
-    """Inverted dropout (§5.4) at rate 0 < p < 1 from 16 random bits per value, drawn from `key`
-    and laid out as x (threefry's classic mode hashes one 32-bit word pair per four values instead
-    of per two: nnx.Dropout's float draws were 190 ms of a 2.1 s `small` step on this project's CPU,
-    docs/benchmarks.md). p is rounded to a multiple of 2^-16 (0.1 -> 0.100006) and the scale is
-    exactly 1/(1-p) for that p."""
+    """Inverted dropout (§5.4) at rate 0 < p < 1 from 16 random bits per value (threefry's classic
+    mode hashes one 32-bit word pair per four values instead of per two: nnx.Dropout's float draws
+    were 190 ms of a 2.1 s `small` step on this project's CPU, docs/benchmarks.md). Row r of x (its
+    first axis, the batch's: every dropout site's) draws from fold_in(key, r): a row's mask depends on
+    its index in the global batch alone, not on the batch's padding or on how a mesh splits it, so one
+    device and several draw the same masks (issue 57; docs/distributed.md). p is rounded to a multiple
+    of 2^-16 (0.1 -> 0.100006) and the scale is exactly 1/(1-p) for that p."""
     dropped = min(round(p * 65536), 65535)  # of a 16-bit draw's 65536 values, those dropped
-    bits = jax.random.bits(key, x.shape, jnp.uint16, out_sharding=jax.typeof(x).sharding)
+    rows = jax.vmap(lambda r: jax.random.fold_in(key, r))(jnp.arange(x.shape[0]))
+    bits = jax.vmap(lambda k: jax.random.bits(k, x.shape[1:], jnp.uint16))(rows)
     return jnp.where(bits >= dropped, x * (65536 / (65536 - dropped)), jnp.zeros_like(x))
 
 

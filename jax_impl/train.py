@@ -137,7 +137,7 @@ def _train_step(model: Transformer, optimizer: nnx.Optimizer, rngs: nnx.Rngs, sr
 
     lr = schedule(model.cfg.d_model, train_cfg)(optimizer.step[...])  # what adam reads this update
     value_and_grad = nnx.value_and_grad(loss_of)  # d/d(nnx.Param of model) only
-    with dropout_draws(mesh):
+    with dropout_draws():
         loss, grads = _accumulated(value_and_grad, model, rngs, src, tgt, labels, packing)
     optimizer.update(model, grads)
     if mesh is not None:
@@ -271,7 +271,7 @@ class Trainer:
     and splits its rows over the devices and `accumulate` micro-batches (rosetta/distributed.py);
     one jitted step sums the gradients. Parameters and Adam's moments are replicated, or with
     `shard=True` split over "data" along their first divisible axis (ZeRO-3). The dropout draws
-    are those of the global batch, whatever the layout of several devices (`dropout_draws`).
+    are the global batch's, row by row, on any layout of devices (CPU: ops.cpu_dropout, dropout_draws).
 
     The step is always compiled (`compile` changes nothing), once per batch shape, with the XLA
     flags and the persistent compilation cache of jax_impl/compilation.py (`compile_cache`: its

@@ -56,6 +56,10 @@ def case() -> tuple[ModelConfig, dict[str, np.ndarray], list[Batch]]:
     return cfg, init_params(cfg, seed=0), batches
 
 
+# The same case with dropout on (docs/distributed.md: PyTorch's processes draw their own masks).
+DROPOUT = 0.1
+
+
 def k_bias(name: str) -> bool:
     """The key projections' biases: their gradient is zero in exact arithmetic (a constant added
     to every score of a row cancels in the softmax), so Adam turns rounding noise into updates of
@@ -110,6 +114,8 @@ def _torch_worker(out: str) -> None:
         saved[f"{name}.loss"] = np.array([m["loss"] for m in metrics])
         saved[f"{name}.world_size"] = np.array(metrics[0]["world_size"])
         saved |= {f"{name}/{k}": v for k, v in trainer.params().items()}
+    dropout = Trainer(preset("tiny", dropout=DROPOUT), params, TRAIN, device="cpu", dtype=DTYPE)
+    saved["ddp_dropout.loss"] = np.array([dropout.read(dropout.step(b))["loss"] for b in batches])
     first = Trainer(cfg, params, TRAIN, device="cpu", dtype=DTYPE, shard=True)
     for b in batches[:3]:
         first.step(b)

@@ -168,6 +168,22 @@ def test_two_processes_train_the_weights_of_one(variant, launched, single):
         np.testing.assert_allclose(launched[f"{variant}.loss"], single[0], rtol=LOSS_RTOL)
 
 
+def test_with_dropout_two_torch_processes_draw_other_masks_than_one(launched):
+    """What docs/distributed.md says of PyTorch with dropout on: each process draws its block's masks
+    from its own generator (process 0 the one-process seed, process 1 another), so two processes do
+    not take one process's updates: the first losses already differ by far more than rounding (with
+    dropout 0 they agree to LOSS_RTOL, test_two_processes_train_the_weights_of_one). JAX draws the
+    same masks on any mesh (test_dropout_streams.py)."""
+    from rosetta.config import preset
+    from torch_impl.train import Trainer
+
+    cfg, params, batches = case()
+    trainer = Trainer(preset("tiny", dropout=dp.DROPOUT), params, TRAIN, device="cpu", dtype=DTYPE)
+    one = np.array([trainer.read(trainer.step(b))["loss"] for b in batches])
+    two = launched["ddp_dropout.loss"]
+    assert np.isfinite(two).all() and np.max(np.abs(two - one) / one) > 1e6 * LOSS_RTOL, (one, two)
+
+
 # -- The harness under `rosetta train --nproc 2`: a killed rank, and the resume ---------------------
 
 TRAIN_ARGS = ["train", "--backend", "torch", "--steps", str(STEPS), "--set", "dropout=0",
