@@ -25,15 +25,34 @@ def recipe(heading: str) -> str:
 
 
 def run_loop(code: str, heading: str) -> None:
-    """The page's loop, run as a script: the PyTorch one in this process (it changes no global
-    setting, and a fresh interpreter would import torch again), the JAX one in its own (it switches
-    JAX to 64-bit for the whole process)."""
-    if "PyTorch" in heading:
-        exec(compile(code, PAGE.name, "exec"), {"__name__": "__main__"})
-        return
-    done = subprocess.run([sys.executable, "-W", "ignore", "-c", code], cwd=ROOT, capture_output=True,
-                          text=True, timeout=300)
+    """The page's PyTorch loop, run as a script in this process (it changes no global setting, and a
+    fresh interpreter would import torch again). The JAX ones run in a process of their own
+    (run_jax_loops): the page switches JAX to 64-bit for the whole process."""
+    assert "PyTorch" in heading
+    exec(compile(code, PAGE.name, "exec"), {"__name__": "__main__"})
+
+
+def run_jax_loops(scripts: dict[str, str], folder: Path) -> dict[str, str]:
+    """Each of the page's JAX loops (as edited) run as a script, all of them in ONE fresh interpreter
+    that 64-bit JAX is switched on in anyway (importing JAX and Flax once, not once a loop), each in
+    a namespace of its own; returns each loop's traceback, or "" where it ran through."""
+    runner = folder / "run_loops.py"
+    runner.write_text(
+        "import json, sys, traceback\n"
+        "scripts, errors = json.load(open(sys.argv[1])), {}\n"
+        "for name, code in scripts.items():\n"
+        "    try:\n"
+        f"        exec(compile(code, {PAGE.name!r}, 'exec'), {{'__name__': '__main__'}})\n"
+        "        errors[name] = ''\n"
+        "    except BaseException:\n"
+        "        errors[name] = traceback.format_exc()\n"
+        "json.dump(errors, open(sys.argv[2], 'w'))\n")
+    (folder / "scripts.json").write_text(json.dumps(scripts))
+    done = subprocess.run([sys.executable, "-W", "ignore", str(runner), str(folder / "scripts.json"),
+                           str(folder / "errors.json")], cwd=ROOT, capture_output=True, text=True,
+                          timeout=600)
     assert done.returncode == 0, done.stderr[-2000:]
+    return json.loads((folder / "errors.json").read_text())
 
 
 def traced_run(out, *flags) -> Path:
@@ -56,12 +75,15 @@ def clipped_reference(tmp_path_factory):
 
 
 @pytest.mark.parametrize("heading", ["**Your PyTorch loop**", "**Your JAX + optax loop**"])
-def test_the_pages_loop_agrees_with_the_reference(heading, reference, tmp_path, capsys):
-    code = recipe(heading).replace('"runs/ref/torch"', repr(str(reference))).replace(
-        '"mine"', repr(str(tmp_path / "mine")))
-    run_loop(code, heading)
+def test_the_pages_loop_agrees_with_the_reference(heading, reference, tmp_path, capsys, request):
+    if heading == JAX_LOOP:
+        mine = jax_loop_trace(request, "as written")
+    else:
+        mine = tmp_path / "mine"
+        run_loop(recipe(heading).replace('"runs/ref/torch"', repr(str(reference))).replace(
+            '"mine"', repr(str(mine))), heading)
     capsys.readouterr()
-    assert main(["diff", str(tmp_path / "mine"), str(reference)]) == 0, capsys.readouterr().out
+    assert main(["diff", str(mine), str(reference)]) == 0, capsys.readouterr().out
     assert "no difference at any of 3 steps" in capsys.readouterr().out
 
 
@@ -110,18 +132,38 @@ JAX_MISTAKES = {
 }
 
 
+@pytest.fixture(scope="module")
+def jax_loops(reference, clipped_reference, tmp_path_factory):
+    """The page's JAX loop as written (against the reference) and with each of JAX_MISTAKES edited
+    in (clip_after_adam against the clipped reference), all run in one process (run_jax_loops): name
+    -> (its trace, its reference, its traceback or "")."""
+    folder = tmp_path_factory.mktemp("jax_loops")
+    scripts, against = {}, {}
+    for name in ("as written", *sorted(JAX_MISTAKES)):
+        against[name] = clipped_reference if name == "clip_after_adam" else reference
+        code = recipe(JAX_LOOP)
+        for old, new in JAX_MISTAKES.get(name, []):
+            assert old in code, name
+            code = code.replace(old, new)
+        code = code.replace('"runs/ref/torch"', repr(str(against[name])))
+        scripts[name] = code.replace('"mine"', repr(str(folder / name.replace(" ", "_"))))
+    errors = run_jax_loops(scripts, folder)
+    return {name: (folder / name.replace(" ", "_"), against[name], errors[name]) for name in scripts}
+
+
+def jax_loop_trace(request, name: str) -> Path:
+    """The trace of one of jax_loops' loops, after checking that loop ran through."""
+    trace, _, error = request.getfixturevalue("jax_loops")[name]
+    assert not error, error[-2000:]
+    return trace
+
+
 @pytest.mark.parametrize("mistake", sorted(JAX_MISTAKES))
-def test_a_mistake_in_the_pages_jax_loop_is_named(mistake, reference, clipped_reference, tmp_path, capsys):
-    against = clipped_reference if mistake == "clip_after_adam" else reference
-    code = recipe(JAX_LOOP)
-    for old, new in JAX_MISTAKES[mistake]:
-        assert old in code
-        code = code.replace(old, new)
-    code = code.replace('"runs/ref/torch"', repr(str(against)))
-    code = code.replace('"mine"', repr(str(tmp_path / "mine")))
-    run_loop(code, JAX_LOOP)
+def test_a_mistake_in_the_pages_jax_loop_is_named(mistake, jax_loops, tmp_path, capsys):
+    mine, against, error = jax_loops[mistake]
+    assert not error, error[-2000:]
     capsys.readouterr()
     out_json = tmp_path / "d.json"
-    assert main(["diff", str(tmp_path / "mine"), str(against), "--diagnose", "--json", str(out_json)]) == 1
+    assert main(["diff", str(mine), str(against), "--diagnose", "--json", str(out_json)]) == 1
     out = capsys.readouterr().out
     assert json.loads(out_json.read_text())["diagnosis"]["explained_by"] == [mistake], out
