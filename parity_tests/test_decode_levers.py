@@ -29,8 +29,8 @@ from rosetta.parity import random_batch
 # as parity_tests/test_decode_compiled.py bounds another summation order of the same step.
 LEVERS_SCORE_RTOL = 1e-6
 # Each framework's lever switches (module constants of its decode.py; off: the search before them).
-LEVERS = {"torch": ("TWO_STAGE_TOPK", "SHARED_CROSS", "STACKED_CACHE", "STEP_ATTENTION", "DROP_FINISHED",
-                   "FIRST_ONE_ROW", "RANK_LOGITS"),
+LEVERS = {"torch": ("TWO_STAGE_TOPK", "SHARED_CROSS", "STACKED_CACHE", "STEP_ATTENTION", "FUSED_QKV",
+                   "DROP_FINISHED", "FIRST_ONE_ROW", "RANK_LOGITS"),
           "jax": ("TWO_STAGE_TOPK", "SHARED_CROSS")}
 
 
@@ -194,11 +194,12 @@ def test_torch_bfloat16_search_casts_no_weight_per_step(monkeypatch, static):
     every Linear reads a copy of its weight made at the step (more reads than two steps' GEMMs)."""
     import torch
 
-    from torch_impl import compilation
+    from torch_impl import compilation, decode
     from torch_impl.backend import Model
 
     if static:
         monkeypatch.setattr(compilation, "compiled", lambda fn, **kwargs: fn)
+    monkeypatch.setattr(decode, "FUSED_QKV", True)  # its weights concatenated once per search: checked too
     cfg, params, src, _ = _case()
     model = Model(cfg, params, "bfloat16", "cpu", compile=static)
     assert model._weights
@@ -314,7 +315,7 @@ EOS_BIAS = 2.0  # a logit added to eos: beam search ends a sentence with eos (ch
 
 
 @pytest.mark.parametrize("beam_size", [1, 4])
-@pytest.mark.parametrize("lever", ["STACKED_CACHE", "STEP_ATTENTION", "STEP_ATTENTION unpadded",
+@pytest.mark.parametrize("lever", ["STACKED_CACHE", "STEP_ATTENTION", "STEP_ATTENTION unpadded", "FUSED_QKV",
                                    "DROP_FINISHED", "FIRST_ONE_ROW", "RANK_LOGITS"])
 def test_each_new_torch_lever_alone_keeps_the_tokens_and_scores(monkeypatch, lever, beam_size):
     """Issue 47's PyTorch levers one at a time (the others off) against all off and the float64
@@ -339,6 +340,8 @@ def test_each_new_torch_lever_alone_keeps_the_tokens_and_scores(monkeypatch, lev
     monkeypatch.setattr(decode, lever, True)
     if lever == "FIRST_ONE_ROW":  # its one row a sentence reads the sentence's cross-attention keys
         monkeypatch.setattr(decode, "SHARED_CROSS", True)
+    if lever == "FUSED_QKV":  # a part of the single-query path
+        monkeypatch.setattr(decode, "STEP_ATTENTION", True)
     rows, ranked = [], []
     logits = decode.Steps.logits
     monkeypatch.setattr(decode.Steps, "logits",
@@ -423,3 +426,21 @@ def test_stacked_cache_reorders_every_layer_by_one_gather(monkeypatch, stacked):
     assert calls[0] > 3
     assert gathers[0] == calls[0] * (1 if stacked else 2 * cfg.num_decoder_layers)
 
+
+
+def test_torch_eager_log_softmax_writes_one_buffer_a_search(monkeypatch):
+    """Steps.log_softmax (issue 55): an eager beam search's steps write their log-probabilities into one
+    buffer kept for the search (a second only when the rows grow: step 0's one row a sentence, then
+    the beams'), not a new [N, V] tensor a step; the tokens are the float64 reference's."""
+    from torch_impl import decode
+    from torch_impl.backend import Model
+
+    cfg, params, src, reference = _finishing_case(True)
+    model = Model(cfg, params, "float32", "cpu", compile=False)
+    addresses = []
+    log_softmax = decode.Steps.log_softmax
+    monkeypatch.setattr(decode.Steps, "log_softmax",
+                        lambda self, logits, t: addresses.append(log_softmax(self, logits, t).data_ptr())
+                        or self.logp[:len(logits)])
+    assert model.generate(src, 4, max_len_margin=6).tokens == reference.generate(src, 4, max_len_margin=6).tokens
+    assert len(addresses) > 3 and len(set(addresses)) <= 2

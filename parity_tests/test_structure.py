@@ -177,6 +177,7 @@ TORCH_ONLY: dict[str, dict[str, str]] = {
         "column": "a 0-d tensor t indexed without a host read; JAX indexes with traced t",
         "put_column": "the same",
         "Steps.log_probs": "the eager step's parts, apart for RANK_LOGITS (JAX's step is one jitted body)",
+        "Steps.log_softmax": "an eager step's output buffer kept for the search; XLA plans JAX's buffers",
         "Steps.one_row_first": "eager step 0 on a row a sentence (JAX's loop keeps static shapes)",
         "Steps.logits": "the same as log_probs",
         "run": "the Python loop over compiled or eager steps; JAX's is one lax.while_loop",

@@ -46,13 +46,15 @@ SYNC_EVERY = 8
 # the cross-attention keys and values computed once per sentence, not per beam (Steps).
 # STACKED_CACHE: beam search reorders every layer's self-attention cache (one tensor: ops.LayerCache)
 # by one gather a step, not one per layer and keys/values (Steps.reorder). STEP_ATTENTION, eager:
-# the decoder step's attention by plain matmuls, no mask where nothing is masked, q, k and v from one
-# GEMM over weights concatenated once per search (ops.LayerCache.self_attend). DROP_FINISHED, eager:
-# finished sentences leave the batch, their results kept (run).
+# the decoder step's attention by plain matmuls, no mask where nothing is masked (ops.LayerCache's
+# self_attend and cross_attend); with FUSED_QKV too, q, k and v from one GEMM over weights
+# concatenated once per search. DROP_FINISHED, eager: finished sentences leave the batch, their
+# results kept (run).
 TWO_STAGE_TOPK = True
 SHARED_CROSS = True
 STACKED_CACHE = True
-STEP_ATTENTION = False  # off: slower in whole beam-4 calls on the 2-core AMD EPYC (docs/decoding.md)
+STEP_ATTENTION = True  # issue 55: SDPA's CPU kernel took 2x plain matmuls for these shapes (docs/decoding.md)
+FUSED_QKV = False  # off: slower in whole beam-4 calls on the 2-core AMD EPYC (docs/decoding.md)
 DROP_FINISHED = True
 # Issue 55's, eager beam search on a CPU: FIRST_ONE_ROW, step 0 on one row a sentence, not K equal ones
 # (Steps.one_row_first; with SHARED_CROSS, whose keys are a sentence's). RANK_LOGITS, from step 1: each
@@ -113,13 +115,16 @@ class Steps:
         self.cache = module.init_cache(memory, length, self.beams) if cache else None
         self.full = self.cache[0].stack if cache else None  # the stacked cache's buffer (reorder)
         self.spare: torch.Tensor | None = None
+        self.logp: torch.Tensor | None = None  # log_softmax's output buffer [rows, V], eager
         self.first_rows = 0  # one_row_first: the beams a sentence's one row of step 0 stands for
         self.cross_mask = source_mask(src, self.cfg.pad_id)
         if self.cache and STEP_ATTENTION and not static:  # eager: the single-query path
             for layer, layer_cache in zip(module.decoder.layers, self.cache, strict=True):
-                attention = layer.self_attn
-                rows = len(self.limits)  # what oneDNN packs the fused weight for
-                layer_cache.fused_qkv = fused_linear([attention.q, attention.k, attention.v], rows)
+                layer_cache.plain = True
+                if FUSED_QKV:
+                    attention = layer.self_attn
+                    rows = len(self.limits)  # what oneDNN packs the fused weight for
+                    layer_cache.fused_qkv = fused_linear([attention.q, attention.k, attention.v], rows)
             self.cross_mask = None if bool(self.cross_mask.all()) else self.cross_mask  # no padding
         if static:
             for x in self.tensors():
@@ -138,8 +143,20 @@ class Steps:
                   logp: torch.Tensor | None = None) -> torch.Tensor:
         """The float32 log-softmax of `logits` [N, V] (or `logp`, already taken), constrained in place
         (`limits` [N]: each row's length limit)."""
-        logp = torch.log_softmax(logits.float(), dim=-1) if logp is None else logp
+        logp = self.log_softmax(logits, t) if logp is None else logp
         return constrain(logp, self.cfg, self.constraints, t + 1 >= limits, self.banned, t == 0)
+
+    def log_softmax(self, logits: torch.Tensor, t: int | torch.Tensor) -> torch.Tensor:
+        """The float32 log-softmax of `logits` [N, V]. Eager, into one buffer kept for the search: a new
+        [N, V] float32 tensor a step (16 MB at 128 rows of 32,000) came in new pages from the allocator,
+        a third of the log-softmax's time on a CPU (issue 55). The step's caller may change it in
+        place; the next step overwrites it. A compiled step allocates (no state mutated in a graph)."""
+        logits = logits.float()
+        if not isinstance(t, int):
+            return torch.log_softmax(logits, dim=-1)
+        if self.logp is None or self.logp.shape[0] < len(logits) or self.logp.shape[1:] != logits.shape[1:]:
+            self.logp = torch.empty_like(logits)
+        return torch.log_softmax(logits, dim=-1, out=self.logp[:len(logits)])
 
     def one_row_first(self) -> bool:
         """Eager beam search's step 0 on one row a sentence (FIRST_ONE_ROW): every beam of a sentence
@@ -343,7 +360,7 @@ def beam_search(module: Transformer, cfg: ModelConfig, src: torch.Tensor, beam_s
         first = eager and t == 0 and steps.one_row_first()  # every beam's row the same: one a sentence
         logits = steps.logits(seqs[:, 0] if first else seqs.view(B * K, L), t)
         V = logits.shape[-1]
-        ranked, logp = None, torch.log_softmax(logits, dim=-1)
+        ranked, logp = None, steps.log_softmax(logits, t)
         if eager and RANK_LOGITS and not first and not steps.constraints.renormalize \
                 and not (steps.constraints.forced_first is not None and t == 0) \
                 and not (steps.constraints.forced_eos and bool((t + 1 >= steps.limits).any())):

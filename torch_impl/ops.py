@@ -232,13 +232,15 @@ class LayerCache:
     Every layer's self-attention keys and values live in one tensor, `stack` [layers, 2, N, h,
     length, dh] (Transformer.init_cache), so that beam search reorders them with one gather a step
     (`reorder_stack`, issue 47); `self_k` and `self_v` are this layer's slices of it, computed when
-    read (a compiled step's only cache input is the stack: no aliased inputs). `fused_qkv`, set per
-    eager search (torch_impl/decode.py's STEP_ATTENTION): the single-query path (`self_attend`)."""
+    read (a compiled step's only cache input is the stack: no aliased inputs). `plain`, set per eager
+    search (torch_impl/decode.py's STEP_ATTENTION): the single-query path (`self_attend`,
+    `cross_attend`); `fused_qkv` with it (decode.FUSED_QKV): q, k and v from one GEMM."""
 
     stack: torch.Tensor
     layer: int
     cross_k: torch.Tensor
     cross_v: torch.Tensor
+    plain: bool = False
     fused_qkv: Callable[[torch.Tensor], torch.Tensor] | None = None
 
     @property
@@ -280,13 +282,16 @@ class LayerCache:
     def self_attend(self, attention: nn.Module, h: torch.Tensor, t: int | torch.Tensor,
                     mask: torch.Tensor) -> torch.Tensor:
         """Self-attention of the new tokens h [N, 1, d] at position t by `attention` (the layer's
-        MultiHeadAttention): their keys and values written (`write`), then attended. With `fused_qkv`
-        and an int t (eager): q, k and v from one GEMM and plain_attention over positions <= t with no
-        mask (each is a real token); else attention.attend, as the training forward computes."""
-        if self.fused_qkv is None or not isinstance(t, int):
+        MultiHeadAttention): their keys and values written (`write`), then attended. `plain` and an int
+        t (eager): plain_attention over positions <= t with no mask (each is a real token), q, k and v
+        from one GEMM with `fused_qkv`; else attention.attend, as the training forward computes."""
+        if not self.plain or not isinstance(t, int):
             k, v, mask = self.write(t, *attention.project_kv(h), mask)
             return attention.attend(h, k, v, mask)
-        q, k, v = (attention.split_heads(x) for x in self.fused_qkv(h).chunk(3, dim=-1))
+        if self.fused_qkv is None:
+            q, (k, v) = attention.split_heads(attention.q(h)), attention.project_kv(h)
+        else:
+            q, k, v = (attention.split_heads(x) for x in self.fused_qkv(h).chunk(3, dim=-1))
         k, v, _ = self.write(t, k, v, mask)
         return attention.o(plain_attention(q, k, v, None).reshape(h.shape))
 
@@ -297,10 +302,10 @@ class LayerCache:
         K rows are then K queries (B, K, d) of one attention over them, as the training forward's
         target positions are, with `mask` [B, 1, 1, S]: keys and values computed and read once per
         sentence, not per beam (issue 47). Attention is per query, so each row gets its own result:
-        the same numbers up to the GEMMs' summation order. B = N (greedy): each row its own. With
-        `fused_qkv` set (eager): plain_attention, `mask` None where no source has padding."""
+        the same numbers up to the GEMMs' summation order. B = N (greedy): each row its own. `plain`
+        (eager): plain_attention, `mask` None where no source has padding."""
         x_q = h.reshape(self.cross_k.shape[0], -1, h.shape[-1])
-        if self.fused_qkv is None:
+        if not self.plain:
             return attention.attend(x_q, self.cross_k, self.cross_v, mask).reshape(h.shape)
         y = plain_attention(attention.split_heads(attention.q(x_q)), self.cross_k, self.cross_v, mask)
         return attention.o(y.reshape(x_q.shape)).reshape(h.shape)
