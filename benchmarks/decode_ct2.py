@@ -2,6 +2,7 @@
 
     python -m benchmarks.decode_ct2            # base-sized Marian model, 7 rounds, minutes on 2 cores
     python -m benchmarks.decode_ct2 --quick    # a small model, one round (the smoke test)
+    python -m benchmarks.decode_ct2 --model m2m100   # an M2M100-shaped model instead (issue 58)
 
 The setup: a Marian model of base size (d_model 512, 6 + 6 layers, 8 heads, d_ff 2048, a joint
 32,000-token vocabulary, `<pad>` last with a zero row, decoder start = pad, as opus-mt), random
@@ -13,6 +14,10 @@ converter) at float32 and int8. Beam 4 is timed; greedy is run once to check tha
 and CTranslate2 float32 emit the same tokens (int8: the fraction that agree), and each engine's
 beam-4 tokens are compared once with the float64 reference's beam search (numpy_ref, untimed, on
 the first REFERENCE_ROWS sentences).
+
+`--model m2m100`: the same on an M2M100-shaped model of the same size, its target language code
+forced first by every engine; benchmarks/decode_ct2_models.py builds both models (the one place
+they differ, with the CTranslate2 call's prefix).
 
 Each round runs every engine once, in turn (interleaved), 7 rounds by default (`--rounds`): per
 engine the median over rounds, the spread (fastest and slowest round) and each ratio's range, the
@@ -45,47 +50,11 @@ from benchmarks.common import (
     with_machine,
     write_results,
 )
-from rosetta import from_params, init_params
+from benchmarks.decode_ct2_models import MODELS, build
+from rosetta import from_params
 from rosetta.cli_args import integer_type
 from rosetta.files import atomic_write_bytes
 from rosetta.interop.convert import convert
-from rosetta.interop.marian import config_from_marian, write_marian
-from rosetta.json_input import read_json
-
-BASE = {"vocab_size": 32000, "d_model": 512, "encoder_layers": 6, "decoder_layers": 6,
-        "encoder_attention_heads": 8, "decoder_attention_heads": 8, "encoder_ffn_dim": 2048,
-        "decoder_ffn_dim": 2048, "activation_function": "swish", "scale_embedding": True,
-        "max_position_embeddings": 512, "eos_token_id": 0, "dropout": 0.0}
-QUICK = {**BASE, "vocab_size": 512, "d_model": 64, "encoder_layers": 2, "decoder_layers": 2,
-         "encoder_attention_heads": 4, "decoder_attention_heads": 4, "encoder_ffn_dim": 128,
-         "decoder_ffn_dim": 128, "max_position_embeddings": 64}
-
-
-def marian_model(hf: dict, out: Path, seed: int = 0):
-    """(config, params) of a random opus-mt-shaped model, written as a Marian directory `out` with
-    a tokenizer CTranslate2's converter reads (vocab.json: `</s>` 0, `<unk>` 1, `<pad>` last)."""
-    import sentencepiece as spm
-
-    vocab = hf["vocab_size"]
-    cfg = config_from_marian({**hf, "pad_token_id": vocab - 1, "decoder_start_token_id": vocab - 1})
-    params = init_params(cfg, seed=seed)
-    params["shared_embed.embedding"][cfg.pad_id] = 0.0  # opus-mt: the decoder start row is zero
-    params["generator.bias"][cfg.eos_id] = -1e9  # eos never wins: every sentence runs to its limit
-    write_marian(out, cfg, params)
-    words = {"</s>": 0, "<unk>": 1, **{f"\u2581w{i}": i for i in range(2, vocab - 1)}, "<pad>": vocab - 1}
-    (out / "vocab.json").write_text(json.dumps(words))
-    (out / "tokenizer_config.json").write_text(json.dumps({"separate_vocabs": False}))
-    # The pieces never go through SentencePiece here (the benchmark feeds ids and tokens), but
-    # MarianTokenizer, which the converter loads, needs the two model files.
-    model = tempfile.SpooledTemporaryFile()
-    spm.SentencePieceTrainer.train(sentence_iterator=iter([f"w{i} w{i + 1} w{i + 2}" for i in range(300)]),
-                                   model_writer=model, vocab_size=40, minloglevel=2)
-    model.seek(0)
-    data = model.read()
-    for name in ("source.spm", "target.spm"):
-        atomic_write_bytes(out / name, data)
-    return cfg, params
-
 
 ROUNDS = 7  # the default: issue 47 asks for at least 7 interleaved rounds
 MAX_ROUNDS = 100  # ~10 s a round at base size on 2 cores: a quarter of an hour
@@ -95,8 +64,19 @@ MAX_ROUNDS = 100  # ~10 s a round at base size on 2 cores: a quarter of an hour
 REFERENCE_ROWS = 4
 
 
+MODEL_NAMES = {"marian": "Marian", "m2m100": "M2M100"}
+
+
+def ct2_vocabulary(directory: Path) -> list[str]:
+    """The tokens of a CTranslate2 model directory, in id order (one vocabulary for both sides)."""
+    for name in ("shared_vocabulary.json", "vocabulary.json"):
+        if (directory / name).is_file():
+            return json.loads((directory / name).read_text(encoding="utf-8"))  # a list: not read_json's
+    raise FileNotFoundError(f"{directory}: no shared vocabulary")
+
+
 def run(quick: bool = False, rounds: int = ROUNDS, threads: int = 2, batch: int = 32, src_len: int = 24,
-        tgt_len: int = 24, beam: int = 4) -> dict:
+        tgt_len: int = 24, beam: int = 4, model: str = "marian") -> dict:
     """The benchmark with PyTorch on `threads` threads, the caller's count restored after it: the
     suite runs it inside a worker process, where a count left at 2 made every later test's tiny
     models slower and their float32 sums round differently."""
@@ -105,33 +85,40 @@ def run(quick: bool = False, rounds: int = ROUNDS, threads: int = 2, batch: int 
     saved = torch.get_num_threads()
     torch.set_num_threads(threads)
     try:
-        return _run(quick, rounds, threads, batch, src_len, tgt_len, beam)
+        return _run(quick, rounds, threads, batch, src_len, tgt_len, beam, model)
     finally:
         torch.set_num_threads(saved)
 
 
-def _run(quick: bool, rounds: int, threads: int, batch: int, src_len: int, tgt_len: int, beam: int) -> dict:
+def _run(quick: bool, rounds: int, threads: int, batch: int, src_len: int, tgt_len: int, beam: int,
+         model: str) -> dict:
     if quick:
         rounds, batch, src_len, tgt_len = 1, 4, 8, 8
     work = Path(tempfile.mkdtemp(prefix="decode-ct2-"))
     try:  # the two model directories (hundreds of MB at base size) go on every way out
-        return _measure(work, quick, rounds, threads, batch, src_len, tgt_len, beam)
+        return _measure(work, quick, rounds, threads, batch, src_len, tgt_len, beam, model)
     finally:
         shutil.rmtree(work, ignore_errors=True)
 
 
 def _measure(work: Path, quick: bool, rounds: int, threads: int, batch: int, src_len: int, tgt_len: int,
-             beam: int) -> dict:
+             beam: int, model: str) -> dict:
     import ctranslate2
 
-    cfg, params = marian_model(QUICK if quick else BASE, work / "marian")
-    convert(work / "marian", work / "ct2", to_format="ctranslate2")
-    vocab = read_json(work / "marian" / "vocab.json", "a vocabulary")
-    pieces = sorted(vocab, key=vocab.get)
+    # The one difference between the models: how each is built, and what every engine is told
+    # alike (M2M100: the source and target language codes; decode_ct2_models.py).
+    built = build(model, quick, work / model)
+    cfg, params = built.cfg, built.params
+    convert(built.directory, work / "ct2", to_format="ctranslate2")
+    pieces = ct2_vocabulary(work / "ct2")  # CTranslate2's tokens, by our ids
+    ids = {piece: i for i, piece in enumerate(pieces)}
     rng = np.random.default_rng(0)
-    src = np.concatenate([rng.integers(2, cfg.src_vocab_size - 1, (batch, src_len - 1)),
+    first = np.tile(np.array(built.src_first, dtype=np.int64), (batch, 1))
+    src = np.concatenate([first, rng.integers(*built.words, (batch, src_len - 1 - first.shape[1])),
                           np.full((batch, 1), cfg.eos_id)], axis=1)
     src_tokens = [[pieces[i] for i in row] for row in src]
+    options = {**built.ct2_options, **({"target_prefix": [[built.prefix]] * batch} if built.prefix else {})}
+    forced = {} if built.forced_first is None else {"forced_first": built.forced_first}
 
     ours = {name: from_params(cfg, params, name, "float32") for name in ("torch", "jax")}
     engines = {f"ctranslate2 {ct}": ctranslate2.Translator(str(work / "ct2"), device="cpu", compute_type=ct,
@@ -140,9 +127,11 @@ def _measure(work: Path, quick: bool, rounds: int, threads: int, batch: int, src
 
     def decode(name: str, beam_size: int) -> list[list[int]]:
         if name in ours:
-            return ours[name].generate(src, beam_size, 1.0, tgt_len, "hf", max_new_tokens=tgt_len).tokens
-        results = engines[name].translate_batch(src_tokens, beam_size=beam_size, max_decoding_length=tgt_len)
-        return [[vocab[t] for t in r.hypotheses[0]] for r in results]
+            return ours[name].generate(src, beam_size, 1.0, tgt_len, "hf", max_new_tokens=tgt_len,
+                                       **forced).tokens
+        results = engines[name].translate_batch(src_tokens, beam_size=beam_size, max_decoding_length=tgt_len,
+                                                **options)
+        return [[ids[t] for t in r.hypotheses[0]] for r in results]
 
     names = [*ours, *engines]
     greedy = {name: decode(name, 1) for name in names}
@@ -151,7 +140,8 @@ def _measure(work: Path, quick: bool, rounds: int, threads: int, batch: int, src
             for name, out in greedy.items()}
     # The float64 reference's beam search, once and untimed: the tokens each engine's beam must give.
     oracle = from_params(cfg, params, "numpy", "float64")
-    exact = oracle.generate(src[:REFERENCE_ROWS], beam, 1.0, tgt_len, "hf", max_new_tokens=tgt_len).tokens
+    exact = oracle.generate(src[:REFERENCE_ROWS], beam, 1.0, tgt_len, "hf", max_new_tokens=tgt_len,
+                            **forced).tokens
     beam_same = {}
     for name in names:  # also the warm-up: JAX compiles the beam search for this shape
         out = decode(name, beam)[:REFERENCE_ROWS]
@@ -181,8 +171,9 @@ def _measure(work: Path, quick: bool, rounds: int, threads: int, batch: int, src
     ct2_speed = next(r for r in rows if r["engine"] == ct2)["tokens_per_s"]
     for row in rows:  # the ratio of the medians (the figure a claim quotes); its range is above
         row["ratio_vs_ct2_float32"] = row["tokens_per_s"] / ct2_speed
-    settings = {"config": cfg.to_dict(), "batch": batch, "src_len": src_len, "tgt_len": tgt_len, "beam": beam,
-                "threads": threads, "rounds": rounds, "search": "cached beam, length_rule hf, eos banned",
+    settings = {"model": model, "target_prefix": built.prefix, "config": cfg.to_dict(),
+                "batch": batch, "src_len": src_len, "tgt_len": tgt_len, "beam": beam,
+                "threads": threads, "rounds": rounds, "search": f"cached beam, length_rule hf, {built.eos}",
                 "reference_rows": min(REFERENCE_ROWS, batch)}
     return {"settings": settings, "rows": rows}
 
@@ -191,7 +182,8 @@ def markdown(result: dict, env: dict) -> str:
     s = result["settings"]
     lines = [f"# Decoding against CTranslate2, {env['date']} (commit {env['commit']}, {env['processor']}, "
              f"torch {env.get('torch')}, jax {env.get('jax')}, ctranslate2 {env.get('ctranslate2')})", "",
-             f"Marian d_model {s['config']['d_model']}, {s['config']['num_encoder_layers']} + "
+             f"{MODEL_NAMES[s.get('model', 'marian')]} d_model {s['config']['d_model']}, "
+             f"{s['config']['num_encoder_layers']} + "
              f"{s['config']['num_decoder_layers']} layers, vocabulary {s['config']['tgt_vocab_size']}; batch "
              f"{s['batch']} x source {s['src_len']}, exactly {s['tgt_len']} target tokens a sentence, beam "
              f"{s['beam']}, {s['threads']} threads, median of {s['rounds']} interleaved rounds", "",
@@ -213,12 +205,12 @@ def markdown(result: dict, env: dict) -> str:
     return "\n".join(lines) + "\n"
 
 
-def measured(quick: bool, rounds: int, threads: int) -> dict:
+def measured(quick: bool, rounds: int, threads: int, model: str = "marian") -> dict:
     """One run at the ISA in force: its environment (machine block included) and result."""
     import ctranslate2
 
     env = {**environment(), "ctranslate2": ctranslate2.__version__}
-    return {"environment": env, **run(quick, rounds, threads)}
+    return {"environment": env, **run(quick, rounds, threads, model=model)}
 
 
 def main(argv: list[str] | None = None) -> None:
@@ -230,13 +222,17 @@ def main(argv: list[str] | None = None) -> None:
     cli.add_argument("--threads", type=integer_type(1, cores), default=min(2, cores),
                      help="PyTorch's, CTranslate2's and XLA's threads (default 2; at most this machine's "
                           f"{os.cpu_count()} cores)")
+    cli.add_argument("--model", choices=MODELS, default="marian",
+                     help="the model's shape: opus-mt's Marian (default) or M2M100's, its target language "
+                          "code forced first (benchmarks/decode_ct2_models.py)")
     cli.add_argument("--out-dir", type=given_path, default=RESULTS)
     cli.add_argument("--no-write", action="store_true", help="print only")
     cli.add_isa(both=True)
     args = cli.parse_args(argv)
     if args.quick and args.rounds is not None:
         cli.error("argument --rounds: --quick runs one round of a small model; leave out one of the two")
-    name = f"decode_ct2_cpu_{dt.date.today().isoformat()}"
+    model = "" if args.model == "marian" else f"_{args.model}"  # Marian's: the name it always had
+    name = f"decode_ct2{model}_cpu_{dt.date.today().isoformat()}"
     if not args.no_write and not args.quick and not args.part:  # before the minutes of measuring
         cli.check_out_dir(args.out_dir, [f"{name}.json", f"{name}.md"])
     rounds = 1 if args.quick else args.rounds or ROUNDS
@@ -247,7 +243,7 @@ def main(argv: list[str] | None = None) -> None:
         payload = {"environment": env, "isas": parts}
     else:
         cli.apply_isa(args, argv)  # --isa: the run again, every library capped (docs/benchmarks.md)
-        payload = measured(args.quick, rounds, args.threads)
+        payload = measured(args.quick, rounds, args.threads, args.model)
         if args.part:  # a part of --isa both: the parent writes
             atomic_write_bytes(args.part, json.dumps(payload).encode())
             return

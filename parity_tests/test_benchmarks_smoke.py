@@ -364,6 +364,28 @@ def test_decode_ct2_smoke():
     assert "- torch: the ratio's range over rounds (0.90-1.10) covers 1.0" in text and "- jax:" not in text
 
 
+def test_decode_ct2_smoke_m2m100():
+    """`--model m2m100`: an M2M100-shaped model through CTranslate2's M2M100 loader, the target
+    language code forced first in every engine (our forced_first, CTranslate2's target_prefix), eos
+    kept from winning through the weights (M2M100 has no output bias): every engine emits exactly
+    the target length, greedy tokens agree, and beam 4 gives the float64 reference's tokens."""
+    pytest.importorskip("ctranslate2", reason="the benchmark compares with CTranslate2")
+    from benchmarks import decode_ct2
+
+    result = decode_ct2.run(quick=True, model="m2m100")
+    assert result["settings"]["model"] == "m2m100" and result["settings"]["target_prefix"] == "__en__"
+    assert result["settings"]["config"]["position_offset"] == result["settings"]["config"]["pad_id"] + 1
+    rows = {r["engine"]: r for r in result["rows"]}
+    assert set(rows) == {"torch", "jax", "ctranslate2 float32", "ctranslate2 int8"}
+    size = result["settings"]["batch"] * result["settings"]["tgt_len"]
+    assert all(r["tokens"] == size for r in rows.values())
+    assert rows["jax"]["greedy_same_as_torch"] == rows["ctranslate2 float32"]["greedy_same_as_torch"] == 1.0
+    assert rows["torch"]["beam_same_as_float64"] == rows["jax"]["beam_same_as_float64"] == 1.0
+    assert rows["ctranslate2 float32"]["beam_same_as_float64"] == 1.0
+    text = decode_ct2.markdown(result, {"date": "-", "commit": "-", "processor": "-"})
+    assert "\nM2M100 d_model 64," in text
+
+
 def test_profile_cpu_smoke():
     """benchmarks/profile_cpu.py runs end to end on tiny models (in its own process: it sets
     XLA_FLAGS before JAX starts) and attributes each framework's time to kinds of work: matmuls

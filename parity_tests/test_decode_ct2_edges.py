@@ -22,6 +22,7 @@ from benchmarks import decode_ct2
     (["--rounds", str(10**9)], f"argument --rounds: must be an integer >= 1 and <= {decode_ct2.MAX_ROUNDS}"),
     (["--quick", "--rounds", "3"], "argument --rounds: --quick runs one round of a small model"),
     (["--isa", "avx512"], "argument --isa: invalid choice: 'avx512'"),
+    (["--model", "bart"], "argument --model: invalid choice: 'bart'"),
 ])
 def test_out_of_bounds_counts_are_refused_before_any_work(tmp_path, capsys, monkeypatch, args, message):
     monkeypatch.setattr(decode_ct2, "run", lambda *a, **k: pytest.fail("measured before refusing"))
