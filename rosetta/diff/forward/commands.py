@@ -162,8 +162,9 @@ def _sentence_pair(sides: list, src_text: str, tgt_text: str | None, as_ids: boo
     cfg = next(s.config for s in sides if s.config is not None)
     tokenizer = None if as_ids else side_tokenizer(sides)
     if tokenizer is None:
-        hint = "" if as_ids else "; text needs a tokenizer (source.spm + vocab.json, or tokenizer.json) " \
-                                 "in a model side's directory, and none holds one"
+        hint = "" if as_ids else "; text needs a tokenizer (source.spm + vocab.json, M2M100's " \
+                                 "sentencepiece.bpe.model + vocab.json, or tokenizer.json) in a model " \
+                                 "side's directory, and none holds one"
         src = np.array([_flag_ids("--src", src_text, cfg.src_vocab_size, "source", hint)])
         tgt = None if tgt_text is None else \
             np.array([_flag_ids("--tgt", tgt_text, cfg.tgt_vocab_size, "target", hint)])

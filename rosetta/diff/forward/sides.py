@@ -5,8 +5,9 @@ A side is one of
                             rosetta checkpoint, a Marian directory, a flax-wmt msgpack), run in
                             BACKEND (default numpy) at DTYPE (default the backend's first: numpy's
                             is float64, so a converted model runs as the float64 reference);
-    DIR@transformers        a Marian directory run by Hugging Face's own MarianMTModel at float32,
-                            its stages captured with hooks (rosetta/diff/forward/transformers_side.py);
+    DIR@transformers        a Marian (M2M100) directory run by Hugging Face's own MarianMTModel
+                            (M2M100ForConditionalGeneration) at float32, its stages captured with
+                            hooks (rosetta/diff/forward/transformers_side.py);
     PATH.npz                an activation dump (rosetta/diff/shared/dump.py): stages someone else's code
                             computed, on the batch stored with them.
 """
@@ -176,14 +177,14 @@ def pick_batch(sides: Sequence[Side], seed: int = 0,
 
 def side_tokenizer(sides: Sequence[Side]) -> Any:
     """The tokenizer a model side's directory or checkpoint sidecar holds (Marian's SentencePiece
-    files or our tokenizer.json), checked against that side's model; the first
-    side's first, None when no side's directory holds one."""
+    files, M2M100's sentencepiece.bpe.model + vocab.json, or our tokenizer.json), checked against
+    that side's model; the first side's first, None when no side's directory holds one."""
+    from rosetta.interop.m2m100_tokenizer import find_text_tokenizer
     from rosetta.interop.marian_files import companion_dir
-    from rosetta.tokenizer import find_tokenizer
 
     for side in sides:
         folder = companion_dir(_split(side.label)[0])  # a directory, or a checkpoint file's sidecar
-        tokenizer = find_tokenizer(folder) if side.config is not None and folder is not None else None
+        tokenizer = find_text_tokenizer(folder) if side.config is not None and folder is not None else None
         if tokenizer is not None:
             tokenizer.check_fits(side.config)
             return tokenizer

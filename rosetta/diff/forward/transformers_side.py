@@ -65,27 +65,35 @@ def _quiet_progress_bars(transformers: Any) -> Iterator[None]:
             logging.enable_progress_bar()
 
 
+# The Hugging Face classes @transformers runs, by rosetta.interop.convert.detect_format's name. M2M100's
+# modules carry Marian's names (layers, self_attn, encoder_attn, fc2), so one set of hooks serves both;
+# its stacks' outputs are after their final LayerNorm, as our `encoder` and `decoder` stages are.
+MODEL_CLASSES = {"marian": "MarianMTModel", "m2m100": "M2M100ForConditionalGeneration"}
+
+
 def load_marian_model(directory: str | os.PathLike) -> Any:
-    """Hugging Face's `MarianMTModel` of a Marian directory, in float32 with eager attention, in
-    eval mode; a RosettaError in one line when transformers or torch is missing or `directory`
-    is not a Marian model."""
+    """Hugging Face's `MarianMTModel` of a Marian directory (`M2M100ForConditionalGeneration` of an
+    M2M100 one), in float32 with eager attention, in eval mode; a RosettaError in one line when
+    transformers or torch is missing or `directory` is neither."""
     from rosetta.interop.convert import detect_format
 
     path = Path(directory)
     if not path.exists():
         raise CheckpointError(f"{directory}: no such file or directory")
-    if not path.is_dir() or detect_format(path) != "marian":  # detect_format names a broken config.json
+    kind = detect_format(path) if path.is_dir() else None  # detect_format names a broken config.json
+    if kind not in MODEL_CLASSES:
         raise ConfigError(f"{directory}: @{BACKEND} runs a Hugging Face Marian directory (config.json with "
-                          f"model_type 'marian' and its weights), and this is not one")
+                          f"model_type 'marian' and its weights) or an M2M100 one ('m2m_100'), and this is "
+                          f"not one")
     torch, transformers = _import()
+    name = MODEL_CLASSES[kind]
     try:
         with _quiet_progress_bars(transformers):
-            model = transformers.MarianMTModel.from_pretrained(path, dtype=torch.float32,
-                                                               attn_implementation="eager")
+            model = getattr(transformers, name).from_pretrained(path, dtype=torch.float32,
+                                                                attn_implementation="eager")
     except (OSError, ValueError, RuntimeError) as e:  # weights missing, unreadable or misshapen
         first_line = (str(e).strip().splitlines() or [type(e).__name__])[0]
-        raise ConfigError(f"{directory}: transformers cannot load it as a MarianMTModel: {first_line}") \
-            from None
+        raise ConfigError(f"{directory}: transformers cannot load it as a {name}: {first_line}") from None
     return model.eval()
 
 
