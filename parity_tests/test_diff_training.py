@@ -78,6 +78,32 @@ def reference(case, tmp_path_factory):
             "accumulated": trainer_trace("torch", case, CLIPPED, root / "accumulated", accumulate=ACCUMULATE)}
 
 
+@pytest.fixture(scope="module")
+def jax_trainer(case, tmp_path_factory):
+    """Our JAX trainer's float64 trace with the paper's settings (the plain reference's, in JAX): one
+    trace, compiled once, read by the clean pair and by the JAX-only install's diagnosis."""
+    return trainer_trace("jax", case, dp_case.TRAIN, tmp_path_factory.mktemp("jax_trainer") / "plain")
+
+
+@pytest.fixture(scope="module")
+def jax_loops(case, tmp_path_factory):
+    """mistake -> the trace of the JAX + optax loop with it (None: clean), float64, the paper's
+    settings; each loop run once, when first asked for, and only read after (the optax mistake's own
+    test and the JAX-only install's diagnosis read the same eps_inside_sqrt loop)."""
+    import jax
+
+    cfg, params, batches = case
+    root, made = tmp_path_factory.mktemp("jax_loops"), {}
+
+    def trace(mistake: str | None) -> Path:
+        if mistake not in made:
+            with jax.enable_x64(True):
+                jax_loop(cfg, params, dp_case.TRAIN, batches, root / str(mistake), mistake)
+            made[mistake] = root / str(mistake)
+        return made[mistake]
+    return trace
+
+
 def diff(a, b, tmp_path, *flags) -> tuple[int, dict]:
     out_json = tmp_path / "diff.json"
     code = main(["diff", str(a), str(b), "--json", str(out_json), *flags])
@@ -108,7 +134,7 @@ def test_trace_round_trip(case, reference):
 # -- clean pairs report no difference ------------------------------------------------------------------
 
 @pytest.mark.parametrize("side", ["torch_loop", "torch_loop_min_swapped", "jax_trainer", "jax_loop"])
-def test_clean_pairs_agree(side, case, reference, tmp_path, capsys):
+def test_clean_pairs_agree(side, case, reference, tmp_path, capsys, request):
     """`min` with its arguments swapped is eq. 3 (min is symmetric): the tutorials' variant is clean."""
     cfg, params, batches = case
     path = tmp_path / side
@@ -116,7 +142,7 @@ def test_clean_pairs_agree(side, case, reference, tmp_path, capsys):
         mistake = "schedule_min_swapped" if "min" in side else None
         torch_loop(cfg, params, dp_case.TRAIN, batches, path, mistake)
     elif side == "jax_trainer":
-        trainer_trace("jax", case, dp_case.TRAIN, path)
+        path = request.getfixturevalue("jax_trainer")
     else:
         import jax
 
@@ -225,13 +251,8 @@ def test_two_mistakes_at_once_are_named_as_a_pair(case, reference, tmp_path, cap
 
 
 @pytest.mark.parametrize("mistake", JAX_MISTAKES)
-def test_a_jax_optax_loop_mistake_is_named_first(mistake, case, reference, tmp_path, capsys):
-    import jax
-
-    cfg, params, batches = case
-    with jax.enable_x64(True):
-        jax_loop(cfg, params, dp_case.TRAIN, batches, tmp_path / "mine", mistake)
-    code, record = diff(tmp_path / "mine", reference["plain"], tmp_path, "--diagnose")
+def test_a_jax_optax_loop_mistake_is_named_first(mistake, jax_loops, reference, tmp_path, capsys):
+    code, record = diff(jax_loops(mistake), reference["plain"], tmp_path, "--diagnose")
     _check_named(code, record, capsys.readouterr().out, mistake)
 
 
@@ -258,18 +279,13 @@ def test_the_replay_framework_is_the_traces_own_or_the_one_installed(monkeypatch
         replay_framework("rosetta jax trainer")
 
 
-def test_a_jax_only_install_diagnoses_with_jax(case, tmp_path, capsys, monkeypatch):
+def test_a_jax_only_install_diagnoses_with_jax(jax_trainer, jax_loops, tmp_path, capsys, monkeypatch):
     """The replay takes its float64 model from the registry, not from torch_impl: with PyTorch not
     installed, a JAX + optax loop's mistake against our JAX trainer's trace is replayed in JAX, and
     named first at its step as with PyTorch."""
-    import jax
-
     from rosetta.diff.training import autodiff
 
-    cfg, params, batches = case
-    reference = trainer_trace("jax", case, dp_case.TRAIN, tmp_path / "reference")
-    with jax.enable_x64(True):
-        jax_loop(cfg, params, dp_case.TRAIN, batches, tmp_path / "mine", "eps_inside_sqrt")
+    mine = jax_loops("eps_inside_sqrt")
     _without_torch(monkeypatch)
     frameworks = []
     build = autodiff.Float64Model.__init__
@@ -279,7 +295,7 @@ def test_a_jax_only_install_diagnoses_with_jax(case, tmp_path, capsys, monkeypat
         build(self, framework, *args)
 
     monkeypatch.setattr(autodiff.Float64Model, "__init__", spy)
-    code, record = diff(tmp_path / "mine", reference, tmp_path, "--diagnose")
+    code, record = diff(mine, jax_trainer, tmp_path, "--diagnose")
     _check_named(code, record, capsys.readouterr().out, "eps_inside_sqrt")
     assert frameworks and set(frameworks) == {"jax"}
 
