@@ -162,7 +162,7 @@ def train_cases(quick: bool) -> dict:
 
 
 def decode_cases(quick: bool) -> dict:
-    from benchmarks.decode_ct2 import BASE, QUICK, marian_model
+    from benchmarks.decode_ct2_models import BASE, QUICK, marian_model
     from rosetta import from_params
 
     B, L = (4, 8) if quick else (32, 24)
