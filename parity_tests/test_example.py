@@ -117,3 +117,109 @@ def test_interrupted_build_leaves_nothing(tmp_path, monkeypatch):
     with pytest.raises(KeyboardInterrupt):
         example.build_opus_mt_dir(tmp_path / "ex")
     assert list(tmp_path.iterdir()) == []
+
+
+def _fake_write(out, *args):
+    """Stands in for the build (the files and the rename are what these tests look at)."""
+    (out / "config.json").write_text("built")
+
+
+def test_a_name_too_long_beside_dir_is_refused_before_any_work(tmp_path, capsys):
+    """Issue 57: a DIR name that fits the file system alone but not with the build folder's prefix and
+    suffix (`.NAME.partial-PID-XXXXXXXX`) was a traceback (File name too long); now one line naming
+    both sizes, as is a missing parent folder whose own name is too long; nothing is created."""
+    import os
+
+    limit = os.pathconf(tmp_path, "PC_NAME_MAX")
+    extra = len(".") + len(".partial-") + len(str(os.getpid())) + len("-") + 8
+    name = "a" * (limit - 5)
+    assert_refused(["example", "opus-mt", str(tmp_path / name), "--steps", "1"],
+                   f"its name is {limit - 5} bytes, too long here: the build's folder beside it "
+                   f"(.NAME.partial-PID-XXXXXXXX) adds {extra} and the file system of {tmp_path} allows {limit} "
+                   f"(PC_NAME_MAX); name a folder of at most {limit - extra} bytes", capsys)
+    assert_refused(["example", "opus-mt", str(tmp_path / ("b" * (limit + 1)) / "ex")],
+                   f"the folder name {'b' * 40}... is {limit + 1} bytes; the file system of {tmp_path} "
+                   f"allows {limit}", capsys)
+    assert list(tmp_path.iterdir()) == []
+
+
+def test_dir_as_a_symlink(tmp_path, monkeypatch, capsys):
+    """Issue 57: a symlink to an empty folder built the whole model, then failed with NotADirectoryError
+    at the rename; it is now followed (the files go into the folder it names, the link stays). A
+    dangling symlink is refused in one line naming its target, before any work."""
+    from rosetta.harness import example
+
+    dangling = tmp_path / "dangling"
+    dangling.symlink_to(tmp_path / "nowhere")
+    assert_refused(["example", "opus-mt", str(dangling)],
+                   f"{dangling}: a symlink to {tmp_path / 'nowhere'}, which does not exist", capsys)
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["dangling"]
+    target = tmp_path / "real" / "empty"
+    target.mkdir(parents=True)
+    link = tmp_path / "link"
+    link.symlink_to(target)
+    monkeypatch.setattr(example, "_write", _fake_write)
+    assert example.build_opus_mt_dir(link) == link
+    assert link.is_symlink() and (target / "config.json").read_text() == "built"
+    assert sorted(p.name for p in (tmp_path / "real").iterdir()) == ["empty"]  # no partial, no lock left
+    assert_refused(["example", "opus-mt", str(link)], f"{link}: exists and is not empty", capsys)
+
+
+def test_two_builds_of_one_dir(tmp_path, monkeypatch, capsys):
+    """Issue 57: a second `rosetta example` on the DIR another is building built for nothing and then
+    died with `Directory not empty`. It is refused at once, naming the builder's process, and the first
+    build's result is intact; one that read its data while the other finished is refused under the lock;
+    a file someone else puts in DIR during the build is kept and the build discarded, in one line."""
+    import os
+    import threading
+
+    from rosetta.errors import RosettaError
+    from rosetta.harness import example
+
+    out = tmp_path / "ex"
+    started, finish = threading.Event(), threading.Event()
+
+    def slow_write(work, *args):
+        _fake_write(work)
+        started.set()
+        assert finish.wait(60)
+
+    monkeypatch.setattr(example, "_write", slow_write)
+    winner = threading.Thread(target=example.build_opus_mt_dir, args=(out,))
+    winner.start()
+    try:
+        assert started.wait(60)
+        assert_refused(["example", "opus-mt", str(out)], f"{out}: another rosetta example (process "
+                       f"{os.getpid()}) is building it now; wait for it to finish, or name another folder", capsys)
+    finally:
+        finish.set()
+        winner.join(60)
+    assert [p.name for p in out.iterdir()] == ["config.json"] and (out / "config.json").read_text() == "built"
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["ex"]
+
+    late = tmp_path / "late"
+    read = example.multi30k
+
+    def finished_meanwhile(*args, **kwargs):  # the other build completes while this one reads its data
+        late.mkdir(exist_ok=True)
+        (late / "config.json").write_text("other")
+        return read(*args, **kwargs)
+
+    monkeypatch.setattr(example, "multi30k", finished_meanwhile)
+    with pytest.raises(RosettaError, match="exists and is not empty"):
+        example.build_opus_mt_dir(late)
+    assert (late / "config.json").read_text() == "other"
+    monkeypatch.setattr(example, "multi30k", read)
+
+    intruded = tmp_path / "intruded"
+
+    def intruder(work, *args):
+        _fake_write(work)
+        intruded.mkdir()
+        (intruded / "notes.txt").write_text("mine")
+
+    monkeypatch.setattr(example, "_write", intruder)
+    with pytest.raises(RosettaError, match=f"{intruded}: something wrote into it during the build"):
+        example.build_opus_mt_dir(intruded)
+    assert [p.name for p in intruded.iterdir()] == ["notes.txt"]
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["ex", "intruded", "late"]

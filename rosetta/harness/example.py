@@ -20,6 +20,7 @@ and renamed into place, so an interrupted build never leaves a DIR that looks co
 from __future__ import annotations
 
 import contextlib
+import fcntl
 import glob
 import importlib
 import io
@@ -29,6 +30,7 @@ import re
 import secrets
 import shutil
 import sys
+import tempfile
 import warnings
 from collections.abc import Iterator
 from pathlib import Path
@@ -36,7 +38,6 @@ from pathlib import Path
 import numpy as np
 
 from rosetta.errors import RosettaError
-from rosetta.files import check_writable
 from rosetta.harness.data import DataError, read_lines, resolve_data_dir
 
 LANGUAGE_CODES = (">>en<<", ">>fr<<")  # in the joint vocabulary, as multi-target opus-mt models have
@@ -91,14 +92,24 @@ def marian_vocab(*piece_lists: list[str], codes: tuple[str, ...] = ()) -> dict[s
 
 def check_example_args(out: str | os.PathLike[str], steps: int = DEFAULT_STEPS) -> Path:
     """Everything refusable before any work: DIR (absent or an empty folder, in a folder that can be
-    written), `steps` (>= 1) and the packages. Raises RosettaError naming DIR, the flag or the package."""
-    out = Path(out)
-    if out.is_dir() and any(out.iterdir()):
-        raise RosettaError(f"{out}: exists and is not empty; name a new or empty folder")
-    if out.exists() and not out.is_dir():
-        raise RosettaError(f"{out}: exists and is not a folder; name a new or empty folder")
-    out = Path(os.path.abspath(out))  # "." has no name to put the build's folder beside
-    check_writable(out.with_name(f".{out.name}.partial"))  # the build's folder beside it, probed
+    written, its name short enough for the build's folder beside it, not a dangling symlink, not
+    being built by another `rosetta example`), `steps` (>= 1) and the packages. Raises RosettaError
+    naming DIR, the flag or the package. Returns the folder to build: DIR as an absolute path, or
+    the folder DIR links to when DIR is a symlink to an empty folder (the link is kept)."""
+    given = Path(out)
+    out = Path(os.path.abspath(given))  # "." has no name to put the build's folder beside
+    folder = _nearest_folder(given, out)
+    _check_name_lengths(given, out, folder)
+    if out.is_symlink() and not out.exists():
+        raise RosettaError(f"{given}: a symlink to {os.readlink(out)}, which does not exist; create that "
+                           "folder, or name a new or empty folder")
+    _check_unused(given, out)
+    out = Path(os.path.realpath(out))  # a symlink to an empty folder: build beside its target
+    if out != Path(os.path.abspath(given)):
+        folder = _nearest_folder(given, out)
+        _check_name_lengths(given, out, folder)
+    _probe_folder(given, folder)
+    _check_not_building(given, out)
     sweep_partials(out)
     if steps < 1:
         raise RosettaError(f"--steps {steps}: the model trains for at least 1 step")
@@ -109,6 +120,136 @@ def check_example_args(out: str | os.PathLike[str], steps: int = DEFAULT_STEPS) 
             raise RosettaError(f"the example model needs {name!r}, which is not installed "
                                f"(pip install {name}; or pip install 'rosetta-transformer[dev]')") from None
     return out
+
+
+def _check_unused(given: Path, out: Path) -> None:
+    if out.is_dir() and any(out.iterdir()):
+        raise RosettaError(f"{given}: exists and is not empty; name a new or empty folder")
+    if out.exists() and not out.is_dir():
+        raise RosettaError(f"{given}: exists and is not a folder; name a new or empty folder")
+
+
+def _partial_name(name: str) -> str:
+    """The build's folder beside DIR, the longest name the build creates there (the lock's is shorter)."""
+    return f".{name}.partial-{os.getpid()}-{secrets.token_hex(4)}"
+
+
+def _nearest_folder(given: Path, out: Path) -> Path:
+    """The deepest existing folder on the way to `out` (absolute); a file or dangling link on the
+    way is refused, naming it."""
+    folder = Path(out.anchor)
+    for part in out.parts[1:-1]:
+        step = folder / part
+        if not os.path.isdir(step):  # False too for a name the file system finds too long
+            if os.path.lexists(step):
+                what = "a file" if os.path.exists(step) else "a broken symlink"
+                raise RosettaError(f"cannot write {given}: {step} is {what}, not a directory")
+            break
+        folder = step
+    return folder
+
+
+def _check_name_lengths(given: Path, out: Path, folder: Path) -> None:
+    """Every name the build creates fits the file system (PC_NAME_MAX, in bytes): the missing
+    folders on the way to DIR, and beside DIR its build folder `.DIR.partial-PID-XXXXXXXX`, which is
+    DIR's name and some 25 bytes more (a name that fits alone can overflow there)."""
+    try:
+        limit = os.pathconf(folder, "PC_NAME_MAX")
+    except (OSError, ValueError):
+        return  # the file system does not say; the build's own errors stay one line (building)
+    for part in out.relative_to(folder).parts[:-1]:
+        if (size := len(os.fsencode(part))) > limit:
+            raise RosettaError(f"cannot write {given}: the folder name {part[:40]}... is {size} bytes; "
+                               f"the file system of {folder} allows {limit}")
+    extra = len(os.fsencode(_partial_name(out.name))) - len(os.fsencode(out.name))
+    size = len(os.fsencode(out.name))
+    if size + extra > limit:
+        raise RosettaError(f"{given}: its name is {size} bytes, too long here: the build's folder beside "
+                           f"it (.NAME.partial-PID-XXXXXXXX) adds {extra} and the file system of {folder} "
+                           f"allows {limit} (PC_NAME_MAX); name a folder of at most {limit - extra} bytes")
+
+
+def _probe_folder(given: Path, folder: Path) -> None:
+    """Create and remove a folder in `folder`, as the build will (os.access says yes to root on a
+    read-only mount)."""
+    try:
+        os.rmdir(tempfile.mkdtemp(prefix=".rosetta-probe-", dir=folder))
+    except OSError as e:
+        raise RosettaError(f"cannot write {given}: a folder cannot be created in {folder} "
+                           f"({e.strerror or type(e).__name__})") from None
+
+
+def _lock_path(out: Path) -> Path:
+    return out.with_name(f".{out.name}.lock")
+
+
+def _check_not_building(given: Path, out: Path) -> None:
+    """Refuse DIR while another `rosetta example` holds its lock (`building`), naming its process."""
+    try:
+        fd = os.open(_lock_path(out), os.O_RDONLY | getattr(os, "O_CLOEXEC", 0))
+    except OSError:
+        return  # no lock file: nobody is building DIR
+    try:
+        fcntl.flock(fd, fcntl.LOCK_SH | fcntl.LOCK_NB)
+    except BlockingIOError:
+        holder = os.pread(fd, 16, 0).decode("ascii", "replace").strip()
+        raise RosettaError(f"{given}: another rosetta example (process {holder or 'unknown'}) is building it "
+                           "now; wait for it to finish, or name another folder") from None
+    finally:
+        os.close(fd)
+
+
+@contextlib.contextmanager
+def _locked(out: Path) -> Iterator[None]:
+    """DIR's lock, `.DIR.lock` beside it, flock'ed for the block (the kernel drops it when the process
+    dies, even by kill -9) and holding our pid; removed at the end. A second build of the same DIR is
+    refused at once, where it used to build for nothing and fail at the rename."""
+    lock = _lock_path(out)
+    while True:
+        fd = os.open(lock, os.O_RDWR | os.O_CREAT | getattr(os, "O_CLOEXEC", 0), 0o666)
+        try:
+            fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except BlockingIOError:
+            os.close(fd)
+            _check_not_building(out, out)  # names the holder
+            continue  # it finished between the two looks: try again
+        try:  # the holder removes the file before unlocking: a lock on a removed file is no lock
+            if os.path.samestat(os.fstat(fd), os.stat(lock)):
+                break
+        except FileNotFoundError:
+            pass
+        os.close(fd)
+    try:
+        os.ftruncate(fd, 0)
+        os.write(fd, str(os.getpid()).encode())
+        yield
+    finally:
+        lock.unlink(missing_ok=True)
+        os.close(fd)
+
+
+@contextlib.contextmanager
+def building(out: Path) -> Iterator[Path]:
+    """A fresh build folder beside `out` (as check_example_args returned it) for the block, renamed to
+    `out` when the block ends, removed on every other exit; DIR's lock held throughout, and DIR
+    checked again under it (another build may have finished while this one read its data)."""
+    out.parent.mkdir(parents=True, exist_ok=True)
+    with _locked(out):
+        _check_unused(out, out)
+        work = out.with_name(_partial_name(out.name))
+        work.mkdir()  # as `out` would be made (mode 0777 less the umask; tempfile.mkdtemp forces 0700)
+        try:
+            yield work
+            if out.is_dir():
+                try:
+                    out.rmdir()  # empty (checked); rename needs the name free, or an empty folder on POSIX
+                except OSError as e:
+                    raise RosettaError(f"{out}: something wrote into it during the build ({e.strerror}); "
+                                       "its files are left as they are and this build is discarded") from None
+            work.rename(out)
+        except BaseException:  # an interrupt too: no half-built folder is left behind
+            shutil.rmtree(work, ignore_errors=True)
+            raise
 
 
 def sweep_partials(out: Path) -> list[Path]:
@@ -151,21 +292,12 @@ def build_opus_mt_dir(out: str | os.PathLike[str], separate: bool = False, steps
     Built in a temporary folder beside `out`, then renamed to it: nothing is left under `out` if the
     build stops. Raises RosettaError for a missing package, a used `out`, or unreadable data.
     """
+    named = Path(os.path.abspath(out))
     out = check_example_args(out, steps)
     de, en = multi30k("de", SENTENCES, data_dir=data_dir), multi30k("en", SENTENCES, data_dir=data_dir)
-    out.parent.mkdir(parents=True, exist_ok=True)
-    work = out.with_name(f".{out.name}.partial-{os.getpid()}-{secrets.token_hex(4)}")
-    work.mkdir()  # as `out` would be made (mode 0777 less the umask; tempfile.mkdtemp forces 0700)
-    try:
-        with _quiet():
-            _write(work, de, en, separate, steps, seed, spm_size)
-        if out.is_dir():
-            out.rmdir()  # empty (checked above); rename needs the name free, or an empty folder on POSIX
-        work.rename(out)
-    except BaseException:  # an interrupt too: no half-built folder is left behind
-        shutil.rmtree(work, ignore_errors=True)
-        raise
-    return out
+    with building(out) as work, _quiet():
+        _write(work, de, en, separate, steps, seed, spm_size)
+    return named
 
 
 @contextlib.contextmanager

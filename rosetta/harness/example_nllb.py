@@ -23,13 +23,11 @@ from __future__ import annotations
 import io
 import json
 import os
-import secrets
-import shutil
 from pathlib import Path
 
 import numpy as np
 
-from rosetta.harness.example import SENTENCES, _quiet, check_example_args, multi30k
+from rosetta.harness.example import SENTENCES, _quiet, building, check_example_args, multi30k
 
 MAX_POSITIONS = 96  # max_position_embeddings and generation max_length
 MADEUP_WORDS = 8  # M2M100's num_madeup_words: rows after the language codes
@@ -66,21 +64,12 @@ def build_nllb_dir(out: str | os.PathLike[str], steps: int = DEFAULT_STEPS, seed
     """Write the directory (the module docstring) into `out`, a new or empty folder, and return it.
     The same arguments and data give the same bytes. RosettaError for a missing package, a used
     `out`, or unreadable data, before any work."""
+    named = Path(os.path.abspath(out))
     out = check_example_args(out, steps)
     de, en = multi30k("de", SENTENCES, data_dir=data_dir), multi30k("en", SENTENCES, data_dir=data_dir)
-    out.parent.mkdir(parents=True, exist_ok=True)
-    work = out.with_name(f".{out.name}.partial-{os.getpid()}-{secrets.token_hex(4)}")
-    work.mkdir()
-    try:
-        with _quiet():
-            _write(work, de, en, steps, seed)
-        if out.is_dir():
-            out.rmdir()  # empty (checked above)
-        work.rename(out)
-    except BaseException:  # an interrupt too: no half-built folder is left behind
-        shutil.rmtree(work, ignore_errors=True)
-        raise
-    return out
+    with building(out) as work, _quiet():
+        _write(work, de, en, steps, seed)
+    return named
 
 
 def _write(out: Path, de: list[str], en: list[str], steps: int, seed: int) -> None:
