@@ -193,3 +193,73 @@ def test_convert_to_marian_writes_into_an_empty_folder(marian_ready, tmp_path, c
     original, round_trip = rosetta.load_checkpoint(marian_ready), rosetta.load_checkpoint(back)
     assert all(np.array_equal(original.params[k], round_trip.params[k]) for k in original.params)
     capsys.readouterr()
+
+
+def _host() -> str:
+    import re
+    import socket
+
+    return re.sub(r"[^A-Za-z0-9-]", "-", socket.gethostname())[:64] or "host"
+
+
+def test_convert_to_marian_after_a_kill_during_the_write(marian_ready, tmp_path, capsys):
+    """Issue 57: kill -9 during `convert --to marian` left the folder holding only a hidden temporary,
+    and the rerun was refused as 'not empty' until the user found it. The rerun now removes a partial
+    file of ours whose process is gone, names it, and writes the model."""
+    import os
+    import subprocess
+    import sys
+
+    folder = tmp_path / "hf"
+    killed = ("import os, signal\n"
+              "os.replace = lambda *a: os.kill(os.getpid(), signal.SIGKILL)  # bytes written, not renamed\n"
+              "from rosetta.cli import main\n"
+              f"main(['convert', {str(marian_ready)!r}, {str(folder)!r}, '--to', 'marian'])\n")
+    child = subprocess.run([sys.executable, "-c", killed], cwd=Path(__file__).parents[1], capture_output=True)
+    assert child.returncode == -9, child.stderr.decode()
+    left = [p.name for p in folder.iterdir()]
+    assert len(left) == 1 and left[0].startswith(".model.safetensors.") and left[0].endswith(".tmp"), left
+    pid = left[0].split(".")[-3]
+    capsys.readouterr()
+    assert main(["convert", str(marian_ready), str(folder), "--to", "marian"]) == 0
+    err = capsys.readouterr().err
+    assert (f"rosetta: note: removed {folder / left[0]}, a partial file left by process {pid}, which no longer "
+            f"exists\n") in err
+    assert sorted(p.name for p in folder.iterdir()) == ["config.json", "generation_config.json",
+                                                        "model.safetensors"]
+
+
+def test_convert_to_marian_names_a_partial_file_it_cannot_tell_is_abandoned(marian_ready, tmp_path, capsys):
+    """A partial file whose writer is running (this process), or was written on another host less than
+    24 hours ago, is refused by name, the folder left as it was; one from another host untouched for
+    longer is removed; a user's own hidden .tmp file is a file like any other."""
+    import os
+    import time
+
+    folder = tmp_path / "hf"
+    folder.mkdir()
+    live = folder / f".model.safetensors.{_host()}.{os.getpid()}.0a1b2c3d.tmp"
+    live.write_bytes(b"half")
+    assert main(["convert", str(marian_ready), str(folder), "--to", "marian"]) == 2
+    assert one_line_error(capsys) == (f"rosetta: error: {folder} holds {live.name}, a partial file being written "
+                                      f"by process {os.getpid()}, which is still running; wait for that write, "
+                                      "or delete the file if it was stopped")
+    live.unlink()
+    remote = folder / ".config.json.otherhost.123.0a1b2c3d.tmp"
+    remote.write_bytes(b"half")
+    assert main(["convert", str(marian_ready), str(folder), "--to", "marian"]) == 2
+    assert one_line_error(capsys) == (f"rosetta: error: {folder} holds {remote.name}, a partial file written by "
+                                      "process 123 on host otherhost less than 24 hours ago (it may still be "
+                                      "writing); wait for that write, or delete the file if it was stopped")
+    assert snapshot(folder) == {remote.name: b"half"}
+    two_days_ago = time.time() - 48 * 3600
+    os.utime(remote, (two_days_ago, two_days_ago))
+    mine = folder / ".notes.tmp"
+    mine.write_text("mine")
+    assert main(["convert", str(marian_ready), str(folder), "--to", "marian"]) == 2
+    assert one_line_error(capsys) == refusal(folder)
+    mine.unlink()
+    assert main(["convert", str(marian_ready), str(folder), "--to", "marian"]) == 0
+    assert (f"rosetta: note: removed {remote}, a partial file left by process 123 on host otherhost, untouched "
+            "for over 24 hours\n") in capsys.readouterr().err
+    assert not remote.exists() and (folder / "config.json").is_file()

@@ -72,6 +72,34 @@ def remove_stale_temporaries(path: Path) -> None:
             continue
 
 
+# Any target's temporary, for a folder's listing: the host and pid fields have no dots, so the
+# target's name is what comes before them.
+_ANY_OURS = re.compile(r"\.(.+)\.([A-Za-z0-9-]+)\.(\d{1,10})\.[0-9a-f]{8}\.tmp")
+_ANY_OLD = re.compile(r"\.(.+)\.[a-z0-9_]{8}\.tmp")
+
+
+def leftover_temporary(entry: Path) -> tuple[bool, str] | None:
+    """For a file named as atomic_write's temporaries (of any target): whether it is stale (its
+    writer can no longer rename it: the rule above), and who left it, in words ("left by process
+    N, which no longer exists"); None for any other entry. Lets a command writing into a folder
+    tell a write of ours killed part-way (kill -9 leaves the hidden temporary) from someone's files."""
+    if not entry.is_file() or entry.is_symlink():
+        return None
+    hours = f"{STALE_AFTER_S // 3600} hours"
+    match = _ANY_OURS.fullmatch(entry.name)
+    if match and match.group(2) == _HOST:
+        pid = match.group(3)
+        stale = _is_stale(entry, _HOST, pid)
+        return stale, (f"left by process {pid}, which no longer exists" if stale
+                       else f"being written by process {pid}, which is still running")
+    writer = f"process {match.group(3)} on host {match.group(2)}" if match else "an earlier rosetta version"
+    if not (match or _ANY_OLD.fullmatch(entry.name)):
+        return None
+    stale = _is_stale(entry, None, None)
+    return stale, (f"left by {writer}, untouched for over {hours}" if stale
+                   else f"written by {writer} less than {hours} ago (it may still be writing)")
+
+
 def _create_temporary(path: Path) -> tuple[int, Path]:
     """A new temporary file beside `path`, created as open() creates files: mode 0666 less
     the umask (tempfile.mkstemp would force 0600)."""

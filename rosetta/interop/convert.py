@@ -25,6 +25,7 @@ from typing import Any, NamedTuple
 from rosetta.checkpoint import FORMAT, load_checkpoint, read_header, save_checkpoint
 from rosetta.config import ModelConfig
 from rosetta.errors import CheckpointError, ConfigError, RosettaError
+from rosetta.files import leftover_temporary
 from rosetta.interop import flax_msgpack, flax_wmt, fsmt, m2m100, marian, marian_files
 from rosetta.params import Params
 
@@ -194,7 +195,9 @@ def convert(src: str | os.PathLike, dst: str | os.PathLike, from_format: str | N
     # A folder already holding files (a Hugging Face download, an earlier export: telling them
     # apart by name would guess) keeps them unless the user says otherwise.
     folder_out = fmt_out in ("marian", "ctranslate2", "fsmt", "m2m100")
-    if folder_out and not overwrite and Path(dst).is_dir() and any(Path(dst).iterdir()):
+    leftovers = _leftovers(Path(dst)) if folder_out else {}
+    if folder_out and not overwrite and Path(dst).is_dir() and any(
+            entry not in leftovers for entry in Path(dst).iterdir()):
         files = ("config.json, model.bin and the vocabulary" if fmt_out == "ctranslate2"
                  else f"{marian.CONFIG_FILE}, {marian.WEIGHTS_FILE} and other files of the same names")
         raise ConfigError(f"{dst} is a folder that is not empty: writing the {FORMAT_NAMES[fmt_out]} model "
@@ -214,10 +217,30 @@ def convert(src: str | os.PathLike, dst: str | os.PathLike, from_format: str | N
         from rosetta.interop.ctranslate2 import search_note
 
         notes.append(search_note(settings, cfg))
+    for leftover, who in leftovers.items():  # only now: a refusal above leaves the folder as it was
+        leftover.unlink(missing_ok=True)
+        notes.append(f"removed {leftover}, a partial file {who}")
     path = write_model(dst, cfg, params, fmt_out, companions)
     written = ([] if fmt_out == "ctranslate2"
                else marian_files.copy_companions(companions, cfg, path, fmt_out))
     return Converted(fmt_in, fmt_out, path, cfg, written, tuple(notes))
+
+
+def _leftovers(dst: Path) -> dict[Path, str]:
+    """The partial files that writes of ours killed part-way left in the folder `dst` (kill -9 during
+    an export leaves only a hidden temporary: rosetta/files.py), each with who left it, to be removed
+    before writing. One whose writer may still be running is refused, named: the folder is in use."""
+    if not dst.is_dir():
+        return {}
+    stale = {}
+    for entry in sorted(dst.iterdir()):
+        found = leftover_temporary(entry)
+        if found is not None and not found[0]:
+            raise ConfigError(f"{dst} holds {entry.name}, a partial file {found[1]}; wait for that write, "
+                              "or delete the file if it was stopped")
+        if found is not None:
+            stale[entry] = found[1]
+    return stale
 
 
 def read_nn_transformer(*args: Any, **kwargs: Any) -> tuple[ModelConfig, Params]:
