@@ -324,3 +324,19 @@ def test_resume_with_no_intact_checkpoint_says_so(straight_and_stopped, tmp_path
     assert main(["train", *RESUMABLE, "--steps", "6", "--out", str(out), "--resume"]) == 2
     err = one_line_error(capsys)
     assert err.endswith(f"; no earlier checkpoint in {checkpoints} is intact to resume from"), err
+
+
+@pytest.mark.parametrize("backend", ["numpy", "tensorflow"])
+def test_a_run_json_naming_a_backend_that_does_not_train_is_refused(backend, two_checkpoints, tmp_path, capsys,
+                                                                   monkeypatch):
+    """Issue 57: run.json's "backend" was obeyed by translate, evaluate and --resume whatever it said
+    ("numpy" decoded with the reference as if it had trained the run). A backend that does not train
+    (the registry's list: torch, jax, peer) is refused in one line naming the field and those values."""
+    run_json = two_checkpoints / "torch" / "run.json"
+    run_json.write_text(json.dumps(json.loads(run_json.read_text()) | {"backend": backend}))
+    expected = f"{run_json}: backend must be one of torch, jax, peer, got a string {backend!r}"
+    for err in refused_on_resume_and_translate(two_checkpoints, capsys, monkeypatch):
+        assert err == f"rosetta: error: {expected}", err
+    (two_checkpoints / "torch" / "tokenizer.json").write_text("{}")  # evaluate reads run.json before it
+    assert main(["evaluate", str(two_checkpoints / "torch"), "--out", str(tmp_path / "e.json")]) == 2
+    assert one_line_error(capsys) == f"rosetta: error: {expected}"

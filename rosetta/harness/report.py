@@ -21,6 +21,7 @@ from pathlib import Path
 from typing import Any
 
 from rosetta import json_input
+from rosetta.backends import TRAINING_BACKENDS
 from rosetta.errors import RosettaError
 from rosetta.files import atomic_write_bytes
 
@@ -35,9 +36,10 @@ PNG_SIGNATURE = b"\x89PNG\r\n\x1a\n"
 # results, and one log line of ~200 bytes per logged step.
 RUN_FILE_LIMIT = 16 * 2**20
 LOG_LINE_LIMIT, LOG_LIMIT = 2**20, 2**30
-# run.json's fields that its readers use (`rosetta evaluate`, `--resume`), typed.
+# run.json's fields that its readers use (`rosetta evaluate`, `translate`, `--resume`), typed. The
+# backend is one that trains (the registry's): a run.json saying "numpy" or an unknown name was obeyed.
 RUN_SCHEMA = {
-    "backend": json_input.field("string"), "identity": json_input.field("object"),
+    "backend": json_input.field("string", choices=TRAINING_BACKENDS), "identity": json_input.field("object"),
     "args": json_input.field("object", fields={"task": json_input.field("string", "null"),
                                                "pair": json_input.field("string", "null")}),
 }
