@@ -490,6 +490,35 @@ def assert_refused(argv: list[str], message: str, capsys) -> str:
     return err
 
 
+@pytest.mark.parametrize("accumulate,message", [
+    (0, "accumulate must be an integer >= 1, got 0"),
+    (-1, "accumulate must be an integer >= 1, got -1"),
+    ("2", "accumulate must be an integer >= 1, got '2'"),
+    (True, "accumulate must be an integer >= 1, got True"),
+    (12, "accumulate 12 is more micro-batches than the 11 rows of step 1's batch: --diagnose replays at most "
+         "one micro-batch a row (accumulate <= 11)"),
+])
+def test_a_bad_accumulate_is_refused_before_the_comparison(accumulate, message, reference, tmp_path, capsys,
+                                                           monkeypatch):
+    """Issue 57: B's recorded accumulate was checked only after the whole comparison (and one larger than
+    the batch's rows, dp_case's 11, replayed one-row micro-batches for minutes): now one line naming the
+    field, and for the rows both numbers, before the traces are compared."""
+    from rosetta.diff.training import compare
+
+    bad = tmp_path / "bad"
+    shutil.copytree(reference["clipped"], bad)
+    header = json.loads((bad / "trace.json").read_text())
+    header["train_config"]["accumulate"] = accumulate
+    (bad / "trace.json").write_text(json.dumps(header))
+
+    def compared(*args):
+        raise AssertionError("the traces were compared before the refusal")
+
+    monkeypatch.setattr(compare, "compare_traces", compared)
+    err = assert_refused(["diff", str(reference["plain"]), str(bad), "--diagnose"], message, capsys)
+    assert err == f"rosetta: error: {bad}: train_config: {message}\n"
+
+
 def test_traces_of_other_models_and_a_model_are_refused(case, reference, tmp_path, capsys):
     cfg, params, batches = case
     other = cfg.replace(d_ff=48)

@@ -47,6 +47,10 @@ def cmd_diff_traces(args: argparse.Namespace) -> int:
             raise InputError(f"--{flag} chooses the batch of a forward diff: a trace holds its own batches")
     a, b = read_trace(args.a), read_trace(args.b)
     steps = check_comparable(a, b, getattr(args, "steps", None))
+    if args.diagnose:  # what the diagnosis would refuse, before the comparison
+        from rosetta.diff.training.diagnose import check_settings
+
+        check_settings(a, b, steps)
     coarse = "float32" if "float32" in (a.dtype, b.dtype) else "float64"
     low = [f"{side} computed in {t.compute_dtype}" for side, t in (("A", a), ("B", b))
            if t.compute_dtype in ("bfloat16", "float16")]

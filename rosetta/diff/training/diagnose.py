@@ -39,7 +39,7 @@ from rosetta.diff.training.catalogue import (
 from rosetta.diff.training.checks import Finding, evaluation_findings, tf32_by_size
 from rosetta.diff.training.compare import global_rel, rel, update_rel
 from rosetta.diff.training.trace import Trace
-from rosetta.errors import RosettaError
+from rosetta.errors import InputError, RosettaError
 
 PAIR_LEAD = 3  # pairs are tried between each of this many best single entries and every other
 SHOWN = 3
@@ -142,6 +142,27 @@ def errors_against(observed: Sequence[Trace], ours: Iterable[ReplayStep], initia
         if all(w[0] > bound for w in worst):
             break
     return worst
+
+
+def check_settings(a: Trace, b: Trace, steps: int) -> None:
+    """What --diagnose refuses before the traces are compared (InputError, one line): B's recorded
+    settings that cannot be replayed (`accumulate` 0, -1, "2", true; a TrainConfig field), and an
+    `accumulate` larger than the rows of a batch it replays: the micro-batches beyond the rows are empty,
+    and the replay of one-row micro-batches is the slowest there is. A B without settings (a user's
+    loop) is left to the report, which says so."""
+    if not b.train_config:
+        return
+    try:
+        settings = Settings.from_trace(b.train_config)
+    except RosettaError as e:
+        raise InputError(f"{b.path}: train_config: {e}") from None
+    if settings.accumulate == 1:
+        return
+    for k in range(1, min(a.full_steps, b.full_steps, steps) + 1):
+        if settings.accumulate > (rows := b.rows(k)):
+            raise InputError(f"{b.path}: train_config: accumulate {settings.accumulate} is more "
+                             f"micro-batches than the {rows} rows of step {k}'s batch: --diagnose replays "
+                             f"at most one micro-batch a row (accumulate <= {rows})")
 
 
 def diagnose_training(a: Trace, b: Trace, tolerance: float, steps: int,
