@@ -6,13 +6,6 @@ nothing of [tokens, V] is kept for the backward (torch) or built at all (JAX's t
 
 from __future__ import annotations
 
-import json
-import os
-import subprocess
-import sys
-import textwrap
-from pathlib import Path
-
 import jax
 import jax.numpy as jnp
 import ml_dtypes
@@ -37,7 +30,6 @@ pytestmark = pytest.mark.trainable
 FRAMEWORKS = ("torch", "jax")
 PAD = 0
 B, T, D, V = 3, 7, 16, 50  # 21 tokens
-REPO = Path(__file__).resolve().parents[1]
 
 
 def case(seed: int = 0, bias: bool = True, all_pad: bool = False):
@@ -396,40 +388,24 @@ def test_torch_gradcheck_float64(scale):
         lambda h, w, bb: tl.chunked_loss(h, w, bb, y, PAD, 0.1, chunk=4, logit_scale=scale)[0], (h, w, bb))
 
 
-JAX_X64_CHECK = textwrap.dedent("""
-    import json, sys
-    import jax
-    jax.config.update("jax_enable_x64", True)
-    import jax.numpy as jnp
-    import numpy as np
-    from jax.test_util import check_grads
-    import jax_impl.loss as jl, jax_impl.train as jt
-    case = json.loads(sys.stdin.read())
-    h, w, b = (jnp.asarray(case[k], jnp.float64) for k in ("hidden", "weight", "bias"))
-    y, s = jnp.asarray(case["labels"]), case["scale"]
-    chunked = jax.jit(lambda h, w, b: jl.chunked_loss(h, w, b, y, 0, 0.1, chunk=4, logit_scale=s)[0])
-    plain = jax.jit(lambda h, w, b: jt.loss_fn(s * (h @ w) + b, y, 0, 0.1)[0])
-    check_grads(chunked, (h, w, b), order=1, modes=["rev"])
-    got, want = (jax.grad(f, argnums=(0, 1, 2))(h, w, b) for f in (chunked, plain))
-    err = max(float(jnp.abs(g - x).max() / jnp.abs(x).max()) for g, x in zip(got, want))
-    print(json.dumps({"dtype": str(got[0].dtype), "max_relative": err}))
-""")
-
-
 @pytest.mark.parametrize("scale", [1.0, 0.3])
 def test_jax_check_grads_float64(scale):
     """jax.test_util.check_grads (finite differences) and jax.grad of the plain loss, both in
-    float64: jax_enable_x64 is process-wide, so in a subprocess of its own."""
+    float64, on the CPU: under 64-bit JAX for this test only (jax.enable_x64, as the suite's float64
+    trainers run: dp_case.train_float64), not in an interpreter of its own that imports JAX again."""
+    from jax.test_util import check_grads
+
     hidden, weight, b, labels = case(seed=4)
-    payload = json.dumps({"hidden": hidden.tolist(), "weight": weight.tolist(), "bias": b.tolist(),
-                          "labels": labels.tolist(), "scale": scale})
-    env = {**os.environ, "JAX_PLATFORMS": "cpu"}
-    done = subprocess.run([sys.executable, "-c", JAX_X64_CHECK], input=payload, capture_output=True,
-                          text=True, cwd=REPO, env=env, timeout=120)
-    assert done.returncode == 0, done.stderr[-3000:]
-    result = json.loads(done.stdout.strip().splitlines()[-1])
-    assert result["dtype"] == "float64"
-    assert result["max_relative"] <= 1e-12
+    with jax.enable_x64(True), jax.default_device(jax.devices("cpu")[0]):
+        h, w, bb = (jnp.asarray(x, jnp.float64) for x in (hidden, weight, b))
+        y = jnp.asarray(labels)
+        chunked = jax.jit(lambda h, w, b: jl.chunked_loss(h, w, b, y, 0, 0.1, chunk=4, logit_scale=scale)[0])
+        plain = jax.jit(lambda h, w, b: jt.loss_fn(scale * (h @ w) + b, y, 0, 0.1)[0])
+        check_grads(chunked, (h, w, bb), order=1, modes=["rev"])
+        got, want = (jax.grad(f, argnums=(0, 1, 2))(h, w, bb) for f in (chunked, plain))
+        assert str(got[0].dtype) == "float64"
+        err = max(float(jnp.abs(g - x).max() / jnp.abs(x).max()) for g, x in zip(got, want, strict=True))
+    assert err <= 1e-12
 
 
 # -- Memory: O(chunk × V), not O(tokens × V) ---------------------------------------------------
