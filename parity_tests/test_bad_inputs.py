@@ -216,12 +216,21 @@ def test_a_search_with_non_finite_scores_is_refused(overflow_checkpoint, backend
         model.generate(SEARCH_SRC, beam, max_len_margin=3)
 
 
-def test_generate_refuses_the_overflow_checkpoint(overflow_checkpoint):
+def test_generate_refuses_the_overflow_checkpoint(overflow_checkpoint, monkeypatch, capsys):
+    """`rosetta generate` through the CLI's main in this process (a subprocess would only import
+    torch again: the refusal is main's, and test_cli.py runs the entry point itself)."""
+    from types import SimpleNamespace
+
+    from rosetta.cli import main
+
     for backend in ("numpy", "torch"):
-        done = _rosetta("generate", "--checkpoint", str(overflow_checkpoint), "--backend", backend,
-                        stdin="5 6 7 2\n")
-        _one_line_error(done, "non-finite scores in the search (the weights overflow float32?)")
-        assert done.stdout == ""
+        monkeypatch.setattr(sys, "stdin", io.StringIO("5 6 7 2\n"))
+        capsys.readouterr()
+        code = main(["generate", "--checkpoint", str(overflow_checkpoint), "--backend", backend])
+        out, err = capsys.readouterr()
+        _one_line_error(SimpleNamespace(returncode=code, stderr=err),
+                        "non-finite scores in the search (the weights overflow float32?)")
+        assert out == ""
 
 
 @pytest.mark.parametrize("beam", [1, 3])
