@@ -46,7 +46,29 @@ def test_each_help_shows_the_fields_default():
         if field is None or field.default in (None, False, dataclasses.MISSING):
             continue
         shown = ",".join(map(str, field.default)) if isinstance(field.default, tuple) else field.default
-        assert action.help.endswith(f"(default {shown})"), action.help
+        assert f"(default {shown})" in action.help or f"(default {shown}; --recipe " in action.help, action.help
+
+
+def test_the_recipe_help_says_what_it_sets_and_each_flag_what_the_recipe_makes_it(capsys):
+    """Issue 57: --recipe did not say what it sets, and each flag showed a default the recipe overrides.
+    The --recipe help lists the recipe as flags: given instead of --recipe, they make the same run; each
+    flag the recipe sets shows both values (--steps: the recipe's --epochs instead)."""
+    import re
+
+    helps = {a.dest: " ".join(a.help.split()) for a in _train_parser()._actions if a.help}
+    said = re.search(r"multi30k sets (.*?)\)$", helps["recipe"])[1]
+    parse = build_parser().parse_args
+    assert run_from_args(parse(["train", *said.split()])) == run_from_args(parse(["train", "--recipe", "multi30k"]))
+    assert "(default 4096; --recipe multi30k: 2048)" in helps["max_tokens"]
+    assert "(default 4000; --recipe multi30k: 300)" in helps["warmup"]
+    assert "(default 500; --recipe multi30k: 300)" in helps["eval_every"]
+    assert "(--recipe multi30k: dropout=0.1)" in helps["overrides"]
+    assert "(--recipe multi30k: --epochs 30 instead)" in helps["steps"]
+    assert "(--recipe multi30k: 5)" in helps["average_last"]
+    # What --max-tokens counts (rosetta/harness/batching.py: src and tgt_in are each rows x L; the
+    # global batch, split over devices and micro-batches: rosetta/distributed.py).
+    assert "counted on each side" in helps["max_tokens"] and "padding included" in helps["max_tokens"]
+    assert "not per device" in helps["max_tokens"]
 
 
 def test_no_flag_gives_runconfigs_defaults_and_flags_set_their_field():

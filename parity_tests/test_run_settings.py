@@ -272,3 +272,25 @@ def test_a_failing_averaged_evaluation_keeps_the_run_and_resume_finishes_it(tmp_
     kinds = [(r["kind"], r["step"]) for r in _log(out) if r["kind"] != "train"]
     assert kinds == [("eval", 4), ("eval_average", 4)]  # neither repeated
     assert (out / "torch" / "result.json").is_file()
+
+
+def test_a_warmup_past_the_run_warns_and_one_checkpoint_is_not_averaged(tmp_path, capsys):
+    """Issue 57: --warmup >= the run's steps (the recipe's 300 with --steps 4) trained silently with a
+    warm-up that never ends: now a warning line. --average-last with a single checkpoint wrote an
+    "averaged" copy of it: now a note and no averaged.safetensors; two checkpoints are averaged."""
+    out = tmp_path / "run"
+    flags = ["train", "--backend", "torch", *QUICK, "--warmup", "300", "--eval-every", "0", "--average-last", "2",
+             "--keep", "2", "--device", "cpu", "--out", str(out)]
+    capsys.readouterr()
+    assert main([*flags, "--steps", "4"]) == 0
+    err = capsys.readouterr().err
+    assert ("rosetta: torch: warning: --warmup 300 >= the run's 4 steps: the learning rate rises for the whole "
+            "run and never decays (the warm-up never ends); give --warmup below the steps\n") in err
+    assert ("rosetta: torch: --average-last 2: the run has 1 checkpoint, nothing to average; no "
+            "averaged.safetensors written (more steps than --checkpoint-every 500 give more)\n") in err
+    assert not (out / "torch" / "averaged.safetensors").exists()
+    assert main([*flags, "--steps", "8", "--resume"]) == 0  # checkpoints at 4 and 8: averaged
+    assert (out / "torch" / "averaged.safetensors").is_file()
+    capsys.readouterr()
+    assert main([*flags[:-1], str(tmp_path / "short"), "--steps", "4", "--warmup", "3"]) == 0
+    assert "warning" not in capsys.readouterr().err

@@ -15,6 +15,7 @@ import sys
 import time
 import typing
 from pathlib import Path
+from typing import Any
 
 from rosetta.cli_args import integer, integer_list, nonempty_path, parse_overrides, real
 from rosetta.errors import RosettaError
@@ -37,8 +38,10 @@ def add_run_flags(parser: argparse.ArgumentParser) -> dict[str, argparse._Argume
         meta, kind = f.metadata, hints[f.name]
         default = f.default if f.default is not dataclasses.MISSING else None
         shown = ",".join(map(str, default)) if isinstance(default, tuple) else default
-        help_text = meta["help"] + ("" if default in (None, False) else f" (default {shown})")
-        flag = "--" + (meta["flag"] or f.name).replace("_", "-")
+        said = [] if default in (None, False) else [f"default {shown}"]
+        help_text = meta["help"] + (f" ({'; '.join(said + recipe_values(f.name))})" if said or
+                                    recipe_values(f.name) else "")
+        flag = _flag(f)
         kwargs: dict = dict(dest=f.name, default=argparse.SUPPRESS, help=help_text)
         if kind not in (bool, bool | None):
             kwargs["metavar"] = meta["metavar"] or flag[2:].upper().replace("-", "_")
@@ -56,6 +59,50 @@ def add_run_flags(parser: argparse.ArgumentParser) -> dict[str, argparse._Argume
                 typing.get_origin(base) or base, nonempty_path if meta["path"] else str)
         groups[meta["group"]].add_argument(flag, **kwargs)
     return groups
+
+
+def _flag(f: dataclasses.Field) -> str:
+    return "--" + (f.metadata["flag"] or f.name).replace("_", "-")
+
+
+def _shown(value: Any) -> str:
+    return ",".join(map(str, value)) if isinstance(value, tuple) else str(value)
+
+
+def recipe_flags(name: str) -> str:
+    """What recipe `name` sets, as the flags that would set it (rosetta/harness/recipes.py is the one
+    place the values live): `--task multi30k --pair de-en ... --set dropout=0.1 ...`."""
+    from rosetta.harness.recipes import RECIPES
+
+    flags = []
+    for f in dataclasses.fields(RunConfig):
+        if f.name not in RECIPES[name]:
+            continue
+        value = RECIPES[name][f.name]
+        if isinstance(value, dict):
+            flags += [f"--set {key}={item}" for key, item in value.items()]
+        elif value is True:
+            flags.append(_flag(f))
+        else:
+            flags.append(f"{_flag(f)} {_shown(value)}")
+    return " ".join(flags)
+
+
+def recipe_values(field: str) -> list[str]:
+    """What each recipe sets `field` to, for the flag's help: ["--recipe multi30k: 2048"]; --steps
+    names the --epochs a recipe sets instead."""
+    from rosetta.harness.recipes import RECIPES
+
+    said = []
+    for name, settings in RECIPES.items():
+        if field in settings:
+            value = settings[field]
+            shown = (", ".join(f"{k}={v}" for k, v in value.items()) if isinstance(value, dict)
+                     else _shown(value))
+            said.append(f"--recipe {name}: {shown}")
+        elif field == "steps" and settings.get("epochs") is not None:
+            said.append(f"--recipe {name}: --epochs {settings['epochs']} instead")
+    return said
 
 
 def run_from_args(args: argparse.Namespace) -> RunConfig:
@@ -123,7 +170,11 @@ def cmd_train(args: argparse.Namespace) -> int:
 def add_train_parser(cmds: argparse._SubParsersAction) -> None:
     """Register `train` on rosetta/cli.py's subcommands."""
     p = cmds.add_parser("train", help="train torch and/or jax on the same data (synthetic copy by default)")
-    p.add_argument("--recipe", help="start from a named recipe's settings (multi30k); flags override them")
+    from rosetta.harness.recipes import RECIPES
+
+    sets = "; ".join(f"{name} sets {recipe_flags(name)}" for name in RECIPES)
+    p.add_argument("--recipe",
+                   help=f"start from a named recipe's settings; a flag given overrides its value ({sets})")
     groups = add_run_flags(p)
     groups["data"].add_argument("--download", action="store_true",
                                 help="fetch missing Multi30k files (network)")

@@ -51,7 +51,7 @@ from rosetta.harness.report import (
 )
 from rosetta.harness.resume import Checkpoints
 from rosetta.harness.run_config import DEFAULT_STEPS, RunConfig, batching_line, check_run, resolve_batching
-from rosetta.harness.run_dir import out_dir_lock
+from rosetta.harness.run_dir import list_checkpoints, out_dir_lock
 from rosetta.harness.stepping import Stepper, Stretch
 from rosetta.harness.tasks import TaskData, run_batching, run_model_config, run_task
 from rosetta.machine import machine_block
@@ -86,6 +86,10 @@ class _Run:
             log.info("%s: %s", backend, batching_line(self.iterator))
         self.total_steps = run.steps or (run.epochs * self.iterator.batches_per_epoch if run.epochs
                                          else DEFAULT_STEPS)
+        if self.main and run.warmup >= self.total_steps:  # eq. 3 rises until step `warmup`, then decays
+            log.warning("%s: warning: --warmup %d >= the run's %d steps: the learning rate rises for the "
+                        "whole run and never decays (the warm-up never ends); give --warmup below the steps",
+                        backend, run.warmup, self.total_steps)
         self.loss_batches, _ = eval_batches(task.eval_pairs, max_tokens=run.max_tokens, **batching)
         self.num_gen = min(run.bleu_samples or len(task.eval_pairs), len(task.eval_pairs))
         self.gen_batches, _ = eval_batches(task.eval_pairs[:self.num_gen], max_tokens=run.max_tokens,
@@ -246,7 +250,12 @@ class _Run:
                 if ended is not None and not (saved or last):  # the evaluation made this step the last
                     self.save(trainer, budget.elapsed(), stepper.data_state)
                 stop = stop or ended
-        if run.average_last and self.main and trainer.step_count != self.averaged_at:
+        kept = len(list_checkpoints(self.dir / "checkpoints")) if run.average_last and self.main else 0
+        if run.average_last and self.main and kept < 2:  # an average of one checkpoint is that checkpoint
+            log.info("%s: --average-last %d: the run has %d checkpoint, nothing to average; no "
+                     "averaged.safetensors written (more steps than --checkpoint-every %d give more)",
+                     self.backend, run.average_last, kept, run.checkpoint_every)
+        elif run.average_last and self.main and trainer.step_count != self.averaged_at:
             what = "averaged checkpoints' evaluation"
             with self.checkpoints.kept_on_failure(trainer.step_count, what, trainer):
                 result = averaged(self.dir, run.average_last, BACKENDS[self.backend].decoder, run.dtype,

@@ -93,7 +93,11 @@ class RunConfig:
     eval_size: int | None = setting(None, "first N evaluation pairs (synthetic default 500)", "data")
     eval_split: str = setting("val", "Multi30k split for validation loss and BLEU", "data")
     synthetic_max_len: int = setting(16, "longest synthetic sequence", "data")
-    max_tokens: int = setting(4096, "tokens per batch (paper §5.1: 25000)", "data")
+    max_tokens: int = setting(
+        4096, "tokens per update, counted on each side: a batch's source and its target are each rows x "
+        "bucket length <= this, padding included (the paper's §5.1 batches: ~25000 source and 25000 target "
+        "tokens); the global batch, split over every device and --accumulate micro-batch, not per device",
+        "data")
     buckets: tuple[int, ...] | None = setting(
         None, "bucket lengths, e.g. 16,32,64 (default 8,16,...,max_len)", "data")
     steps: int | None = setting(None, f"optimizer steps in all (default {DEFAULT_STEPS})", "length")
