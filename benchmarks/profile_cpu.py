@@ -18,6 +18,7 @@ the profiler (the wall time shown). Run it alone.
 from __future__ import annotations
 
 import datetime as dt
+import math
 import os
 import re
 import sys
@@ -109,8 +110,9 @@ def jax_kind(line: str, is_dot: bool, vocab: int) -> str:
         return KINDS[0] if over_v else (KINDS[2] if re.search(r"\[\d+,\d+,\d+,\d+\]", shape) else KINDS[1])
     if over_v:
         return KINDS[5] if any(k in op for k in ("top_k", "sort", "argmax")) else KINDS[3]
-    if re.match(r"\s*u(8|16|32)\[\d{4,}", shape):  # large unsigned arrays: only random bits here
-        return KINDS[4]
+    unsigned = re.match(r"\s*u(?:8|16|32)\[([\d,]+)\]", shape)
+    if unsigned and math.prod(map(int, unsigned[1].split(","))) >= 1024:  # large unsigned arrays: random
+        return KINDS[4]  # bits only (of any layout: a row's draws are [rows, width], ops.cpu_dropout)
     if any(k in op for k in ("top_k", "sort")) or "TopK" in line:
         return KINDS[5]
     if any(k in op for k in ("dynamic_update_slice", "gather")) or "dynamic-update-slice" in line:

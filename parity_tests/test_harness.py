@@ -397,9 +397,40 @@ def test_decoding_defaults_to_the_runs_own_backend(multi30k_run, monkeypatch, ca
             assert main(args + extra) == 0
             outputs.append(capsys.readouterr())
         assert outputs[0].out == outputs[1].out and outputs[0].out.strip()
-        assert outputs[0].err == (f"rosetta: decoded with {backend} (the run's own, trained by {backend}); "
-                                  "--backend numpy decodes with the float64 reference\n")
+        checkpoint = multi30k_run / backend / "checkpoints" / "step-00000040" / "model.safetensors"
+        assert outputs[0].err == (f"rosetta: decoding {checkpoint} with {backend} (the run's own, trained by "
+                                  f"{backend}); --backend numpy decodes with the float64 reference\n")
         assert outputs[1].err == ""
+
+
+def test_translate_names_its_backend_and_checkpoint_before_decoding(multi30k_run, monkeypatch, capsys):
+    """Issue 57: the line naming the backend came only after every sentence was decoded (a slow backend
+    gave no sign for minutes). It comes before the first sentence is decoded, once every check has
+    passed: a refusal (a beam larger than the vocabulary) is still the only line."""
+    import io
+
+    from rosetta.backends import BackendModel
+
+    seen = []
+    generate = BackendModel.generate
+
+    def watched(self, *args, **kwargs):
+        seen.append(capsys.readouterr().err)  # what stderr held when decoding started
+        return generate(self, *args, **kwargs)
+
+    monkeypatch.setattr(BackendModel, "generate", watched)
+    monkeypatch.setattr(sys, "stdin", io.StringIO("Ein Hund läuft im Park.\nZwei Männer.\n"))
+    assert main(["translate", "--run", str(multi30k_run / "torch"), "--beam", "1", "--margin", "4",
+                 "--batch-size", "1"]) == 0
+    checkpoint = multi30k_run / "torch" / "checkpoints" / "step-00000040" / "model.safetensors"
+    assert seen == [f"rosetta: decoding {checkpoint} with torch (the run's own, trained by torch); --backend "
+                    "numpy decodes with the float64 reference\n", ""]
+    monkeypatch.setattr(sys, "stdin", io.StringIO("Ein Hund läuft im Park.\n"))
+    capsys.readouterr()
+    assert main(["translate", "--run", str(multi30k_run / "torch"), "--beam", "100000"]) == 2
+    err = capsys.readouterr().err
+    assert err.startswith("rosetta: error: beam_size 100000 is larger than the target vocabulary") and \
+        len(err.splitlines()) == 1, err
 
 
 def test_decoding_default_without_a_run(monkeypatch):
