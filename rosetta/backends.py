@@ -142,18 +142,10 @@ class BackendModel(ABC):
         rosetta.generation.ALPHA_MAX. A search whose scores are not finite (weights that overflow
         the compute dtype) is refused, not returned."""
         src = check_src(self.config, src)
-        beam_size = check_int(beam_size, "beam_size", minimum=1)
-        vocab = self.config.tgt_vocab_size
-        if beam_size > vocab:
-            # Each step scores beam_size x vocab candidates: an unbounded beam is an unbounded wait.
-            raise InputError(f"beam_size {beam_size} is larger than the target vocabulary ({vocab} tokens); "
-                             f"give at most {vocab}")
-        alpha = check_alpha(alpha)
-        max_len_margin = check_int(max_len_margin, "max_len_margin", minimum=0)
-        if length_rule not in LENGTH_RULES:
-            raise InputError(f"length_rule {length_rule!r}: one of {', '.join(LENGTH_RULES)}")
-        constraints = check_constraints(self.config, banned, renormalize, max_new_tokens, forced_eos,
-                                        forced_first)
+        beam_size, alpha, max_len_margin, constraints = check_search(
+            self.config, beam_size, alpha, max_len_margin, length_rule, banned=banned,
+            renormalize=renormalize, max_new_tokens=max_new_tokens, forced_eos=forced_eos,
+            forced_first=forced_first)
         return check_scores(self._generate(src, beam_size, alpha, max_len_margin, length_rule, constraints),
                             f"backend {self.name} at {self.dtype}")
 
@@ -189,6 +181,26 @@ class BackendModel(ABC):
 
     @abstractmethod
     def _step_logits(self, src: np.ndarray, tgt: np.ndarray) -> np.ndarray: ...
+
+
+def check_search(cfg: ModelConfig, beam_size: int = 1, alpha: float = 0.6, max_len_margin: int = 50,
+                 length_rule: str = "wu", *, banned: Iterable[int] = (), renormalize: bool = False,
+                 max_new_tokens: int | None = None, forced_eos: bool = False,
+                 forced_first: int | None = None) -> tuple[int, float, int, Constraints]:
+    """`BackendModel.generate`'s search arguments checked (its docstring's rules), before any search:
+    (beam_size, alpha, max_len_margin, constraints), or an InputError naming the argument."""
+    beam_size = check_int(beam_size, "beam_size", minimum=1)
+    vocab = cfg.tgt_vocab_size
+    if beam_size > vocab:
+        # Each step scores beam_size x vocab candidates: an unbounded beam is an unbounded wait.
+        raise InputError(f"beam_size {beam_size} is larger than the target vocabulary ({vocab} tokens); "
+                         f"give at most {vocab}")
+    alpha = check_alpha(alpha)
+    max_len_margin = check_int(max_len_margin, "max_len_margin", minimum=0)
+    if length_rule not in LENGTH_RULES:
+        raise InputError(f"length_rule {length_rule!r}: one of {', '.join(LENGTH_RULES)}")
+    constraints = check_constraints(cfg, banned, renormalize, max_new_tokens, forced_eos, forced_first)
+    return beam_size, alpha, max_len_margin, constraints
 
 
 def get_backend(name: str) -> type[BackendModel]:

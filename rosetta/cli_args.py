@@ -172,6 +172,16 @@ def decoding_backend(args: argparse.Namespace, trained_by: str | None) -> tuple[
     return name, f"rosetta: decoded with {name} ({why}); --backend numpy decodes with the float64 reference"
 
 
+def decoder_line(args: argparse.Namespace, trained_by: str | None, path: object) -> tuple[str, str | None]:
+    """(the backend `translate` decodes with, the stderr line naming it, why, and the model file, for
+    before the first sentence is decoded; None when --backend named it)."""
+    name, said = decoding_backend(args, trained_by)
+    if said is None:
+        return name, None
+    return name, (f"rosetta: decoding {path} with {name} ({default_decoder(trained_by)[1]}); --backend numpy "
+                  "decodes with the float64 reference")
+
+
 def search_settings(args: argparse.Namespace, model_defaults: dict) -> dict:
     """The search to run: SEARCH_DEFAULTS, then the model's generation_config.json
     (rosetta/interop/marian_files.py: search_defaults), then the flags given."""

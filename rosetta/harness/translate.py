@@ -17,14 +17,14 @@ from __future__ import annotations
 
 import dataclasses
 import os
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
 import numpy as np
 
-from rosetta.backends import BackendModel
+from rosetta.backends import BackendModel, check_search
 from rosetta.config import ModelConfig
 from rosetta.errors import InputError, RosettaError
 from rosetta.harness.report import RUN_SCHEMA, read_json
@@ -168,10 +168,12 @@ def encode_line(line: str, number: int, tokenizer: TextTokenizer | None, cfg: Mo
 
 def translate_lines(model: BackendModel, tokenizer: TextTokenizer | None, lines: Sequence[str], beam: int = 4,
                     alpha: float = 0.6, max_len_margin: int = 50, batch_size: int = 32,
-                    length_rule: str = "wu", **constraints: Any) -> list[str]:
+                    length_rule: str = "wu", before_decoding: Callable[[], None] | None = None,
+                    **constraints: Any) -> list[str]:
     """One output per input line (an empty line gives an empty output), in input order.
     `constraints` are `model.generate`'s keywords (banned, renormalize, max_new_tokens, forced_eos,
-    forced_first)."""
+    forced_first). `before_decoding` is called once every line and the search settings have passed
+    their checks, before the first sentence is decoded (`rosetta translate` says what it decodes with)."""
     cfg = model.config
     batch_size = check_int(batch_size, "batch_size", minimum=1)
     outputs = [""] * len(lines)
@@ -185,6 +187,9 @@ def translate_lines(model: BackendModel, tokenizer: TextTokenizer | None, lines:
             raise RosettaError(f"input line {number} is {len(ids)} tokens long with eos, more than the "
                                f"model's max_len {cfg.max_len}")
         todo.append((number - 1, ids))
+    check_search(cfg, beam, alpha, max_len_margin, length_rule, **constraints)  # refusals come first
+    if before_decoding is not None:
+        before_decoding()
     for start in range(0, len(todo), batch_size):
         chunk = todo[start:start + batch_size]
         src = np.full((len(chunk), max(len(ids) for _, ids in chunk)), cfg.pad_id, dtype=np.int64)
