@@ -255,7 +255,11 @@ def accumulated(cfg: ModelConfig, params: Params, step: Any, settings: Settings,
     """The loss and the gradient an update records, from `settings.accumulate` micro-batches
     (rosetta.distributed.split_rows, each weighted by its share of the batch's tokens: the
     per-token mean of SPEC §4), the running sum clipped after each but the last with
-    `variant.clip_micro`; the last clip is the update's own (`clip`). `framework`: autodiff.py's."""
+    `variant.clip_micro`; the last clip is the update's own (`clip`). Without `clip_micro` the
+    token-weighted sum over micro-batches is the whole batch's per-token mean in exact arithmetic
+    (padding is masked), so the batch is taken whole: one forward and backward a step, not one a
+    micro-batch (issue 57: `accumulate` = the batch's rows gave no verdict in 5 minutes); the two
+    differ by float64 summation order only. `framework`: autodiff.py's."""
     from rosetta.distributed import split_rows
     from rosetta.training import Batch
 
@@ -266,7 +270,8 @@ def accumulated(cfg: ModelConfig, params: Params, step: Any, settings: Settings,
     loss, total = 0.0, None
     # More parts than rows cut the same one-row blocks plus all-padding ones (skipped below):
     # min() keeps a trace's absurd `accumulate` from allocating that many padding rows.
-    for micro in split_rows(batch, min(settings.accumulate, rows), cfg.pad_id):
+    parts = min(settings.accumulate, rows) if variant.clip_micro else 1
+    for micro in split_rows(batch, parts, cfg.pad_id):
         if not micro.num_tgt_tokens:
             continue  # padding rows only: no gradient
         eps = settings.train.label_smoothing if variant.smoothing is None else variant.smoothing

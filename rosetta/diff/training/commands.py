@@ -50,7 +50,7 @@ def cmd_diff_traces(args: argparse.Namespace) -> int:
     if args.diagnose:  # what the diagnosis would refuse, before the comparison
         from rosetta.diff.training.diagnose import check_settings
 
-        check_settings(a, b, steps)
+        check_settings(b)
     coarse = "float32" if "float32" in (a.dtype, b.dtype) else "float64"
     low = [f"{side} computed in {t.compute_dtype}" for side, t in (("A", a), ("B", b))
            if t.compute_dtype in ("bfloat16", "float16")]

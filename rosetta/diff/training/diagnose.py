@@ -144,25 +144,18 @@ def errors_against(observed: Sequence[Trace], ours: Iterable[ReplayStep], initia
     return worst
 
 
-def check_settings(a: Trace, b: Trace, steps: int) -> None:
+def check_settings(b: Trace) -> None:
     """What --diagnose refuses before the traces are compared (InputError, one line): B's recorded
-    settings that cannot be replayed (`accumulate` 0, -1, "2", true; a TrainConfig field), and an
-    `accumulate` larger than the rows of a batch it replays: the micro-batches beyond the rows are empty,
-    and the replay of one-row micro-batches is the slowest there is. A B without settings (a user's
-    loop) is left to the report, which says so."""
+    settings that cannot be replayed (`accumulate` 0, -1, "2", true; a TrainConfig field). Any
+    `accumulate` >= 1 replays: as many micro-batches as rows at most, and those only for the one
+    mistake that clips inside the accumulation (catalogue.accumulated). A B without settings (a
+    user's loop) is left to the report, which says so."""
     if not b.train_config:
         return
     try:
-        settings = Settings.from_trace(b.train_config)
+        Settings.from_trace(b.train_config)
     except RosettaError as e:
         raise InputError(f"{b.path}: train_config: {e}") from None
-    if settings.accumulate == 1:
-        return
-    for k in range(1, min(a.full_steps, b.full_steps, steps) + 1):
-        if settings.accumulate > (rows := b.rows(k)):
-            raise InputError(f"{b.path}: train_config: accumulate {settings.accumulate} is more "
-                             f"micro-batches than the {rows} rows of step {k}'s batch: --diagnose replays "
-                             f"at most one micro-batch a row (accumulate <= {rows})")
 
 
 def diagnose_training(a: Trace, b: Trace, tolerance: float, steps: int,

@@ -294,14 +294,6 @@ class Trace:
         ids, params, grads = self._load(k)
         return FullStep(*ids, grads, params)
 
-    def rows(self, k: int) -> int:
-        """The rows of step k's batch, from its file's header alone (checked when the step is loaded)."""
-        path = self.path / step_file(k)
-        info = read_header(path, "trace step").tensors.get(BATCH_KEYS[0])
-        if info is None or len(info.shape) != 2:
-            raise CheckpointError(f"{path}: no {BATCH_KEYS[0]} of shape [rows, length]")
-        return int(info.shape[0])
-
     def forward(self, k: int) -> Dump | None:
         """Step k's forward dump (rosetta.diff.shared.dump.Dump: the stages on step k's src and tgt_in with
         the weights before update k), None when the trace holds none (dumps are of whole steps)."""
