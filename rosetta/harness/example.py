@@ -32,7 +32,7 @@ import shutil
 import sys
 import tempfile
 import warnings
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from pathlib import Path
 
 import numpy as np
@@ -350,6 +350,28 @@ def _write(out: Path, de: list[str], en: list[str], separate: bool, steps: int, 
     model = MarianMTModel(config)
     tokenizer = MarianTokenizer.from_pretrained(out)
     ids = [(tokenizer(s).input_ids, tokenizer(text_target=t).input_ids) for s, t in zip(de, en, strict=True)]
+
+    def zero_start_row() -> None:  # opus-mt: the <pad> (decoder start) row is zero; the tied head trains it
+        with torch.no_grad():
+            model.model.encoder.embed_tokens.weight[pad] = 0
+            model.model.decoder.embed_tokens.weight[pad] = 0
+
+    train_hf(model, ids, pad, steps, seed, zero_start_row)
+    model.save_pretrained(out)
+    (out / "generation_config.json").write_text(json.dumps(
+        {"bad_words_ids": [[pad]], "bos_token_id": 0, "decoder_start_token_id": pad, "eos_token_id": 0,
+         "forced_eos_token_id": 0, "max_length": MAX_POSITIONS, "num_beams": 4, "pad_token_id": pad,
+         "renormalize_logits": True}, indent=2))
+
+
+def train_hf(model, ids: list[tuple[list[int], list[int]]], pad: int, steps: int, seed: int,
+             after_step: Callable[[], None] | None = None) -> None:
+    """`steps` Adam updates (lr 3e-3) of a Hugging Face seq2seq `model` on batches of 32 of the
+    (source ids, label ids) pairs `ids` no longer than 48 tokens, drawn with numpy's generator at `seed`
+    (`after_step` after each update); the model is left in eval mode. The examples' training (opus-mt's
+    MarianMTModel, example_nllb's M2M100ForConditionalGeneration)."""
+    import torch
+
     ids = [(s, t) for s, t in ids if len(s) <= 48 and len(t) <= 48]
     rng = np.random.default_rng(seed)
     optimizer = torch.optim.Adam(model.parameters(), lr=3e-3)
@@ -364,12 +386,6 @@ def _write(out: Path, de: list[str], en: list[str], separate: bool, steps: int, 
         optimizer.zero_grad()
         loss.backward()
         optimizer.step()
-        with torch.no_grad():  # opus-mt: the <pad> (decoder start) row is zero; the tied lm_head trains it
-            model.model.encoder.embed_tokens.weight[pad] = 0
-            model.model.decoder.embed_tokens.weight[pad] = 0
+        if after_step is not None:
+            after_step()
     model.eval()
-    model.save_pretrained(out)
-    (out / "generation_config.json").write_text(json.dumps(
-        {"bad_words_ids": [[pad]], "bos_token_id": 0, "decoder_start_token_id": pad, "eos_token_id": 0,
-         "forced_eos_token_id": 0, "max_length": MAX_POSITIONS, "num_beams": 4, "pad_token_id": pad,
-         "renormalize_logits": True}, indent=2))

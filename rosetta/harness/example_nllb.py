@@ -25,9 +25,7 @@ import json
 import os
 from pathlib import Path
 
-import numpy as np
-
-from rosetta.harness.example import SENTENCES, _quiet, building, check_example_args, multi30k
+from rosetta.harness.example import SENTENCES, _quiet, building, check_example_args, multi30k, train_hf
 
 MAX_POSITIONS = 96  # max_position_embeddings and generation max_length
 MADEUP_WORDS = 8  # M2M100's num_madeup_words: rows after the language codes
@@ -99,21 +97,7 @@ def _write(out: Path, de: list[str], en: list[str], steps: int, seed: int) -> No
                 for s, t in zip(sources, targets, strict=True)]
 
     ids = pairs("de", "en", de, en) + pairs("en", "de", en, de)  # labels: [__tgt__] pieces </s>
-    ids = [(s, t) for s, t in ids if len(s) <= 48 and len(t) <= 48]
-    rng = np.random.default_rng(seed)
-    optimizer = torch.optim.Adam(model.parameters(), lr=3e-3)
-    model.train()
-    for _ in range(steps):
-        batch = [ids[i] for i in rng.choice(len(ids), 32, replace=False)]
-        src = torch.full((32, max(len(s) for s, _ in batch)), config.pad_token_id)
-        labels = torch.full((32, max(len(t) for _, t in batch)), -100)  # -100: not a target
-        for row, (s, t) in enumerate(batch):
-            src[row, :len(s)], labels[row, :len(t)] = torch.tensor(s), torch.tensor(t)
-        loss = model(input_ids=src, attention_mask=(src != config.pad_token_id).long(), labels=labels).loss
-        optimizer.zero_grad()
-        loss.backward()
-        optimizer.step()
-    model.eval()
+    train_hf(model, ids, config.pad_token_id, steps, seed)
     model.save_pretrained(out)
     (out / "generation_config.json").write_text(json.dumps(
         {"bad_words_ids": [[config.pad_token_id]], "bos_token_id": 0, "decoder_start_token_id": 2,
