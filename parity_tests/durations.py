@@ -21,6 +21,11 @@ from pathlib import Path
 
 import pytest
 
+from rosetta.cli_args import positive_int
+from rosetta.errors import RosettaError
+from rosetta.files import atomic_write_bytes, check_writable
+from rosetta.json_input import read_json
+
 CPU_AT = pytest.StashKey[float]()  # the worker's CPU seconds when the test's current phase began
 FILE = pytest.StashKey[Path]()
 # The recording process's tests: nodeid -> {"wall": s, "cpu": s, "outcome": ...}; None where nothing is
@@ -45,7 +50,10 @@ def pytest_configure(config: pytest.Config) -> None:
     global _TIMES
     path = config.getoption("--durations-file")
     if path and not hasattr(config, "workerinput"):
-        config.stash[FILE], _TIMES = Path(path), {}
+        try:  # a directory, a path under a file, an unwritable folder: one line before any test runs
+            config.stash[FILE], _TIMES = check_writable(path), {}
+        except RosettaError as e:
+            raise pytest.UsageError(f"--durations-file: {e}") from None
 
 
 @pytest.hookimpl(hookwrapper=True)
@@ -88,7 +96,7 @@ def pytest_sessionfinish(session: pytest.Session) -> None:
                          "cpu": sum(t["cpu"] for t in _TIMES.values()), "tests": len(_TIMES)},
                "modules": {name: _rounded(modules[name]) for name in order},
                "tests": {k: _rounded(v) for k, v in sorted(_TIMES.items(), key=lambda kv: -kv[1]["cpu"])}}
-    config.stash[FILE].write_text(json.dumps(payload, indent=1) + "\n")
+    atomic_write_bytes(config.stash[FILE], (json.dumps(payload, indent=1) + "\n").encode())
 
 
 def _rounded(entry: dict) -> dict:
@@ -98,8 +106,9 @@ def _rounded(entry: dict) -> dict:
 def table(payload: dict, top: int = 20) -> str:
     """The `top` costliest modules by CPU seconds, markdown, with their share of the suite's CPU."""
     total = payload["total"]
-    lines = [f"{total['tests']} tests, {total['cpu']:.0f} CPU s, {total['wall']:.0f} test-wall s (summed over "
-             "the workers)", "", "| module | tests | CPU s | share | wall s |", "| --- | ---: | ---: | ---: | ---: |"]
+    lines = [f"{total['tests']} tests, {total['cpu']:.0f} CPU s, {total['wall']:.0f} test-wall s "
+             "(summed over the workers)", "", "| module | tests | CPU s | share | wall s |",
+             "| --- | ---: | ---: | ---: | ---: |"]
     for name, m in list(payload["modules"].items())[:top]:
         share = m["cpu"] / total["cpu"] if total["cpu"] else 0.0
         lines.append(f"| {Path(name).stem} | {m['tests']} | {m['cpu']:.0f} | {share:.0%} | {m['wall']:.0f} |")
@@ -109,9 +118,16 @@ def table(payload: dict, top: int = 20) -> str:
 def main(argv: list[str] | None = None) -> None:
     cli = argparse.ArgumentParser(description="The costliest test modules of a --durations-file run.")
     cli.add_argument("file", type=Path)
-    cli.add_argument("--top", type=int, default=20)
+    cli.add_argument("--top", type=positive_int, default=20)
     args = cli.parse_args(argv)
-    print(table(json.loads(args.file.read_text()), args.top))
+    try:
+        payload = read_json(args.file, "a durations file")
+        text = table(payload, args.top)
+    except RosettaError as e:
+        cli.error(str(e))
+    except (KeyError, TypeError, ValueError, AttributeError) as e:
+        cli.error(f"{args.file}: not a --durations-file JSON (total, modules, tests): {type(e).__name__} {e}")
+    print(text)
 
 
 if __name__ == "__main__":

@@ -11,6 +11,8 @@ import subprocess
 import sys
 from pathlib import Path
 
+import pytest
+
 from parity_tests.durations import table
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -43,7 +45,8 @@ def test_cpu_and_wall_seconds_per_test_and_module_under_xdist(tmp_path):
     module = payload["modules"]["test_cases.py"]
     assert module["tests"] == 2
     assert abs(module["cpu"] - spins["cpu"] - sleeps["cpu"]) <= 0.02
-    assert list(payload["tests"]) == ["test_cases.py::test_spins", "test_cases.py::test_sleeps"]  # costliest first
+    # the costliest first
+    assert list(payload["tests"]) == ["test_cases.py::test_spins", "test_cases.py::test_sleeps"]
     assert "| test_cases | 2 |" in table(payload)
 
 
@@ -55,3 +58,33 @@ def test_without_the_option_nothing_is_written(tmp_path):
                          cwd=tmp_path, env=env, capture_output=True, text=True, timeout=300)
     assert run.returncode == 0, run.stdout + run.stderr
     assert not list(tmp_path.rglob("*.json"))
+
+
+@pytest.mark.parametrize("where, message", [
+    (lambda tmp: tmp, "it is a directory"),
+    (lambda tmp: tmp / "test_cases.py" / "out.json", "is a file, not a directory"),
+])
+def test_an_unwritable_durations_file_is_refused_before_any_test(tmp_path, where, message):
+    """A directory, or a path under a file: one line from pytest before any test runs (no traceback
+    at the session's end after the whole suite)."""
+    (tmp_path / "test_cases.py").write_text("def test_one():\n    raise AssertionError('ran')\n")
+    env = {**os.environ, "PYTHONPATH": str(ROOT)}
+    run = subprocess.run([sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", "-p",
+                          "parity_tests.durations", f"--durations-file={where(tmp_path)}", "test_cases.py"],
+                         cwd=tmp_path, env=env, capture_output=True, text=True, timeout=300)
+    assert run.returncode == 4, run.stdout + run.stderr  # pytest's usage error
+    assert message in run.stderr and "Traceback" not in run.stderr and "ran" not in run.stdout
+
+
+@pytest.mark.parametrize("content", ["", "{", "[1, 2]", '{"total": {}}',
+                                     '{"total": {"tests": 1, "cpu": 1, "wall": 1}, "modules": {"m": 3}}'])
+def test_the_table_refuses_a_file_that_is_not_a_durations_file_in_one_line(tmp_path, content, capsys):
+    from parity_tests.durations import main
+
+    path = tmp_path / "d.json"
+    path.write_text(content)
+    with pytest.raises(SystemExit) as exit_:
+        main([str(path)])
+    assert exit_.value.code == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert str(path) in err[-1] and "Traceback" not in "\n".join(err)
