@@ -135,7 +135,8 @@ def test_a_name_too_long_beside_dir_is_refused_before_any_work(tmp_path, capsys)
     name = "a" * (limit - 5)
     assert_refused(["example", "opus-mt", str(tmp_path / name), "--steps", "1"],
                    f"its name is {limit - 5} bytes, too long here: the build's folder beside it "
-                   f"(.NAME.partial-PID-XXXXXXXX) adds {extra} and the file system of {tmp_path} allows {limit} "
+                   f"(.NAME.partial-PID-XXXXXXXX) adds {extra} and the file system of {tmp_path} "
+                   f"allows {limit} "
                    f"(PC_NAME_MAX); name a folder of at most {limit - extra} bytes", capsys)
     assert_refused(["example", "opus-mt", str(tmp_path / ("b" * (limit + 1)) / "ex")],
                    f"the folder name {'b' * 40}... is {limit + 1} bytes; the file system of {tmp_path} "
@@ -190,7 +191,8 @@ def test_two_builds_of_one_dir(tmp_path, monkeypatch, capsys):
     try:
         assert started.wait(60)
         assert_refused(["example", "opus-mt", str(out)], f"{out}: another rosetta example (process "
-                       f"{os.getpid()}) is building it now; wait for it to finish, or name another folder", capsys)
+                       f"{os.getpid()}) is building it now; wait for it to finish, or name another folder",
+                       capsys)
     finally:
         finish.set()
         winner.join(60)

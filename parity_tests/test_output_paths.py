@@ -206,7 +206,6 @@ def test_convert_to_marian_after_a_kill_during_the_write(marian_ready, tmp_path,
     """Issue 57: kill -9 during `convert --to marian` left the folder holding only a hidden temporary,
     and the rerun was refused as 'not empty' until the user found it. The rerun now removes a partial
     file of ours whose process is gone, names it, and writes the model."""
-    import os
     import subprocess
     import sys
 
@@ -223,8 +222,8 @@ def test_convert_to_marian_after_a_kill_during_the_write(marian_ready, tmp_path,
     capsys.readouterr()
     assert main(["convert", str(marian_ready), str(folder), "--to", "marian"]) == 0
     err = capsys.readouterr().err
-    assert (f"rosetta: note: removed {folder / left[0]}, a partial file left by process {pid}, which no longer "
-            f"exists\n") in err
+    assert (f"rosetta: note: removed {folder / left[0]}, a partial file left by process {pid}, "
+            "which no longer exists\n") in err
     assert sorted(p.name for p in folder.iterdir()) == ["config.json", "generation_config.json",
                                                         "model.safetensors"]
 
@@ -241,16 +240,17 @@ def test_convert_to_marian_names_a_partial_file_it_cannot_tell_is_abandoned(mari
     live = folder / f".model.safetensors.{_host()}.{os.getpid()}.0a1b2c3d.tmp"
     live.write_bytes(b"half")
     assert main(["convert", str(marian_ready), str(folder), "--to", "marian"]) == 2
-    assert one_line_error(capsys) == (f"rosetta: error: {folder} holds {live.name}, a partial file being written "
-                                      f"by process {os.getpid()}, which is still running; wait for that write, "
-                                      "or delete the file if it was stopped")
+    assert one_line_error(capsys) == (
+        f"rosetta: error: {folder} holds {live.name}, a partial file being written by process "
+        f"{os.getpid()}, which is still running; wait for that write, or delete the file if it was stopped")
     live.unlink()
     remote = folder / ".config.json.otherhost.123.0a1b2c3d.tmp"
     remote.write_bytes(b"half")
     assert main(["convert", str(marian_ready), str(folder), "--to", "marian"]) == 2
-    assert one_line_error(capsys) == (f"rosetta: error: {folder} holds {remote.name}, a partial file written by "
-                                      "process 123 on host otherhost less than 24 hours ago (it may still be "
-                                      "writing); wait for that write, or delete the file if it was stopped")
+    assert one_line_error(capsys) == (
+        f"rosetta: error: {folder} holds {remote.name}, a partial file written by process 123 on host "
+        "otherhost less than 24 hours ago (it may still be writing); wait for that write, or delete the "
+        "file if it was stopped")
     assert snapshot(folder) == {remote.name: b"half"}
     two_days_ago = time.time() - 48 * 3600
     os.utime(remote, (two_days_ago, two_days_ago))
@@ -260,6 +260,6 @@ def test_convert_to_marian_names_a_partial_file_it_cannot_tell_is_abandoned(mari
     assert one_line_error(capsys) == refusal(folder)
     mine.unlink()
     assert main(["convert", str(marian_ready), str(folder), "--to", "marian"]) == 0
-    assert (f"rosetta: note: removed {remote}, a partial file left by process 123 on host otherhost, untouched "
-            "for over 24 hours\n") in capsys.readouterr().err
+    assert (f"rosetta: note: removed {remote}, a partial file left by process 123 on host otherhost, "
+            "untouched for over 24 hours\n") in capsys.readouterr().err
     assert not remote.exists() and (folder / "config.json").is_file()

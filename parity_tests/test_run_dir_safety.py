@@ -327,8 +327,8 @@ def test_resume_with_no_intact_checkpoint_says_so(straight_and_stopped, tmp_path
 
 
 @pytest.mark.parametrize("backend", ["numpy", "tensorflow"])
-def test_a_run_json_naming_a_backend_that_does_not_train_is_refused(backend, two_checkpoints, tmp_path, capsys,
-                                                                   monkeypatch):
+def test_a_run_json_naming_a_backend_that_does_not_train_is_refused(backend, two_checkpoints, tmp_path,
+                                                                   capsys, monkeypatch):
     """Issue 57: run.json's "backend" was obeyed by translate, evaluate and --resume whatever it said
     ("numpy" decoded with the reference as if it had trained the run). A backend that does not train
     (the registry's list: torch, jax, peer) is refused in one line naming the field and those values."""

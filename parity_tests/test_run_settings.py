@@ -279,13 +279,13 @@ def test_a_warmup_past_the_run_warns_and_one_checkpoint_is_not_averaged(tmp_path
     warm-up that never ends: now a warning line. --average-last with a single checkpoint wrote an
     "averaged" copy of it: now a note and no averaged.safetensors; two checkpoints are averaged."""
     out = tmp_path / "run"
-    flags = ["train", "--backend", "torch", *QUICK, "--warmup", "300", "--eval-every", "0", "--average-last", "2",
-             "--keep", "2", "--device", "cpu", "--out", str(out)]
+    flags = ["train", "--backend", "torch", *QUICK, "--warmup", "300", "--eval-every", "0",
+             "--average-last", "2", "--keep", "2", "--device", "cpu", "--out", str(out)]
     capsys.readouterr()
     assert main([*flags, "--steps", "4"]) == 0
     err = capsys.readouterr().err
-    assert ("rosetta: torch: warning: --warmup 300 >= the run's 4 steps: the learning rate rises for the whole "
-            "run and never decays (the warm-up never ends); give --warmup below the steps\n") in err
+    assert ("rosetta: torch: warning: --warmup 300 >= the run's 4 steps: the learning rate rises for the "
+            "whole run and never decays (the warm-up never ends); give --warmup below the steps\n") in err
     assert ("rosetta: torch: --average-last 2: the run has 1 checkpoint, nothing to average; no "
             "averaged.safetensors written (more steps than --checkpoint-every 500 give more)\n") in err
     assert not (out / "torch" / "averaged.safetensors").exists()
