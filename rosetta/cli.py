@@ -38,7 +38,6 @@ from rosetta.checkpoint import load_checkpoint, save_checkpoint
 from rosetta.cli_args import (
     add_language_args,
     add_search_args,
-    decoder_line,
     decoding_backend,
     non_negative_int,
     nonempty_path,
@@ -190,7 +189,7 @@ def cmd_translate(args: argparse.Namespace) -> int:
     if args.run and args.tokenizer:
         raise RosettaError("--tokenizer goes with --checkpoint; a run directory holds its own")
     opened = _open(args.run or args.checkpoint, args.tokenizer)
-    backend, said = decoder_line(args, opened.trained_by, opened.path)
+    backend, said = decoding_backend(args, opened.trained_by, opened.path)
     model = from_params(opened.decoding_config, opened.params, backend, args.dtype)
     search = {**search_settings(args, opened.search), **apply_languages(opened, args.src_lang, args.tgt_lang)}
     lines = _stdin_lines()

@@ -162,24 +162,17 @@ def add_language_args(p: argparse.ArgumentParser) -> None:
                                       "forced_bos_token_id; default: generation_config.json's)")
 
 
-def decoding_backend(args: argparse.Namespace, trained_by: str | None) -> tuple[str, str | None]:
+def decoding_backend(args: argparse.Namespace, trained_by: str | None,
+                     path: object = None) -> tuple[str, str | None]:
     """(--backend, None), or when it is not given the default (rosetta.backends.default_decoder: the
-    run's own, else the fastest installed) and the line that says so, for stderr once the decoding is
-    done (a refusal before it stays one line)."""
+    run's own, else the fastest installed) and the line that says so: for stderr once the decoding is
+    done (a refusal before it stays one line), or with the model file `path`, for before the first
+    sentence is decoded (`translate`)."""
     if args.backend is not None:
         return args.backend, None
     name, why = default_decoder(trained_by)
-    return name, f"rosetta: decoded with {name} ({why}); --backend numpy decodes with the float64 reference"
-
-
-def decoder_line(args: argparse.Namespace, trained_by: str | None, path: object) -> tuple[str, str | None]:
-    """(the backend `translate` decodes with, the stderr line naming it, why, and the model file, for
-    before the first sentence is decoded; None when --backend named it)."""
-    name, said = decoding_backend(args, trained_by)
-    if said is None:
-        return name, None
-    return name, (f"rosetta: decoding {path} with {name} ({default_decoder(trained_by)[1]}); --backend numpy "
-                  "decodes with the float64 reference")
+    what = "decoded with" if path is None else f"decoding {path} with"
+    return name, f"rosetta: {what} {name} ({why}); --backend numpy decodes with the float64 reference"
 
 
 def search_settings(args: argparse.Namespace, model_defaults: dict) -> dict:
