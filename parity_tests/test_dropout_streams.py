@@ -155,33 +155,34 @@ from rosetta import init_params, preset
 from rosetta.training import Batch, TrainConfig
 import jax_impl.train as jt
 
-spec = json.loads(sys.argv[1])
-cfg = preset("tiny", dropout=spec["dropout"], num_encoder_layers=1, num_decoder_layers=1)
-tc = TrainConfig(warmup_steps=4, seed=5)
-params = init_params(cfg, seed=0)
-rng = np.random.default_rng(0)
-batches = []
-for _ in range(2):  # 9 rows: 2 devices pad them to 10 with an all-pad row
-    src = rng.integers(3, cfg.src_vocab_size, (9, 7))
-    tgt = rng.integers(3, cfg.tgt_vocab_size, (9, 6))
-    labels = np.roll(tgt, -1, axis=1)
-    batches.append(Batch(src, tgt, labels, np.arange(9), src.size, labels.size))
 out = {}
-for devices in (1, 2):
-    trainer = jt.Trainer(cfg, params, tc, device="cpu", dtype="float64", num_devices=devices)
-    out[f"{devices}.loss"] = [float(trainer.read(trainer.step(b))["loss"]) for b in batches]
-    out[f"{devices}.params"] = {k: v.tolist() for k, v in trainer.params().items()}
+for dropout in json.loads(sys.argv[1]):  # every case in this one process: JAX starts once
+    cfg = preset("tiny", dropout=dropout, num_encoder_layers=1, num_decoder_layers=1)
+    tc = TrainConfig(warmup_steps=4, seed=5)
+    params = init_params(cfg, seed=0)
+    rng = np.random.default_rng(0)
+    batches = []
+    for _ in range(2):  # 9 rows: 2 devices pad them to 10 with an all-pad row
+        src = rng.integers(3, cfg.src_vocab_size, (9, 7))
+        tgt = rng.integers(3, cfg.tgt_vocab_size, (9, 6))
+        labels = np.roll(tgt, -1, axis=1)
+        batches.append(Batch(src, tgt, labels, np.arange(9), src.size, labels.size))
+    for devices in (1, 2):
+        trainer = jt.Trainer(cfg, params, tc, device="cpu", dtype="float64", num_devices=devices)
+        out[f"{dropout}.{devices}.loss"] = [float(trainer.read(trainer.step(b))["loss"]) for b in batches]
+        out[f"{dropout}.{devices}.params"] = {k: v.tolist() for k, v in trainer.params().items()}
 print(json.dumps(out))
 '''
 
 
-@pytest.mark.parametrize("dropout", [0.0, 0.1])
-def test_jax_one_device_and_a_mesh_of_two_draw_the_same_masks(dropout):
-    """One device and a mesh of 2 (XLA's host devices, float64) train the same weights to 1e-10 with
-    dropout on as without (issue 57: the mesh drew partitionable threefry, one device classic, and
-    the losses differed by up to 0.03): each row's mask comes from its index in the global batch
-    (jax_impl/ops.py: cpu_dropout), so neither the mesh nor the all-pad row it adds (9 rows -> 10)
-    changes a mask."""
+DROPOUTS = (0.0, 0.1)
+
+
+@pytest.fixture(scope="module")
+def mesh_runs() -> dict:
+    """Every DROPOUTS case trained on one device and on a mesh of 2 (XLA's host devices, float64), all
+    in one subprocess (the device count is fixed when JAX starts): "{dropout}.{devices}.loss" and
+    ".params"."""
     import json
     import os
     import subprocess
@@ -189,13 +190,23 @@ def test_jax_one_device_and_a_mesh_of_two_draw_the_same_masks(dropout):
 
     env = {k: v for k, v in os.environ.items() if k not in ("WORLD_SIZE", "RANK", "LOCAL_RANK")}
     env["XLA_FLAGS"] = "--xla_force_host_platform_device_count=2 --xla_backend_optimization_level=0"
-    done = subprocess.run([sys.executable, "-c", MESH_WORKER, json.dumps({"dropout": dropout})], env=env,
+    done = subprocess.run([sys.executable, "-c", MESH_WORKER, json.dumps(DROPOUTS)], env=env,
                           capture_output=True, text=True, timeout=600)
     assert done.returncode == 0, done.stderr[-3000:]
-    out = json.loads(done.stdout.strip().splitlines()[-1])
-    np.testing.assert_allclose(out["2.loss"], out["1.loss"], rtol=1e-10)
-    for name, value in out["1.params"].items():
+    return json.loads(done.stdout.strip().splitlines()[-1])
+
+
+@pytest.mark.parametrize("dropout", DROPOUTS)
+def test_jax_one_device_and_a_mesh_of_two_draw_the_same_masks(dropout, mesh_runs):
+    """One device and a mesh of 2 (XLA's host devices, float64) train the same weights to 1e-10 with
+    dropout on as without (issue 57: the mesh drew partitionable threefry, one device classic, and
+    the losses differed by up to 0.03): each row's mask comes from its index in the global batch
+    (jax_impl/ops.py: cpu_dropout), so neither the mesh nor the all-pad row it adds (9 rows -> 10)
+    changes a mask."""
+    one, two = (mesh_runs[f"{dropout}.{devices}.loss"] for devices in (1, 2))
+    np.testing.assert_allclose(two, one, rtol=1e-10)
+    for name, value in mesh_runs[f"{dropout}.1.params"].items():
         if name.endswith("k.bias"):  # zero gradient in exact arithmetic: rounding alone (PITFALLS 14),
             continue                 # seen through the losses above
-        one, two = np.asarray(value), np.asarray(out["2.params"][name])
+        one, two = np.asarray(value), np.asarray(mesh_runs[f"{dropout}.2.params"][name])
         assert np.max(np.abs(two - one)) <= 1e-10 * np.max(np.abs(one)), name
