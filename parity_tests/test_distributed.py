@@ -22,7 +22,8 @@ import pytest
 import parity_tests.dp_case as dp
 from parity_tests.dp_case import DTYPE, LOSS_RTOL, STEPS, TORCH_VARIANTS, TRAIN, WEIGHTS_RTOL, case, compare
 from rosetta.checkpoint import load_checkpoint
-from rosetta.distributed import LaunchEnv, launch_env, rank_seed, split_rows
+from rosetta.cli import main
+from rosetta.distributed import TIMEOUT_VARIABLE, LaunchEnv, launch_env, rank_seed, split_rows
 from rosetta.errors import RosettaError
 from rosetta.harness.launch import torchrun_command, without_nproc
 
@@ -191,9 +192,24 @@ TRAIN_ARGS = ["train", "--backend", "torch", "--steps", str(STEPS), "--set", "dr
               "--eval-size", "8", "--bleu-samples", "4", "--warmup", "10"]
 
 
-def _rosetta(args: list[str], **env: str) -> subprocess.CompletedProcess:
+def _rosetta_process(args: list[str], **env: str) -> subprocess.CompletedProcess:
+    """`python -m rosetta.cli ARGS` in a new process: for a run whose XLA_FLAGS JAX must read as it starts."""
     return subprocess.run([sys.executable, "-m", "rosetta.cli", *args], cwd=ROOT, env=_env() | env,
                           capture_output=True, text=True, timeout=300)
+
+
+def _rosetta(args: list[str], **env: str) -> int:
+    """`rosetta ARGS` through the CLI's main in this process, with _env()'s variables and `env` for this
+    call only (its output goes to the test's capture: capfd). A second interpreter would only import
+    torch again: `--nproc 2`'s torchrun and its two workers, what these tests are about, are still
+    processes of their own, launched by main as from the command line."""
+    with pytest.MonkeyPatch.context() as m:
+        for name in ("WORLD_SIZE", "RANK", "LOCAL_RANK", TIMEOUT_VARIABLE):  # cmd_train sets the timeout's
+            m.delenv(name, raising=False)
+        for name, value in ({"PYTHONPATH": _env()["PYTHONPATH"]} | env).items():
+            m.setenv(name, value)
+        m.chdir(ROOT)
+        return main(args)
 
 
 def _log(out: Path, backend: str) -> list[dict]:
@@ -208,8 +224,7 @@ def _weights(out: Path, backend: str, step: int = STEPS) -> dict[str, np.ndarray
 def two_process_run(tmp_path_factory) -> Path:
     """`rosetta train --nproc 2` (PyTorch, DDP on gloo), uninterrupted."""
     out = tmp_path_factory.mktemp("nproc2") / "run"
-    done = _rosetta([*TRAIN_ARGS, "--out", str(out), "--nproc", "2"])
-    assert done.returncode == 0, done.stderr[-3000:]
+    assert _rosetta([*TRAIN_ARGS, "--out", str(out), "--nproc", "2"]) == 0  # its stderr: the setup's capture
     return out
 
 
@@ -223,17 +238,19 @@ def test_two_process_run_records_its_workers(two_process_run):
     assert summary["world_size"] == 2 and summary["median_tgt_tokens_per_s_per_worker"] > 0
 
 
-def test_a_two_process_trace_shows_no_difference_from_one_process(tmp_path):
+def test_a_two_process_trace_shows_no_difference_from_one_process(tmp_path, capfd):
     """The training diff's clean pair (docs/training_diff.md): `rosetta train --trace` in float64
-    under DDP on 2 gloo processes, and in one process: `rosetta diff` finds no difference at any
-    step, whole (gradients, updated weights) or by norms."""
+    under DDP on 2 gloo processes, and in one process (this one): `rosetta diff` finds no difference
+    at any step, whole (gradients, updated weights) or by norms."""
     for n in (1, 2):
-        done = _rosetta([*TRAIN_ARGS, "--out", str(tmp_path / f"p{n}"), "--nproc", str(n),
+        code = _rosetta([*TRAIN_ARGS, "--out", str(tmp_path / f"p{n}"), "--nproc", str(n),
                          "--dtype", "float64", "--trace", "3"])
-        assert done.returncode == 0, done.stderr[-3000:]
-    done = _rosetta(["diff", str(tmp_path / "p2" / "torch"), str(tmp_path / "p1" / "torch")])
-    assert done.returncode == 0, done.stdout + done.stderr[-3000:]
-    assert f"no difference at any of {STEPS} steps (tolerance 1e-09)" in done.stdout
+        assert code == 0, capfd.readouterr().err[-3000:]
+    capfd.readouterr()
+    code = _rosetta(["diff", str(tmp_path / "p2" / "torch"), str(tmp_path / "p1" / "torch")])
+    out, err = capfd.readouterr()
+    assert code == 0, out + err[-3000:]
+    assert f"no difference at any of {STEPS} steps (tolerance 1e-09)" in out
 
 
 def test_two_device_torch_and_jax_runs_agree_step_by_step(two_process_run, tmp_path):
@@ -242,8 +259,8 @@ def test_two_device_torch_and_jax_runs_agree_step_by_step(two_process_run, tmp_p
     (same weights) agrees to forward rounding; the later steps' identity is the float64 tests'."""
     pytest.importorskip("jax")
     jax_out = tmp_path / "jax"
-    done = _rosetta([*TRAIN_ARGS, "--out", str(jax_out), "--backend", "jax"],
-                    XLA_FLAGS="--xla_force_host_platform_device_count=2")
+    done = _rosetta_process([*TRAIN_ARGS, "--out", str(jax_out), "--backend", "jax"],
+                            XLA_FLAGS="--xla_force_host_platform_device_count=2")
     assert done.returncode == 0, done.stderr[-3000:]
     torch_train = [r for r in _log(two_process_run, "torch") if r["kind"] == "train"]
     jax_train = [r for r in _log(jax_out, "jax") if r["kind"] == "train"]
@@ -254,30 +271,35 @@ def test_two_device_torch_and_jax_runs_agree_step_by_step(two_process_run, tmp_p
     assert jax_train[0]["loss"] == pytest.approx(torch_train[0]["loss"], rel=dp.FIRST_STEP_RTOL)
 
 
-def test_a_killed_rank_ends_the_launch_with_its_name_and_the_run_resumes(two_process_run, tmp_path):
+def test_a_killed_rank_ends_the_launch_with_its_name_and_the_run_resumes(two_process_run, tmp_path, capfd):
     out = tmp_path / "run"
     # Process 1 dies (SIGKILL, as the OOM killer would) after step 3: torchrun stops process 0. The
-    # fault is the test's own (parity_tests/fault_injection/sitecustomize.py, first on PYTHONPATH).
+    # fault is the test's own (parity_tests/fault_injection/sitecustomize.py, first on PYTHONPATH:
+    # imported by torchrun and its workers, which this process starts after setting it).
     injected = os.pathsep.join([str(ROOT / "parity_tests" / "fault_injection"), _env()["PYTHONPATH"]])
-    killed = _rosetta([*TRAIN_ARGS, "--out", str(out), "--nproc", "2"], ROSETTA_TEST_KILL_AT="1:3",
-                      PYTHONPATH=injected)
-    assert killed.returncode == 2
-    assert "rank      : 1" in killed.stderr and "SIGKILL" in killed.stderr  # torchrun's report names it
-    assert "rosetta: error: the launch of 2 processes failed" in killed.stderr.splitlines()[-1]
+    capfd.readouterr()
+    code = _rosetta([*TRAIN_ARGS, "--out", str(out), "--nproc", "2"], ROSETTA_TEST_KILL_AT="1:3",
+                    PYTHONPATH=injected)
+    stderr = capfd.readouterr().err  # torchrun's report (its file descriptor 2), then main's line
+    assert code == 2
+    assert "rank      : 1" in stderr and "SIGKILL" in stderr  # torchrun's report names it
+    assert "rosetta: error: the launch of 2 processes failed" in stderr.splitlines()[-1]
     assert (out / "torch" / "checkpoints" / "latest").read_text().strip() == "step-00000002"
-    resumed = _rosetta([*TRAIN_ARGS, "--out", str(out), "--nproc", "2", "--resume"])
-    assert resumed.returncode == 0, resumed.stderr[-3000:]
+    code = _rosetta([*TRAIN_ARGS, "--out", str(out), "--nproc", "2", "--resume"])
+    assert code == 0, capfd.readouterr().err[-3000:]
     assert [r["step"] for r in _log(out, "torch") if r["kind"] == "train"] == list(range(1, STEPS + 1))
     # The resumed run ends where the uninterrupted one ends, bit for bit: same processes, same order.
     got, want = _weights(out, "torch"), _weights(two_process_run, "torch")
     assert all(np.array_equal(got[k], want[k]) for k in want)
 
 
-def test_nproc_under_a_launch_of_another_size_is_refused(tmp_path):
-    done = _rosetta([*TRAIN_ARGS, "--out", str(tmp_path / "x"), "--nproc", "3"], WORLD_SIZE="2", RANK="1",
+def test_nproc_under_a_launch_of_another_size_is_refused(tmp_path, capfd):
+    capfd.readouterr()
+    code = _rosetta([*TRAIN_ARGS, "--out", str(tmp_path / "x"), "--nproc", "3"], WORLD_SIZE="2", RANK="1",
                     LOCAL_WORLD_SIZE="2", LOCAL_RANK="1")
-    assert done.returncode == 2
-    assert done.stderr.strip().splitlines()[-1].startswith("rosetta: error [process 1 of 2]: --nproc 3")
+    assert code == 2
+    last = capfd.readouterr().err.strip().splitlines()[-1]
+    assert last.startswith("rosetta: error [process 1 of 2]: --nproc 3")
 
 
 @pytest.mark.parametrize("flag, value", [("--nproc", "0"), ("--accumulate", "0"), ("--accumulate", "-2"),
@@ -285,8 +307,6 @@ def test_nproc_under_a_launch_of_another_size_is_refused(tmp_path):
                                          ("--dist-timeout", "nan"), ("--batching", "zigzag"),
                                          ("--loss", "fused"), ("--baseline", "/nonexistent")])
 def test_bad_many_device_flags_are_refused_by_name_before_anything_runs(flag, value, tmp_path, capsys):
-    from rosetta.cli import main
-
     out = tmp_path / "run"
     assert main(["train", "--out", str(out), flag, value]) == 2
     error = capsys.readouterr().err.strip().splitlines()
