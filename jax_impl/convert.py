@@ -5,8 +5,10 @@ the same `build_model` and `to_params`)."""
 
 from __future__ import annotations
 
+import functools
 from collections.abc import Mapping
 
+import jax
 import jax.numpy as jnp
 import numpy as np
 from flax import nnx
@@ -24,6 +26,14 @@ def flax_name(path: tuple) -> str:
     return ".".join(str(part) for part in path)
 
 
+@functools.lru_cache(maxsize=64)
+def _structure(cfg: ModelConfig, dtype: jnp.dtype, x64: bool) -> tuple[nnx.GraphDef, nnx.State]:
+    """The model's graph and abstract state (shapes only), traced once per config and dtype: the
+    trace (nnx.eval_shape of the constructor) cost ~0.4 CPU s a tiny model, at every build. Every
+    value is set by build_model; `x64` is in the key as the constructor's default dtypes follow it."""
+    return nnx.split(nnx.eval_shape(lambda: Transformer(cfg, dtype, rngs=nnx.Rngs(0))))
+
+
 def build_model(cfg: ModelConfig, params: Mapping[str, np.ndarray],
                 dtype: jnp.dtype = jnp.float32) -> Transformer:
     """A Transformer holding `params`. Built abstractly (nnx.eval_shape): nothing is
@@ -31,9 +41,8 @@ def build_model(cfg: ModelConfig, params: Mapping[str, np.ndarray],
     are float32 (float64 for a float64 `dtype`, under 64-bit JAX)."""
     check_params(cfg, params)
     param_dtype = jnp.float64 if dtype == jnp.float64 else jnp.float32
-    abstract = nnx.eval_shape(lambda: Transformer(cfg, dtype, rngs=nnx.Rngs(0)))
-    graphdef, state = nnx.split(abstract)
-    flat = nnx.to_flat_state(state)
+    graphdef, abstract = _structure(cfg, dtype, jax.config.jax_enable_x64)
+    flat = nnx.to_flat_state(jax.tree.map(lambda x: x, abstract))  # new Variables: this model's own
     for path, variable in flat:
         if isinstance(variable, Positions):
             # The one non-parameter: recomputed from the config, as in the constructor.

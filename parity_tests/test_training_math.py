@@ -553,3 +553,25 @@ def test_train_step_applies_dropout_reproducibly():
         first = loss_of()
         assert math.isfinite(first) and abs(first - eval_loss) > 1e-3
         assert loss_of() == first
+
+
+def test_jax_models_of_one_config_share_their_structure_not_their_weights():
+    """build_model traces a config's structure once (jax_impl/convert.py: _structure) and gives each
+    model new variables: training one model (every weight changed in place) leaves another built from
+    the same config and params as it was, and each is what a fresh trace of the constructor builds."""
+    from jax_impl.convert import _structure
+    from jax_impl.model import Transformer
+
+    cfg = preset("tiny", num_encoder_layers=1, num_decoder_layers=1, output_bias=True)
+    params = perturbed_params(cfg)
+    first = build_model(cfg, params)
+    hits = _structure.cache_info().hits
+    second = build_model(cfg, params)
+    assert _structure.cache_info().hits == hits + 1  # the second build read the traced structure
+    traced = nnx.eval_shape(lambda: Transformer(cfg, jnp.float32, rngs=nnx.Rngs(0)))
+    traced.eval()  # as build_model leaves a model
+    assert nnx.split(second)[0] == nnx.split(first)[0] == nnx.split(traced)[0]
+    nnx.update(first, jax.tree.map(lambda x: x + 1, nnx.state(first, nnx.Param)))  # a step, in place
+    for name, value in to_params(second).items():
+        assert np.array_equal(value, params[name]), name
+    assert all(np.array_equal(value, params[name] + 1) for name, value in to_params(first).items())
