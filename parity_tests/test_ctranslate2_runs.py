@@ -51,7 +51,7 @@ def test_m2m100_export_translates_as_rosetta_translate(nllb_dir, nllb_ct2, beam,
     ours = _translate_cli(capsys, monkeypatch, "--checkpoint", str(nllb_dir), "--backend", "torch", "--beam",
                           str(beam), sentences=sentences)
     pieces = [[vocab[i] for i in tok.encode_source(s)] for s in sentences]
-    translator = ctranslate2.Translator(str(nllb_ct2), device="cpu")
+    translator = ctranslate2.Translator(str(nllb_ct2), device="cpu", intra_threads=1)
     # The directory's generation_config.json: max_length 96 (95 new tokens), length_penalty 1, <pad> banned.
     results = translator.translate_batch(pieces, beam_size=beam, length_penalty=1.0, max_decoding_length=95,
                                          target_prefix=[["__en__"]] * len(pieces),
@@ -88,7 +88,7 @@ def test_our_run_exports_and_translates_as_generate(small_run, beam):
     opened = open_model(run)
     assert opened.config.pad_id == 0
     model = from_params(opened.config, opened.params, "torch")
-    translator = ctranslate2.Translator(str(ct2), device="cpu")
+    translator = ctranslate2.Translator(str(ct2), device="cpu", intra_threads=1)
     tok, margin, ended = opened.tokenizer, 8, 0
     for sentence in case_sentences(6)[:6]:
         ids = tok.encode_source(sentence)
