@@ -156,8 +156,9 @@ def add_search_args(p: argparse.ArgumentParser, beam: int) -> None:
 
 def add_language_args(p: argparse.ArgumentParser) -> None:
     """`translate` and `evaluate` on a model whose tokenizer has language codes (M2M100)."""
-    p.add_argument("--src-lang", help="the source language code (M2M100: 'de', written first in every "
-                                      "source; default: tokenizer_config.json's src_lang, else en)")
+    p.add_argument("--src-lang", help="the source language code (M2M100: 'de', NLLB: 'deu_Latn'), written "
+                                      "in every source; default: tokenizer_config.json's src_lang, else en "
+                                      "(NLLB: eng_Latn)")
     p.add_argument("--tgt-lang", help="the target language code, forced as the first token (generate's "
                                       "forced_bos_token_id; default: generation_config.json's)")
 

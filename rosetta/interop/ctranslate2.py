@@ -55,6 +55,7 @@ from rosetta.errors import CheckpointError, ConfigError
 from rosetta.generation import GenerationSettings
 from rosetta.interop import m2m100, marian, marian_files
 from rosetta.interop.m2m100_tokenizer import M2M100TextTokenizer, find_text_tokenizer
+from rosetta.interop.nllb_tokenizer import NllbTextTokenizer
 from rosetta.params import embedding_names
 from rosetta.tokenizer import TOKENIZER_CONFIG, VOCAB, SentencePieceTokenizer, Tokenizer
 
@@ -79,6 +80,9 @@ def _tokenizer(source: str | os.PathLike | None, cfg: ModelConfig) -> Tokenizer 
         raise ConfigError(f"--to ctranslate2 needs the model's tokenizer{where}: CTranslate2's model "
                           f"directory holds the vocabulary; convert a Marian directory, a checkpoint file "
                           f"with its NAME.tokenizer/ folder beside it, or a run directory")
+    if isinstance(found, NllbTextTokenizer):  # the m2m100 route writes M2M100Tokenizer's vocabulary
+        raise ConfigError(f"{found.directory}: NLLB-200's tokenizer (tokenizer.json) has no --to ctranslate2 "
+                          f"route here; CTranslate2's own ct2-transformers-converter reads NLLB directories")
     return found
 
 

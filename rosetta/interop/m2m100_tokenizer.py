@@ -20,8 +20,8 @@ with the `sentencepiece` package doing the pieces, and the language codes as it 
   as fairseq does); rosetta skips them, so a translation is the text alone (what 5.24 prints for
   the ids without their codes).
 
-NLLB-200's `NllbTokenizer` (ids from its tokenizer.json) is not this: its directory is refused in
-one line (find_text_tokenizer).
+NLLB-200's `NllbTokenizer` (ids from its tokenizer.json) is not this: find_text_tokenizer reads a
+directory of it with rosetta/interop/nllb_tokenizer.py.
 """
 
 from __future__ import annotations
@@ -33,11 +33,12 @@ from pathlib import Path
 from rosetta import json_input
 from rosetta.config import ModelConfig
 from rosetta.errors import TokenizerError
+from rosetta.interop.nllb_tokenizer import CLASSES as NLLB_CLASSES
+from rosetta.interop.nllb_tokenizer import TOKENIZER_JSON, NllbTextTokenizer, is_nllb_tokenizer_dir
 from rosetta.tokenizer import (
     TOKENIZER_CONFIG,
     VOCAB,
-    SentencePieceTokenizer,
-    Tokenizer,
+    TextTokenizer,
     _split_on,
     _spm,
     _vocab,
@@ -47,7 +48,7 @@ from rosetta.tokenizer import (
 
 SPM_FILE = "sentencepiece.bpe.model"
 TOKENIZER_FILES = (SPM_FILE, VOCAB, TOKENIZER_CONFIG)
-CLASSES = ("M2M100Tokenizer", "NllbTokenizer", "NllbTokenizerFast")
+CLASSES = ("M2M100Tokenizer", "NllbTokenizer", "NllbTokenizerFast")  # the directories read here
 # FAIRSEQ_LANGUAGE_CODES of tokenization_m2m_100.py: the order gives the ids.
 LANGUAGE_CODES = {
     "m2m100": ("af am ar ast az ba be bg bn br bs ca ceb cs cy da de el en es et fa ff fi fr fy ga gd gl gu "
@@ -175,7 +176,9 @@ def _tokenizer_class(directory: Path) -> str | None:
     path = directory / TOKENIZER_CONFIG
     if not path.is_file():
         return None
-    config = json_input.read_json(path, "the tokenizer config", schema=SCHEMA, error=TokenizerError)
+    # Only the class: the rest is checked by the reader of that class (NLLB's tokens may be objects).
+    schema = {"tokenizer_class": SCHEMA["tokenizer_class"]}
+    config = json_input.read_json(path, "the tokenizer config", schema=schema, error=TokenizerError)
     return config.get("tokenizer_class")
 
 
@@ -184,17 +187,18 @@ def is_m2m100_tokenizer_dir(directory: str | os.PathLike[str]) -> bool:
     return directory.is_dir() and ((directory / SPM_FILE).exists() or _tokenizer_class(directory) in CLASSES)
 
 
-def find_text_tokenizer(directory: str | os.PathLike[str], m2m100: bool = False
-                        ) -> M2M100TextTokenizer | SentencePieceTokenizer | Tokenizer | None:
-    """The tokenizer a directory holds: M2M100's (its `sentencepiece.bpe.model`, or `m2m100`: the
-    directory is an M2M100 model, whose tokenizer files must then be there), else what
-    rosetta.tokenizer.find_tokenizer finds. NLLB's tokenizer is refused in one line."""
+def find_text_tokenizer(directory: str | os.PathLike[str], m2m100: bool = False) -> TextTokenizer | None:
+    """The tokenizer a directory holds: NLLB's (tokenizer_config.json's class NllbTokenizer[Fast] and
+    a tokenizer.json: rosetta/interop/nllb_tokenizer.py), M2M100's (its `sentencepiece.bpe.model`, or
+    `m2m100`: the directory is an M2M100 model, whose tokenizer files must then be there), else what
+    rosetta.tokenizer.find_tokenizer finds."""
     directory = Path(directory)
     if not (m2m100 or is_m2m100_tokenizer_dir(directory)):
         return find_tokenizer(directory)
     kind = _tokenizer_class(directory)
-    if kind in ("NllbTokenizer", "NllbTokenizerFast") and not (directory / VOCAB).is_file():
-        raise TokenizerError(f"{directory}: {kind} (NLLB-200's ids come from its tokenizer.json) is not in "
-                             f"rosetta, which reads M2M100Tokenizer's {SPM_FILE} + {VOCAB}; tokenize with "
-                             f"transformers and pass ids to `rosetta generate`")
+    if is_nllb_tokenizer_dir(directory, kind):
+        return NllbTextTokenizer(directory)
+    if kind in NLLB_CLASSES and not (directory / VOCAB).is_file():
+        raise TokenizerError(f"{directory / TOKENIZER_JSON}: missing ({kind} reads NLLB-200's ids from "
+                             f"its tokenizer.json, as transformers 5.24 does)")
     return M2M100TextTokenizer(directory)

@@ -193,13 +193,21 @@ def side_tokenizer(sides: Sequence[Side]) -> Any:
 
 def translated_input(sides: Sequence[Side], src: np.ndarray) -> np.ndarray:
     """Decoder input ids [B, T] for `src`: the start token, then the greedy translation of the
-    first side that is one of our models (a real sentence pair, not a random one), padded."""
+    first side that is one of our models (a real sentence pair, not a random one), padded. The
+    first token is forced as generate forces it: the forced_bos_token_id of that side's
+    generation_config.json (M2M100's and NLLB's target language code), where it has one."""
+    from rosetta.interop.marian_files import companion_dir, read_generation_settings
+
     side = next((s for s in sides if s.model is not None), None)
     if side is None:
         raise InputError(f"without --tgt the decoder input is a translation by one of our backends "
                          f"({', '.join(MODEL_BACKENDS)}), and no side is one; give --tgt")
     cfg = side.config
-    rows = [([cfg.bos_id] + tokens)[:cfg.max_len] for tokens in side.model.generate(src, 1).tokens]
+    folder = companion_dir(_split(side.label)[0])  # a directory, or a checkpoint file's sidecar
+    settings = read_generation_settings(folder, cfg) if folder is not None else None
+    forced = None if settings is None else settings.forced_first
+    rows = [([cfg.bos_id] + tokens)[:cfg.max_len]
+            for tokens in side.model.generate(src, 1, forced_first=forced).tokens]
     tgt = np.full((len(rows), max(map(len, rows))), cfg.pad_id, dtype=np.int64)
     for b, row in enumerate(rows):
         tgt[b, :len(row)] = row
