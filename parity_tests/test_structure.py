@@ -259,6 +259,7 @@ JAX_ONLY: dict[str, dict[str, str]] = {
     },
     "convert": {
         "flax_name": "a state path's canonical name; Flax kernels need no transpose",
+        "_structure": "NNX's graph and abstract state traced once per config (torch builds modules eagerly)",
     },
     "compilation": {
         "set_xla_flags": "XLA's flags, read when JAX starts its backends",
