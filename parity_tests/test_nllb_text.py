@@ -256,8 +256,7 @@ def test_diff_translates_its_input_with_the_code_forced(nllb200_dir, forced, tmp
 
 def test_refusals_are_one_line(nllb200_dir, tmp_path, capsys, monkeypatch):
     """An unknown code (either flag, or the config's src_lang), a missing, corrupt, oversized or
-    renumbered tokenizer.json: exit 2 and one line naming the flag or the file, before decoding; and
-    `convert --to ctranslate2`, whose M2M100 route writes M2M100Tokenizer's vocabulary."""
+    renumbered tokenizer.json: exit 2 and one line naming the flag or the file, before decoding."""
     for flag, value in (("--tgt-lang", "xx"), ("--src-lang", "__de__"), ("--tgt-lang", "<mask>")):
         code, out, err = run(capsys, monkeypatch, "translate", "--checkpoint", str(nllb200_dir), flag, value)
         assert code == 2 and out == [] and len(err.splitlines()) == 1, err
@@ -294,15 +293,98 @@ def test_refusals_are_one_line(nllb200_dir, tmp_path, capsys, monkeypatch):
                                                     lambda c: c.update(src_lang="klingon")))
     assert err.startswith(f"rosetta: error: {where}/tokenizer_config.json: src_lang 'klingon' is not a "
                           f"language code")
-    code = main(["convert", str(nllb200_dir), str(tmp_path / "ct2"), "--to", "ctranslate2"])
-    err = capsys.readouterr().err
-    assert code == 2 and len(err.splitlines()) == 1 and "has no --to ctranslate2 route" in err
     size = (nllb200_dir / "tokenizer.json").stat().st_size
     monkeypatch.setattr(json_input, "DEFAULT_LIMIT", size - 1)
     code, out, err = run(capsys, monkeypatch, "translate", "--checkpoint", str(nllb200_dir))
     assert code == 2 and out == [] and len(err.splitlines()) == 1
     assert err == (f"rosetta: error: {nllb200_dir}/tokenizer.json: {size:,} bytes, more than a tokenizer "
                    f"file may hold ({size - 1:,})\n")
+
+
+@pytest.fixture(scope="module")
+def nllb200_ct2(nllb200_dirs, tmp_path_factory):
+    """{"saved": the saved layout exported `--to ctranslate2` straight from its directory, "hub": the Hub
+    layout through `ours.safetensors` (its tokenizer files in the ours.tokenizer/ sidecar)}."""
+    pytest.importorskip("ctranslate2")
+    root = tmp_path_factory.mktemp("nllb200-ct2")
+    assert main(["convert", str(nllb200_dirs["saved"]), str(root / "saved"), "--to", "ctranslate2"]) == 0
+    assert main(["convert", str(nllb200_dirs["hub"]), str(root / "hub.safetensors")]) == 0
+    assert main(["convert", str(root / "hub.safetensors"), str(root / "hub"), "--to", "ctranslate2"]) == 0
+    return {"saved": root / "saved", "hub": root / "hub"}
+
+
+@pytest.mark.parametrize("layout", ["saved", "hub"])
+@pytest.mark.parametrize("beam", [1, 4])
+def test_ctranslate2_export_translates_as_rosetta_translate(nllb200_dirs, nllb200_ct2, layout, beam, capsys,
+                                                            monkeypatch):
+    """`convert DIR OUT --to ctranslate2` goes through CTranslate2's TransformersConverter (its
+    M2M100Loader, NllbTokenizer's vocabulary): the vocabulary is NllbTokenizerFast's tokens by id, then
+    madeup words for the embedding's extra rows; `ctranslate2.Translator` on NllbTokenizerFast's source
+    pieces with target_prefix eng_Latn gives what `rosetta translate --src-lang deu_Latn --tgt-lang
+    eng_Latn` prints, greedy and beam 4, on both layouts (the Hub's through a checkpoint file)."""
+    import ctranslate2
+    from transformers import NllbTokenizerFast
+
+    directory, ct2 = nllb200_dirs[layout], nllb200_ct2[layout]
+    theirs = NllbTokenizerFast.from_pretrained(directory, src_lang="deu_Latn")
+    vocab = json.loads((ct2 / "shared_vocabulary.json").read_text(encoding="utf-8"))
+    assert vocab[:len(theirs)] == theirs.convert_ids_to_tokens(list(range(len(theirs))))
+    assert vocab[len(theirs):] == [f"madeupword{i}" for i in range(EXTRA_ROWS)]
+    assert json.loads((ct2 / "config.json").read_text())["decoder_start_token"] == "</s>"
+    code, ours, err = run(capsys, monkeypatch, "translate", "--checkpoint", str(directory), "--backend",
+                          "torch", "--beam", str(beam), "--src-lang", "deu_Latn", "--tgt-lang", "eng_Latn")
+    assert code == 0, err
+    generation = json.loads((directory / "generation_config.json").read_text())
+    pieces = [theirs.convert_ids_to_tokens(theirs(s).input_ids) for s in SENTENCES]
+    banned = [[vocab[i] for i in ids] for ids in generation["bad_words_ids"]]  # <pad>
+    # One thread: CTranslate2's default pool keeps spinning and slows the rest of the process.
+    translator = ctranslate2.Translator(str(ct2), device="cpu", intra_threads=1)
+    # generate's max_length counts the decoder start token; CTranslate2's limit counts the prefix and eos.
+    results = translator.translate_batch(pieces, beam_size=beam, length_penalty=1.0,
+                                         max_decoding_length=generation["max_length"] - 1,
+                                         target_prefix=[["eng_Latn"]] * len(pieces),
+                                         suppress_sequences=banned)
+    assert all(r.hypotheses[0][0] == "eng_Latn" for r in results)
+    rows = [theirs.convert_tokens_to_ids(r.hypotheses[0]) for r in results]
+    assert theirs.batch_decode(rows, skip_special_tokens=True) == ours
+    assert any(line.strip() for line in ours)
+
+
+def test_ctranslate2_places_are_the_tokenizers_ids(nllb200_dir, tmp_path):
+    """The export's check on the converted vocabulary: NllbTokenizerFast's tokens by id, then madeup
+    words, pass; a vocabulary with two tokens swapped, or one cut short, is refused in one line naming
+    the first place that is not our id's token (CTranslate2 numbers tokens by place)."""
+    from transformers import NllbTokenizerFast
+
+    from rosetta.errors import CheckpointError
+    from rosetta.interop.ctranslate2 import _check_places
+    from rosetta.interop.nllb_tokenizer import NllbTextTokenizer
+
+    theirs = NllbTokenizerFast.from_pretrained(nllb200_dir)
+    vocabulary = theirs.convert_ids_to_tokens(list(range(len(theirs)))) + ["madeupword0", "madeupword1"]
+    ours = NllbTextTokenizer(nllb200_dir)
+    _check_places(vocabulary, ours, tmp_path)
+    code = theirs.convert_tokens_to_ids("deu_Latn")
+    swapped = [*vocabulary[:code], vocabulary[code + 1], vocabulary[code], *vocabulary[code + 2:]]
+    cut = vocabulary[:len(theirs) - 3]
+    for changed, place, placed in ((swapped, code, vocabulary[code + 1]), (cut, len(theirs) - 3, None)):
+        with pytest.raises(CheckpointError) as e:
+            _check_places(changed, ours, tmp_path)
+        assert str(e.value) == (f"{tmp_path}: CTranslate2's vocabulary has {placed!r} at place {place}, "
+                                f"where {nllb200_dir}/tokenizer.json has {vocabulary[place]!r}: CTranslate2 "
+                                f"numbers tokens by their place, so the export would read other tokens")
+
+
+def test_the_ctranslate2_note_names_the_target_prefix(nllb200_dir):
+    """`convert --to ctranslate2`'s note on generation_config.json (a CTranslate2 model holds no search
+    settings) names forced_bos_token_id, eng_Latn's id, as what goes in target_prefix."""
+    from rosetta.interop.ctranslate2 import search_note
+    from rosetta.interop.m2m100 import config_from_m2m100
+    from rosetta.interop.marian_files import read_generation_settings
+
+    cfg = config_from_m2m100(json.loads((nllb200_dir / "config.json").read_text()))
+    note = search_note(read_generation_settings(nllb200_dir, cfg), cfg)
+    assert f", target_prefix with the piece of id {code_id(nllb200_dir, 'eng_Latn')}" in note, note
 
 
 def _edit(path, change) -> None:

@@ -25,13 +25,19 @@ every activation we have (relu, gelu, gelu_new, swish are in its `_SUPPORTED_ACT
 final or embedding LayerNorm; the rest of what Marian cannot hold `check_representable` refuses
 (LayerNorm epsilon 1e-5 included). docs/ctranslate2.md.
 
-Two more routes, chosen by the tokenizer that goes with the model (`route`):
+Three more routes, chosen by the tokenizer that goes with the model (`route`):
 - an M2M100 tokenizer (`sentencepiece.bpe.model`, rosetta/interop/m2m100_tokenizer.py): the model
   is written as an M2M100 directory (`write_m2m100` + the tokenizer files) and converted by the
   same TransformersConverter (its M2M100Loader: pre-norm, positions from row pad + 1, the decoder
   started from `</s>`'s row); its vocabulary lists the language codes read from the tokenizer's
   `additional_special_tokens`, which transformers 5's M2M100Tokenizer no longer fills, so the
   converter is handed a tokenizer that lists them (`_listing_codes`);
+- an NLLB-200 tokenizer (`tokenizer.json` + `tokenizer_config.json`, NllbTokenizer,
+  rosetta/interop/nllb_tokenizer.py): the same M2M100 directory with the NLLB tokenizer's own files
+  beside it, converted by the plain TransformersConverter, whose AutoTokenizer loads NllbTokenizer:
+  its get_vocab() by id (the pieces, the added tokens and the codes), then `madeupword`s up to the
+  embedding's rows. CTranslate2 numbers a token by its place in that list: the export is refused
+  where a place is not the token's id (`_check_places`);
 - our BPE (`tokenizer.json`: a run of `rosetta train`, pad at 0): CTranslate2's spec API, filled as
   its own converters fill it (rosetta/interop/ctranslate2_spec.py).
 """
@@ -39,6 +45,7 @@ Two more routes, chosen by the tokenizer that goes with the model (`route`):
 from __future__ import annotations
 
 import contextlib
+import json
 import os
 import shutil
 import tempfile
@@ -55,7 +62,7 @@ from rosetta.errors import CheckpointError, ConfigError
 from rosetta.generation import GenerationSettings
 from rosetta.interop import m2m100, marian, marian_files
 from rosetta.interop.m2m100_tokenizer import M2M100TextTokenizer, find_text_tokenizer
-from rosetta.interop.nllb_tokenizer import NllbTextTokenizer
+from rosetta.interop.nllb_tokenizer import SPECIAL_TOKENS_MAP, TOKENIZER_JSON, NllbTextTokenizer
 from rosetta.params import embedding_names
 from rosetta.tokenizer import TOKENIZER_CONFIG, VOCAB, SentencePieceTokenizer, Tokenizer
 
@@ -80,16 +87,18 @@ def _tokenizer(source: str | os.PathLike | None, cfg: ModelConfig) -> Tokenizer 
         raise ConfigError(f"--to ctranslate2 needs the model's tokenizer{where}: CTranslate2's model "
                           f"directory holds the vocabulary; convert a Marian directory, a checkpoint file "
                           f"with its NAME.tokenizer/ folder beside it, or a run directory")
-    if isinstance(found, NllbTextTokenizer):  # the m2m100 route writes M2M100Tokenizer's vocabulary
-        raise ConfigError(f"{found.directory}: NLLB-200's tokenizer (tokenizer.json) has no --to ctranslate2 "
-                          f"route here; CTranslate2's own ct2-transformers-converter reads NLLB directories")
     return found
 
 
 def route(cfg: ModelConfig, tokenizer: str | os.PathLike | None) -> str:
-    """How the model goes to CTranslate2, from its tokenizer (checked against it): "marian", "m2m100"
-    or "spec" (our BPE); a ConfigError without one."""
-    found = _tokenizer(tokenizer, cfg)
+    """How the model goes to CTranslate2, from its tokenizer (checked against it): "marian", "m2m100",
+    "nllb" or "spec" (our BPE); a ConfigError without one."""
+    return _route_of(_tokenizer(tokenizer, cfg))
+
+
+def _route_of(found: Any) -> str:
+    if isinstance(found, NllbTextTokenizer):
+        return "nllb"
     if isinstance(found, M2M100TextTokenizer):
         return "m2m100"
     return "spec" if isinstance(found, Tokenizer) else "marian"
@@ -143,6 +152,8 @@ def search_note(settings: GenerationSettings, cfg: ModelConfig) -> str:
     length = settings.max_new_tokens - 1 if settings.forced_eos else settings.max_new_tokens
     parts = [f"beam_size={settings.beam}", f"length_penalty={settings.alpha:g}",
              f"max_decoding_length={length}"]
+    if settings.forced_first is not None:  # M2M100's and NLLB's target language code
+        parts.append(f"target_prefix with the piece of id {settings.forced_first}")
     if settings.banned:
         parts.append(f"suppress_sequences with the pieces of ids {', '.join(map(str, settings.banned))}")
     start = ("" if settings.decoder_start == cfg.bos_id else
@@ -205,6 +216,20 @@ def _listing_codes(converter_class: Any) -> Any:
     return Converter
 
 
+def _check_places(vocabulary: list[str], tokenizer: NllbTextTokenizer, out: Path) -> None:
+    """CTranslate2 numbers a token by its place in the vocabulary its converter wrote (the tokenizer's
+    get_vocab() sorted by id, then M2M100Loader's madeup words): every id of ours must be its
+    token's place there, or CTranslate2 would read and write other tokens than the model's."""
+    size = tokenizer.src_vocab_size
+    for token_id in range(size):
+        token = tokenizer.backend.id_to_token(token_id)
+        placed = vocabulary[token_id] if token_id < len(vocabulary) else None
+        if placed != token:
+            raise CheckpointError(f"{out}: CTranslate2's vocabulary has {placed!r} at place {token_id}, "
+                                  f"where {tokenizer.directory / TOKENIZER_JSON} has {token!r}: CTranslate2 "
+                                  f"numbers tokens by their place, so the export would read other tokens")
+
+
 def _move_into(staging: Path, out: Path) -> None:
     """Put the converted model at `out`. A missing or empty `out`: one rename of the whole folder.
     A folder that holds files (convert() let it through on --overwrite): CTranslate2's own files
@@ -236,10 +261,11 @@ def write_ctranslate2(path: str | os.PathLike, cfg: ModelConfig, params: Mapping
     """Write a CTranslate2 model directory (`ctranslate2.Translator(path)` loads it) through
     CTranslate2's converter; `tokenizer` is what convert() passes (marian_files.companion_dir).
     Everything is checked before anything is written; a failed conversion leaves `path` as it was."""
-    way = route(cfg, tokenizer)
+    found = _tokenizer(tokenizer, cfg)  # NLLB-200's tokenizer.json is 17 MB: read once
+    way = _route_of(found)
     if way == "marian":
         check_ctranslate2(cfg, params, tokenizer)
-    elif way == "m2m100":
+    elif way in ("m2m100", "nllb"):
         check_params(cfg, params)
         try:
             m2m100.check_representable(cfg)
@@ -269,9 +295,18 @@ def write_ctranslate2(path: str | os.PathLike, cfg: ModelConfig, params: Mapping
                     marian.write_marian(hf_dir, cfg, params)
                 else:
                     m2m100.write_m2m100(hf_dir, cfg, params)
-                    converter_class = _listing_codes(converter_class)
-                marian_files.copy_companions(tokenizer, cfg, hf_dir, way)
+                if way == "nllb":  # NllbTokenizer's files as they are: AutoTokenizer reads what we read
+                    for name in (TOKENIZER_JSON, TOKENIZER_CONFIG, SPECIAL_TOKENS_MAP):
+                        if (found.directory / name).is_file():
+                            shutil.copyfile(found.directory / name, Path(hf_dir) / name)
+                else:
+                    if way == "m2m100":
+                        converter_class = _listing_codes(converter_class)
+                    marian_files.copy_companions(tokenizer, cfg, hf_dir, way)
                 _convert(converter_class, hf_dir, holder / "model", out)
+            if way == "nllb":
+                vocabulary = json.loads((holder / "model" / "shared_vocabulary.json").read_text("utf-8"))
+                _check_places(vocabulary, found, out)
         _move_into(holder / "model", out)
     finally:
         shutil.rmtree(holder, ignore_errors=True)
