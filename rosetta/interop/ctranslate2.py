@@ -25,7 +25,7 @@ every activation we have (relu, gelu, gelu_new, swish are in its `_SUPPORTED_ACT
 final or embedding LayerNorm; the rest of what Marian cannot hold `check_representable` refuses
 (LayerNorm epsilon 1e-5 included). docs/ctranslate2.md.
 
-Three more routes, chosen by the tokenizer that goes with the model (`route`):
+Four more routes, chosen by the tokenizer that goes with the model (`route`):
 - an M2M100 tokenizer (`sentencepiece.bpe.model`, rosetta/interop/m2m100_tokenizer.py): the model
   is written as an M2M100 directory (`write_m2m100` + the tokenizer files) and converted by the
   same TransformersConverter (its M2M100Loader: pre-norm, positions from row pad + 1, the decoder
@@ -39,7 +39,10 @@ Three more routes, chosen by the tokenizer that goes with the model (`route`):
   embedding's rows. CTranslate2 numbers a token by its place in that list: the export is refused
   where a place is not the token's id (`_check_places`);
 - our BPE (`tokenizer.json`: a run of `rosetta train`, pad at 0): CTranslate2's spec API, filled as
-  its own converters fill it (rosetta/interop/ctranslate2_spec.py).
+  its own converters fill it (rosetta/interop/ctranslate2_spec.py);
+- FSMT's (`vocab-src.json`, `vocab-tgt.json`, `merges.txt`: an FSMT directory or its checkpoint's
+  sidecar): the same spec API with the two vocabularies by id ("fsmt"). TransformersConverter has no
+  FSMT loader; the spec is filled as CTranslate2's fairseq converter fills fairseq's transformer.
 """
 
 from __future__ import annotations
@@ -52,7 +55,7 @@ import tempfile
 import warnings
 from collections.abc import Iterator, Mapping
 from pathlib import Path
-from typing import Any
+from typing import Any, NamedTuple
 
 import numpy as np
 
@@ -64,7 +67,13 @@ from rosetta.interop import m2m100, marian, marian_files
 from rosetta.interop.m2m100_tokenizer import M2M100TextTokenizer, find_text_tokenizer
 from rosetta.interop.nllb_tokenizer import SPECIAL_TOKENS_MAP, TOKENIZER_JSON, NllbTextTokenizer
 from rosetta.params import embedding_names
-from rosetta.tokenizer import TOKENIZER_CONFIG, VOCAB, SentencePieceTokenizer, Tokenizer
+from rosetta.tokenizer import (
+    TOKENIZER_CONFIG,
+    VOCAB,
+    SentencePieceTokenizer,
+    Tokenizer,
+    is_fsmt_tokenizer_dir,
+)
 
 PAD_TOKEN = "<pad>"  # the only last entry MarianMTLoader.get_vocabulary drops
 INSTALL = "pip install -e '.[ctranslate2]' (ctranslate2, transformers, sentencepiece; and torch)"
@@ -75,13 +84,21 @@ NPZ_HINT = ("convert the original Marian model (its .npz and .yml vocabularies) 
             "ct2-marian-converter, which keeps both vocabularies")
 
 
-def _tokenizer(source: str | os.PathLike | None, cfg: ModelConfig) -> Tokenizer | SentencePieceTokenizer:
+class FsmtVocabularies(NamedTuple):
+    """FSMTTokenizer's files in `directory`: its vocabularies are read, its Moses step never run."""
+    directory: Path
+
+
+def _tokenizer(source: str | os.PathLike | None, cfg: ModelConfig) -> Any:
     """The tokenizer going with the model (checked against it), or a ConfigError: CTranslate2's
     model directory holds the vocabulary, so there is no export without one."""
-    found = None
+    found: Any = None
     if source is not None:
         marian_files.check_companions(source, cfg)  # broken files or another model's: named
-        found = find_text_tokenizer(source) if Path(source).is_dir() else Tokenizer.load(source)
+        if Path(source).is_dir() and is_fsmt_tokenizer_dir(source):  # only the vocabularies are needed
+            found = FsmtVocabularies(Path(source))
+        else:
+            found = find_text_tokenizer(source) if Path(source).is_dir() else Tokenizer.load(source)
     if found is None:
         where = "" if source is None else f" ({source} holds none)"
         raise ConfigError(f"--to ctranslate2 needs the model's tokenizer{where}: CTranslate2's model "
@@ -92,11 +109,13 @@ def _tokenizer(source: str | os.PathLike | None, cfg: ModelConfig) -> Tokenizer 
 
 def route(cfg: ModelConfig, tokenizer: str | os.PathLike | None) -> str:
     """How the model goes to CTranslate2, from its tokenizer (checked against it): "marian", "m2m100",
-    "nllb" or "spec" (our BPE); a ConfigError without one."""
+    "nllb", "spec" (our BPE) or "fsmt"; a ConfigError without one."""
     return _route_of(_tokenizer(tokenizer, cfg))
 
 
 def _route_of(found: Any) -> str:
+    if isinstance(found, FsmtVocabularies):
+        return "fsmt"
     if isinstance(found, NllbTextTokenizer):
         return "nllb"
     if isinstance(found, M2M100TextTokenizer):
@@ -289,6 +308,10 @@ def write_ctranslate2(path: str | os.PathLike, cfg: ModelConfig, params: Mapping
 
             bpe = Path(tokenizer) / marian_files.BPE_FILE if Path(tokenizer).is_dir() else Path(tokenizer)
             write_spec(holder / "model", cfg, params, bpe)
+        elif way == "fsmt":
+            from rosetta.interop.ctranslate2_spec import write_fsmt_spec
+
+            write_fsmt_spec(holder / "model", cfg, params, found.directory)
         else:
             with tempfile.TemporaryDirectory(prefix=f"rosetta-{way}-") as hf_dir:
                 if way == "marian":

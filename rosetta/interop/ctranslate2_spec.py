@@ -20,23 +20,29 @@ model we compute:
 
 CTranslate2 may emit `<pad>`, which our search never does: pass `suppress_sequences=[["<pad>"]]`
 (docs/ctranslate2.md).
+
+FSMT (`write_fsmt_spec`, fairseq's WMT19 Transformer, rosetta/interop/fsmt.py) goes the same way:
+CTranslate2's TransformersConverter has no FSMT loader, and what its fairseq converter fills for
+fairseq's transformer is what the spec above says of an FSMT config (post-norm, no final norm,
+positions from row pad + 1, `embed_scale`, the decoder started from `</s>`, the output projection),
+with FSMTTokenizer's two vocabularies (`vocab-src.json`, `vocab-tgt.json`) by id.
 """
 
 from __future__ import annotations
 
 import os
-from collections.abc import Mapping
+from collections.abc import Mapping, Sequence
 from pathlib import Path
 from typing import Any
 
 import numpy as np
 
 from rosetta.checkpoint import check_params
-from rosetta.config import ModelConfig
-from rosetta.errors import ConfigError
+from rosetta.config import ModelConfig, read_json_object
+from rosetta.errors import ConfigError, TokenizerError
 from rosetta.params import embedding_names
 from rosetta.positional import model_table
-from rosetta.tokenizer import UNK, Tokenizer
+from rosetta.tokenizer import BOS, FSMT_SRC_VOCAB, FSMT_TGT_VOCAB, UNK, Tokenizer
 
 ACTIVATIONS = {"relu": "RELU", "gelu": "GELU", "gelu_tanh": "GELUTanh", "silu": "SWISH"}
 
@@ -93,15 +99,33 @@ def tokens_by_id(tokenizer: Tokenizer, size: int, where: str) -> list[str]:
     return tokens
 
 
-def write_spec(out: str | os.PathLike, cfg: ModelConfig, params: Mapping[str, Any],
-               tokenizer: str | os.PathLike) -> Path:
-    """Save the CTranslate2 model of (cfg, params) with the BPE `tokenizer` (a tokenizer.json) into
-    `out`, a folder that does not exist yet (ctranslate2.py moves it into place)."""
+def fsmt_tokens(path: str | os.PathLike, size: int) -> list[str]:
+    """The tokens of an FSMT vocabulary file (token -> id) in id order, `size` of them (the model's
+    table). CTranslate2 numbers tokens by their place in the list: a place that is not its token's id
+    (a gap, a repeated id, an id past the table) is refused in one line."""
+    vocab = read_json_object(Path(path), "the vocabulary", TokenizerError)
+    odd = next((t for t, i in vocab.items() if isinstance(i, bool) or not isinstance(i, int)), None)
+    if odd is not None:
+        raise TokenizerError(f"{path}: {odd!r} has id {vocab[odd]!r}; ids are integers")
+    tokens = sorted(vocab, key=vocab.__getitem__)
+    for place, token in enumerate(tokens):
+        if vocab[token] != place:
+            raise TokenizerError(f"{path}: {token!r} has id {vocab[token]!r} at place {place} of the list "
+                                 f"by id: CTranslate2 numbers tokens by their place, so it would read "
+                                 f"and write other tokens than the model's")
+    if len(tokens) != size:
+        raise TokenizerError(f"{path}: {len(tokens)} tokens, but the model's table has {size} rows")
+    return tokens
+
+
+def _save(out: str | os.PathLike, cfg: ModelConfig, params: Mapping[str, Any], src_tokens: Sequence[str],
+          tgt_tokens: Sequence[str], bos: str, unk: str) -> Path:
+    """Fill TransformerSpec with (cfg, params) and the vocabularies by id, save it into `out`, a folder
+    that does not exist yet (ctranslate2.py moves it into place)."""
     import ctranslate2.specs as specs
     from ctranslate2.specs import common_spec
 
     check_spec(cfg, params)
-    tok = Tokenizer.load(tokenizer)
     names = embedding_names(cfg)
     src_table, tgt_table = np.asarray(params[names.src]), np.asarray(params[names.tgt])
     spec = specs.TransformerSpec.from_config(
@@ -114,17 +138,44 @@ def write_spec(out: str | os.PathLike, cfg: ModelConfig, params: Mapping[str, An
     spec.decoder.projection.weight = tgt_table if out_kernel is None else np.asarray(out_kernel).T
     if cfg.output_bias:
         spec.decoder.projection.bias = np.asarray(params["generator.bias"])
-    src_tokens = tokens_by_id(tok, cfg.src_vocab_size, str(tokenizer))
-    tgt_tokens = tokens_by_id(tok, cfg.tgt_vocab_size, str(tokenizer))
-    spec.register_source_vocabulary(src_tokens)
-    spec.register_target_vocabulary(tgt_tokens)
+    spec.register_source_vocabulary(list(src_tokens))
+    spec.register_target_vocabulary(list(tgt_tokens))
     spec.config.layer_norm_epsilon = cfg.layer_norm_eps
-    spec.config.bos_token, spec.config.eos_token = tgt_tokens[cfg.bos_id], tgt_tokens[cfg.eos_id]
-    # Our byte-level BPE never emits <unk>; CTranslate2 needs one named.
-    spec.config.unk_token = UNK if UNK in tgt_tokens else tgt_tokens[cfg.eos_id]
+    spec.config.bos_token, spec.config.eos_token, spec.config.unk_token = bos, tgt_tokens[cfg.eos_id], unk
     spec.config.decoder_start_token = tgt_tokens[cfg.bos_id]
     spec.validate()
     spec.optimize(quantization=None)
     Path(out).mkdir()
     spec.save(str(out))
     return Path(out)
+
+
+def write_spec(out: str | os.PathLike, cfg: ModelConfig, params: Mapping[str, Any],
+               tokenizer: str | os.PathLike) -> Path:
+    """Save the CTranslate2 model of (cfg, params) with the BPE `tokenizer` (a tokenizer.json) into
+    `out`, a folder that does not exist yet (ctranslate2.py moves it into place)."""
+    check_spec(cfg, params)
+    tok = Tokenizer.load(tokenizer)
+    src_tokens = tokens_by_id(tok, cfg.src_vocab_size, str(tokenizer))
+    tgt_tokens = tokens_by_id(tok, cfg.tgt_vocab_size, str(tokenizer))
+    # Our byte-level BPE never emits <unk>; CTranslate2 needs one named.
+    unk = UNK if UNK in tgt_tokens else tgt_tokens[cfg.eos_id]
+    return _save(out, cfg, params, src_tokens, tgt_tokens, tgt_tokens[cfg.bos_id], unk)
+
+
+def write_fsmt_spec(out: str | os.PathLike, cfg: ModelConfig, params: Mapping[str, Any],
+                    directory: str | os.PathLike) -> Path:
+    """Save the CTranslate2 model of (cfg, params) with FSMTTokenizer's vocabularies (`directory`'s
+    vocab-src.json and vocab-tgt.json, checked against the model by marian_files.check_companions)
+    into `out`, a folder that does not exist yet. As CTranslate2's fairseq converter: fairseq's
+    `<s>` is bos, `<unk>` unk, the decoder starts from `bos_id` (`</s>`), eos is `</s>`."""
+    check_spec(cfg, params)
+    directory = Path(directory)
+    src_tokens = fsmt_tokens(directory / FSMT_SRC_VOCAB, cfg.src_vocab_size)
+    tgt_tokens = fsmt_tokens(directory / FSMT_TGT_VOCAB, cfg.tgt_vocab_size)
+    # fairseq's converter renames <pad> to OpenNMT's <blank> (_get_vocab); kept here, so that each
+    # token is FSMTTokenizer's. Its add_source_eos is not set: FSMTTokenizer's ids end with </s>
+    # already, as the tokens CTranslate2's Hugging Face loaders take do.
+    bos = BOS if BOS in tgt_tokens else tgt_tokens[cfg.bos_id]
+    unk = UNK if UNK in src_tokens and UNK in tgt_tokens else tgt_tokens[cfg.eos_id]
+    return _save(out, cfg, params, src_tokens, tgt_tokens, bos, unk)
