@@ -19,7 +19,9 @@ the first REFERENCE_ROWS sentences).
 forced first by every engine; benchmarks/decode_ct2_models.py builds both models (the one place
 they differ, with the CTranslate2 call's prefix).
 
-Each round runs every engine once, in turn (interleaved), 7 rounds by default (`--rounds`): per
+Each engine decodes in a process of its own, as users run it (`Engines`: in one process
+CTranslate2's OpenMP threads slowed PyTorch's search). Each round runs every engine once, in turn
+(interleaved), 7 rounds by default (`--rounds`): per
 engine the median over rounds, the spread (fastest and slowest round) and each ratio's range, the
 min and max over rounds of that round's ratio against CTranslate2 float32 (whose own speed moved
 20% between runs in issue 47: three rounds could not tell 0.8x from 1.0x), after one warm-up call
@@ -30,8 +32,10 @@ core count is the thread count). Nothing else should run meanwhile.
 
 from __future__ import annotations
 
+import contextlib
 import datetime as dt
 import json
+import multiprocessing
 import os
 import shutil
 import statistics
@@ -51,7 +55,7 @@ from benchmarks.common import (
     write_results,
 )
 from benchmarks.decode_ct2_models import MODELS, build
-from rosetta import from_params
+from rosetta import from_params, load, save_checkpoint
 from rosetta.cli_args import integer_type
 from rosetta.files import atomic_write_bytes
 from rosetta.interop.convert import convert
@@ -75,19 +79,92 @@ def ct2_vocabulary(directory: Path) -> list[str]:
     raise FileNotFoundError(f"{directory}: no shared vocabulary")
 
 
+class Engines:
+    """Each engine in a process of its own, as users run it (`_engine`), started with the spawn method
+    (nothing inherited from this process's libraries), stopped on every way out. In one process,
+    CTranslate2's OpenMP runtime and PyTorch's met: on this project's 2-core Xeon PyTorch's beam search
+    of the base model took 2.2-3.6 s a call after CTranslate2 had translated in its process, against
+    1.7-2.0 s alone (JAX's moved within its spread), and CTranslate2's threads kept spinning through a
+    later PyTorch loop, doubling its CPU time (docs/benchmarks.md)."""
+
+    def __init__(self, names: list[str], job: dict):
+        self.names, self.job, self.conns, self.procs, self.pids = names, job, {}, [], {}
+
+    def __enter__(self) -> Engines:
+        spawn = multiprocessing.get_context("spawn")
+        try:
+            for name in self.names:
+                mine, theirs = spawn.Pipe()
+                proc = spawn.Process(target=_engine, args=(theirs, name, self.job), daemon=True)
+                proc.start()
+                self.procs.append(proc)
+                self.conns[name] = mine
+                self.pids[name] = self._receive(name)  # ready: its pid, once the engine is loaded
+        except BaseException:
+            self.__exit__()
+            raise
+        return self
+
+    def _receive(self, name: str):
+        try:
+            return self.conns[name].recv()
+        except EOFError:
+            raise RuntimeError(f"decode_ct2: {name}'s process ended (its error is above)") from None
+
+    def decode(self, name: str, beam_size: int) -> tuple[float, list[list[int]]]:
+        """`name`'s decoding of the job's batch: the seconds its process timed and the tokens."""
+        self.conns[name].send(beam_size)
+        return self._receive(name)
+
+    def __exit__(self, *exc) -> None:
+        for conn in self.conns.values():
+            with contextlib.suppress(OSError):
+                conn.send(None)
+        for proc in self.procs:
+            proc.join(timeout=30)
+            if proc.is_alive():
+                proc.kill()
+
+
+def _engine(conn, name: str, job: dict) -> None:
+    """One engine's process: loads `name` ("torch", "jax", "ctranslate2 float32|int8") on the job's
+    threads, sends its pid, then decodes the batch for each beam size received until None, sending the
+    seconds of that call alone and the tokens."""
+    threads, tgt_len = job["threads"], job["tgt_len"]
+    if name in ("torch", "jax"):
+        if name == "torch":
+            import torch
+
+            torch.set_num_threads(threads)
+        model = load(job["checkpoint"], name, "float32")
+
+        def decode(beam_size: int) -> list[list[int]]:
+            return model.generate(job["src"], beam_size, 1.0, tgt_len, "hf", max_new_tokens=tgt_len,
+                                  **job["forced"]).tokens
+    else:
+        import ctranslate2
+
+        translator = ctranslate2.Translator(job["ct2"], device="cpu", compute_type=name.split()[1],
+                                            intra_threads=threads, inter_threads=1)
+        ids = {piece: i for i, piece in enumerate(job["pieces"])}
+
+        def decode(beam_size: int) -> list[list[int]]:
+            results = translator.translate_batch(job["src_tokens"], beam_size=beam_size,
+                                                 max_decoding_length=tgt_len, **job["options"])
+            return [[ids[t] for t in r.hypotheses[0]] for r in results]
+
+    conn.send(os.getpid())
+    while (beam_size := conn.recv()) is not None:
+        start = time.perf_counter()
+        tokens = decode(beam_size)
+        seconds = time.perf_counter() - start
+        conn.send((seconds, [[int(i) for i in row] for row in tokens]))
+
+
 def run(quick: bool = False, rounds: int = ROUNDS, threads: int = 2, batch: int = 32, src_len: int = 24,
         tgt_len: int = 24, beam: int = 4, model: str = "marian") -> dict:
-    """The benchmark with PyTorch on `threads` threads, the caller's count restored after it: the
-    suite runs it inside a worker process, where a count left at 2 made every later test's tiny
-    models slower and their float32 sums round differently."""
-    import torch
-
-    saved = torch.get_num_threads()
-    torch.set_num_threads(threads)
-    try:
-        return _run(quick, rounds, threads, batch, src_len, tgt_len, beam, model)
-    finally:
-        torch.set_num_threads(saved)
+    """The benchmark: each engine on `threads` threads in a process of its own (`_engine`)."""
+    return _run(quick, rounds, threads, batch, src_len, tgt_len, beam, model)
 
 
 def _run(quick: bool, rounds: int, threads: int, batch: int, src_len: int, tgt_len: int, beam: int,
@@ -103,15 +180,12 @@ def _run(quick: bool, rounds: int, threads: int, batch: int, src_len: int, tgt_l
 
 def _measure(work: Path, quick: bool, rounds: int, threads: int, batch: int, src_len: int, tgt_len: int,
              beam: int, model: str) -> dict:
-    import ctranslate2
-
     # The one difference between the models: how each is built, and what every engine is told
     # alike (M2M100: the source and target language codes; decode_ct2_models.py).
     built = build(model, quick, work / model)
     cfg, params = built.cfg, built.params
     convert(built.directory, work / "ct2", to_format="ctranslate2")
     pieces = ct2_vocabulary(work / "ct2")  # CTranslate2's tokens, by our ids
-    ids = {piece: i for i, piece in enumerate(pieces)}
     rng = np.random.default_rng(0)
     first = np.tile(np.array(built.src_first, dtype=np.int64), (batch, 1))
     src = np.concatenate([first, rng.integers(*built.words, (batch, src_len - 1 - first.shape[1])),
@@ -120,40 +194,32 @@ def _measure(work: Path, quick: bool, rounds: int, threads: int, batch: int, src
     options = {**built.ct2_options, **({"target_prefix": [[built.prefix]] * batch} if built.prefix else {})}
     forced = {} if built.forced_first is None else {"forced_first": built.forced_first}
 
-    ours = {name: from_params(cfg, params, name, "float32") for name in ("torch", "jax")}
-    engines = {f"ctranslate2 {ct}": ctranslate2.Translator(str(work / "ct2"), device="cpu", compute_type=ct,
-                                                           intra_threads=threads, inter_threads=1)
-               for ct in ("float32", "int8")}
-
-    def decode(name: str, beam_size: int) -> list[list[int]]:
-        if name in ours:
-            return ours[name].generate(src, beam_size, 1.0, tgt_len, "hf", max_new_tokens=tgt_len,
-                                       **forced).tokens
-        results = engines[name].translate_batch(src_tokens, beam_size=beam_size, max_decoding_length=tgt_len,
-                                                **options)
-        return [[ids[t] for t in r.hypotheses[0]] for r in results]
-
-    names = [*ours, *engines]
-    greedy = {name: decode(name, 1) for name in names}
-    reference = greedy["torch"]
-    same = {name: float(np.mean([a == b for a, b in zip(out, reference, strict=True)]))
-            for name, out in greedy.items()}
-    # The float64 reference's beam search, once and untimed: the tokens each engine's beam must give.
-    oracle = from_params(cfg, params, "numpy", "float64")
-    exact = oracle.generate(src[:REFERENCE_ROWS], beam, 1.0, tgt_len, "hf", max_new_tokens=tgt_len,
-                            **forced).tokens
-    beam_same = {}
-    for name in names:  # also the warm-up: JAX compiles the beam search for this shape
-        out = decode(name, beam)[:REFERENCE_ROWS]
-        beam_same[name] = float(np.mean([a == b for a, b in zip(out, exact, strict=True)]))
-    times: dict[str, list[float]] = {name: [] for name in names}
-    tokens: dict[str, int] = {}
-    for _ in range(rounds):
-        for name in names:
-            start = time.perf_counter()
-            out = decode(name, beam)
-            times[name].append(time.perf_counter() - start)
-            tokens[name] = sum(len(t) for t in out)
+    save_checkpoint(work / "model.safetensors", cfg, params)
+    job = {"checkpoint": str(work / "model.safetensors"), "ct2": str(work / "ct2"), "threads": threads,
+           "src": src, "src_tokens": src_tokens, "pieces": pieces, "tgt_len": tgt_len, "options": options,
+           "forced": forced}
+    names = ["torch", "jax", "ctranslate2 float32", "ctranslate2 int8"]
+    with Engines(names, job) as engines:
+        greedy = {name: engines.decode(name, 1)[1] for name in names}
+        reference = greedy["torch"]
+        same = {name: float(np.mean([a == b for a, b in zip(out, reference, strict=True)]))
+                for name, out in greedy.items()}
+        # The float64 reference's beam search, once and untimed: the tokens each engine's beam must give.
+        oracle = from_params(cfg, params, "numpy", "float64")
+        exact = oracle.generate(src[:REFERENCE_ROWS], beam, 1.0, tgt_len, "hf", max_new_tokens=tgt_len,
+                                **forced).tokens
+        beam_same = {}
+        for name in names:  # also the warm-up: JAX compiles the beam search for this shape
+            out = engines.decode(name, beam)[1][:REFERENCE_ROWS]
+            beam_same[name] = float(np.mean([a == b for a, b in zip(out, exact, strict=True)]))
+        times: dict[str, list[float]] = {name: [] for name in names}
+        tokens: dict[str, int] = {}
+        for _ in range(rounds):
+            for name in names:
+                seconds, out = engines.decode(name, beam)
+                times[name].append(seconds)
+                tokens[name] = sum(len(t) for t in out)
+        pids = engines.pids
     ct2 = "ctranslate2 float32"
     rows = []
     for name in names:
@@ -174,7 +240,7 @@ def _measure(work: Path, quick: bool, rounds: int, threads: int, batch: int, src
     settings = {"model": model, "target_prefix": built.prefix, "config": cfg.to_dict(),
                 "batch": batch, "src_len": src_len, "tgt_len": tgt_len, "beam": beam,
                 "threads": threads, "rounds": rounds, "search": f"cached beam, length_rule hf, {built.eos}",
-                "reference_rows": min(REFERENCE_ROWS, batch)}
+                "reference_rows": min(REFERENCE_ROWS, batch), "processes": pids}
     return {"settings": settings, "rows": rows}
 
 

@@ -5,6 +5,7 @@ benchmarks/ and only its recorded results are read."""
 from __future__ import annotations
 
 import json
+import os
 
 import pytest
 
@@ -349,6 +350,10 @@ def test_decode_ct2_smoke(model):
     result = decode_ct2.run(quick=True, model=model)
     rows = {r["engine"]: r for r in result["rows"]}
     assert set(rows) == {"torch", "jax", "ctranslate2 float32", "ctranslate2 int8"}
+    # Each engine decoded in a process of its own, not this one (CTranslate2's threads slow PyTorch's
+    # search in a shared process: decode_ct2.Engines).
+    pids = result["settings"]["processes"]
+    assert set(pids) == set(rows) and len(set(pids.values())) == 4 and os.getpid() not in pids.values()
     size = result["settings"]["batch"] * result["settings"]["tgt_len"]
     assert all(r["tokens"] == size for r in rows.values())
     assert rows["jax"]["greedy_same_as_torch"] == rows["ctranslate2 float32"]["greedy_same_as_torch"] == 1.0
