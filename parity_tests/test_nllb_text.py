@@ -234,6 +234,22 @@ def test_evaluate_and_a_converted_checkpoint_equal_generate(nllb200_dir, tmp_pat
     assert out == expected
 
 
+def test_a_converted_checkpoint_keeps_the_special_tokens_map(nllb200_dirs, tmp_path):
+    """`convert DIR x.safetensors` on the Hub layout carries special_tokens_map.json to x.tokenizer/
+    byte for byte (an older download lists its codes there only), and the tokenizer read from the
+    sidecar gives the directory's ids."""
+    from rosetta.interop.nllb_tokenizer import NllbTextTokenizer
+
+    hub, ours = nllb200_dirs["hub"], tmp_path / "hub.safetensors"
+    assert main(["convert", str(hub), str(ours)]) == 0
+    sidecar = tmp_path / "hub.tokenizer"
+    name = "special_tokens_map.json"
+    assert (sidecar / name).read_bytes() == (hub / name).read_bytes()
+    sentence = "Ein Hund läuft. </s> eng_Latn"
+    ids = NllbTextTokenizer(hub).encode_source(sentence)
+    assert NllbTextTokenizer(sidecar).encode_source(sentence) == ids
+
+
 @pytest.mark.parametrize("forced", ["eng_Latn", "deu_Latn"])
 def test_diff_translates_its_input_with_the_code_forced(nllb200_dir, forced, tmp_path, capsys):
     """`rosetta diff DIR@transformers DIR --src TEXT`: the decoder input is the start token, then the

@@ -29,6 +29,7 @@ from rosetta.errors import CheckpointError
 from rosetta.files import atomic_write_bytes
 from rosetta.generation import GenerationSettings, check_generation_config
 from rosetta.interop.m2m100_tokenizer import SPM_FILE, find_text_tokenizer, is_m2m100_tokenizer_dir
+from rosetta.interop.nllb_tokenizer import SPECIAL_TOKENS_MAP
 from rosetta.tokenizer import (
     FSMT_TOKENIZER_FILES,
     MARIAN_TOKENIZER_FILES,
@@ -42,7 +43,9 @@ BPE_FILE = "tokenizer.json"
 SIDECAR_SUFFIX = ".tokenizer"
 DIRECTORY_FORMATS = ("marian", "fsmt", "m2m100")  # Hugging Face directories: the tokenizer goes inside
 # Every file a sidecar may hold: a new one replaces them all (no stale target_vocab.json stays).
-COMPANION_FILES = (*MARIAN_TOKENIZER_FILES, *FSMT_TOKENIZER_FILES, SPM_FILE, BPE_FILE, GENERATION_CONFIG)
+# SPECIAL_TOKENS_MAP: an NLLB-200 download's list of codes where its tokenizer_config.json has none.
+COMPANION_FILES = (*MARIAN_TOKENIZER_FILES, *FSMT_TOKENIZER_FILES, SPM_FILE, BPE_FILE, SPECIAL_TOKENS_MAP,
+                   GENERATION_CONFIG)
 
 
 def sidecar(checkpoint: str | os.PathLike) -> Path:
