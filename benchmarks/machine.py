@@ -43,6 +43,9 @@ fn = jax.jit(lambda a: jnp.tanh(a @ a) * 2.0 + jnp.exp(a)).lower(x).compile()
 print(time.perf_counter() - start)
 fn(x).block_until_ready()
 """
+# The fusion kinds XLA's CPU backend gives a dot it hands to a library. YNNPACK and XNNPACK pick their
+# kernels from cpuid themselves (XNNPACK's ynnpack/base/arch.cc): --xla_cpu_max_isa does not reach them.
+DOT_LIBRARIES = {"__ynn_fusion": "YNNPACK", "__xnn_fusion": "XNNPACK", "__onednn_fusion": "oneDNN"}
 # CTranslate2 reports its CPU and ISA as a Translator starts, before it finds the model missing.
 CT2_PROBE = """
 import ctranslate2, sys
@@ -63,9 +66,10 @@ def _probe(code: str, env: dict, *args: str, timeout: float = 120) -> subprocess
 
 def xla_dispatch() -> dict:
     """What XLA's CPU code generator emitted for one small program (from its object files: AVX-512 where
-    any zmm or mask register is used, AVX2 where only ymm registers are), its cap flag, and the seconds
-    that program took to compile. "unknown" where JAX or objdump is missing."""
-    out: dict = {"max_isa": _xla_cap(), "code": "unknown", "compile_s": None}
+    any zmm or mask register is used, AVX2 where only ymm registers are), its cap flag, the library its
+    dot ran in (from the optimized HLO: DOT_LIBRARIES) and the seconds that program took to compile.
+    "unknown" where JAX or objdump is missing."""
+    out: dict = {"max_isa": _xla_cap(), "code": "unknown", "dots": "unknown", "compile_s": None}
     dump = Path(tempfile.mkdtemp(prefix="rosetta-xla-probe-"))
     try:
         env = dict(os.environ, XLA_FLAGS=f"{os.environ.get('XLA_FLAGS', '')} --xla_dump_to={dump}".strip())
@@ -73,6 +77,8 @@ def xla_dispatch() -> dict:
         if done is None or done.returncode != 0:
             return out | {"code": "unknown (JAX did not run)"}
         out["compile_s"] = float(done.stdout.split()[0])
+        hlo = "".join(o.read_text() for o in dump.glob("*after_optimizations.txt"))
+        out["dots"] = next((name for kind, name in DOT_LIBRARIES.items() if f'"{kind}"' in hlo), "XLA's own")
         objdump = shutil.which("objdump")
         if objdump is None:
             return out | {"code": "unknown (objdump not found)"}
@@ -155,7 +161,8 @@ def table(block: dict) -> str:
             ("ISA cap", block["isa_cap"]),
             ("ATen / oneDNN / MKL",
              f"{torch_isa.get('aten')} / {torch_isa.get('onednn')} / {torch_isa.get('mkl')}"),
-            ("XLA", f"code {xla.get('code')}, --xla_cpu_max_isa {xla.get('max_isa')}"),
+            ("XLA", f"code {xla.get('code')}, dots {xla.get('dots')}, "
+                    f"--xla_cpu_max_isa {xla.get('max_isa')}"),
             ("CTranslate2", ct2_line if ct2 else "not installed")]
     if cal:
         rows += [("float32 1024 matmul (PyTorch)", f"{cal['matmul_gflops']:.0f} GFLOP/s"),

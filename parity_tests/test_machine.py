@@ -16,7 +16,15 @@ import pytest
 
 from benchmarks.common import machine_line, with_machine, write_results
 from rosetta.errors import RosettaError
-from rosetta.machine import ISA_CAPS, cpu_facts, describe, isa_cap, isa_environment, machine_block
+from rosetta.machine import (
+    ISA_CAPS,
+    UNCAPPED_DOTS,
+    cpu_facts,
+    describe,
+    isa_cap,
+    isa_environment,
+    machine_block,
+)
 
 ROOT = Path(__file__).resolve().parent.parent
 HAS_AVX2 = "avx2" in cpu_facts()["vector_flags"]
@@ -47,6 +55,17 @@ def test_the_block_names_the_cpu_its_dispatch_and_a_calibration():
     assert line.startswith(block["cpu"]["model"]) and "GFLOP/s" in line and "ATen" in line
 
 
+def test_a_capped_line_says_when_xlas_dots_are_not_capped():
+    """YNNPACK and XNNPACK read cpuid themselves (XNNPACK's ynnpack/base/arch.cc has no cap setting): on
+    an AVX-512 CPU a capped table must not read as if JAX's matmuls ran AVX2."""
+    block = {"cpu": {"model": "X", "cores": 2, "vector_flags": ["avx2", "fma", "avx512f"]}, "isa_cap": "avx2",
+             "torch_dispatch": {"aten": "AVX2"}, "xla_dispatch": {"dots": "YNNPACK"}}
+    assert describe(block).endswith("(ATen AVX2) but not XLA's dots (YNNPACK at AVX-512: no cap reaches it)")
+    assert "dots" not in describe(block | {"isa_cap": "native"})
+    assert "dots" not in describe(block | {"xla_dispatch": {"dots": "XLA's own"}})
+    assert "dots" not in describe(block | {"cpu": block["cpu"] | {"vector_flags": ["avx2", "fma"]}})
+
+
 def test_every_results_writer_records_the_machine_block_and_prints_it_under_the_title(tmp_path):
     """Each benchmark that writes a results file takes its environment from environment() (whose
     "machine_block" is benchmarks.machine's), and write_results puts the machine line under the title,
@@ -68,7 +87,8 @@ def test_every_results_writer_records_the_machine_block_and_prints_it_under_the_
 @pytest.mark.skipif(not HAS_AVX2, reason="this CPU has no AVX2: there is nothing to cap at")
 def test_under_the_avx2_cap_every_library_reports_avx2():
     """`python -m benchmarks.machine --isa avx2 --json` in a fresh process (it starts itself again with
-    the cap's environment): ATen, oneDNN, MKL, XLA's emitted code and CTranslate2 all at AVX2."""
+    the cap's environment): ATen, oneDNN, MKL, XLA's emitted code and CTranslate2 all at AVX2; XLA's dots
+    where a library runs them that no cap reaches (YNNPACK on an AVX-512 CPU) named as such."""
     done = subprocess.run([sys.executable, "-m", "benchmarks.machine", "--isa", "avx2", "--json"], cwd=ROOT,
                           capture_output=True, text=True, timeout=300)
     assert done.returncode == 0, done.stderr
@@ -83,6 +103,11 @@ def test_under_the_avx2_cap_every_library_reports_avx2():
             and "AMX" not in dispatch[library] and "AVX10" not in dispatch[library], dispatch
     assert block["xla_dispatch"]["max_isa"] == "AVX2"
     assert block["xla_dispatch"]["code"] in {"AVX2", "SSE (no ymm register)"}  # no zmm, no mask register
+    # ...but not the dots XLA hands to a library that reads cpuid itself: the line under a table says so
+    dots = block["xla_dispatch"]["dots"]
+    assert dots in {"YNNPACK", "XNNPACK", "oneDNN", "XLA's own"}, block["xla_dispatch"]
+    uncapped = dots in UNCAPPED_DOTS and "avx512f" in block["cpu"]["vector_flags"]
+    assert ("but not XLA's dots" in describe(block)) == uncapped
     assert block["ct2_dispatch"]["isa"] == "AVX2" and block["ct2_dispatch"]["mkl_max_isa"] == "AVX2"
     assert block["calibration"]["matmul_gflops"] > 0
 

@@ -32,6 +32,9 @@ ISA_CAPS: dict[str, dict[str, str]] = {
     "avx2": {"ONEDNN_MAX_CPU_ISA": "AVX2", "ATEN_CPU_CAPABILITY": "avx2", "MKL_ENABLE_INSTRUCTIONS": "AVX2",
              "CT2_FORCE_CPU_ISA": "AVX2", "XLA_FLAGS": "--xla_cpu_max_isa=AVX2"},
 }
+# XLA's dot libraries that choose their kernels from cpuid themselves (benchmarks/machine.py's
+# DOT_LIBRARIES): under a cap, JAX's matmuls still run at the CPU's widest ISA.
+UNCAPPED_DOTS = ("YNNPACK", "XNNPACK")
 ISA_NAMES = ("native", *ISA_CAPS)  # native: no cap, each library picks the best this CPU has
 XLA_CAP_FLAG = "--xla_cpu_max_isa="
 
@@ -192,6 +195,9 @@ def describe(block: Mapping) -> str:
     line += f", capped at {cap}" if cap != "native" else ", no ISA cap"
     aten = block.get("torch_dispatch", {}).get("aten")
     line += f" (ATen {aten})" if aten else ""
+    dots = block.get("xla_dispatch", {}).get("dots")
+    if cap != "native" and dots in UNCAPPED_DOTS and widest == "AVX-512":  # cpuid read by the library itself
+        line += f" but not XLA's dots ({dots} at {widest}: no cap reaches it)"
     if "matmul" in block:
         m = block["matmul"]
         line += f"; float32 {m['size']} matmul {m['gflops']:.0f} GFLOP/s ({m['min']:.0f}-{m['max']:.0f})"
