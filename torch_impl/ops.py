@@ -354,14 +354,35 @@ def _packed_linear(weight: torch.Tensor, bias: torch.Tensor | None, x: torch.Ten
     return torch.ops.mkldnn._linear_pointwise(x, weight, bias, "none", [], "")
 
 
+# The output projection over the vocabulary (a base model's largest GEMM: 43% of a beam step's FLOPs)
+# goes through MKL's packed SGEMM where this torch build has it, as CTranslate2 runs its GEMMs: [128,
+# 512] x [512, 32000] 194 -> 241 GFLOP/s natively and 103 -> 136 capped at AVX2 against oneDNN's packed
+# (this project's 2-core Xeon); the other linears stay with oneDNN (no steady gain at their shapes).
+def _mkl_packs() -> bool:
+    return torch.backends.mkl.is_available() and hasattr(torch.ops.mkl, "_mkl_reorder_linear_weight")
+
+
+def _pack_projection(weight: torch.Tensor, rows: int) -> torch.Tensor:
+    if _mkl_packs():
+        return torch.ops.mkl._mkl_reorder_linear_weight(weight, rows)
+    return torch.ops.mkldnn._reorder_linear_weight(weight, batch_size=rows)
+
+
+def _packed_projection(packed: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, rows: int,
+                       x: torch.Tensor) -> torch.Tensor:
+    if _mkl_packs():
+        return torch.ops.mkl._mkl_linear(x, packed, weight, bias, rows)
+    return _packed_linear(packed, bias, x)
+
+
 @contextlib.contextmanager
 def packed_linears(module: nn.Module, rows: int) -> Iterator[None]:
     """Inference on a CPU in float32: every nn.Linear of `module`, and the output projection (over
-    the target vocabulary), computes with its weight packed by oneDNN instead of repacked by the
-    GEMM at every call (torch.ops.mkldnn._linear_pointwise: what torch.compile's CPU backend calls
-    for a frozen linear). At decoding's shapes 1.3-1.9x the plain GEMM ([128, 512] x [512, 2048]:
-    2.3 -> 1.3 ms; the output projection over 32k: 46 -> 20 ms; this project's CPU): the same
-    products in another summation order (relative difference ~4e-7). The output bias is added in
+    the target vocabulary: MKL's packing where _mkl_packs), computes with its weight packed by
+    oneDNN instead of repacked by the GEMM at every call (torch.ops.mkldnn._linear_pointwise: what
+    torch.compile's CPU backend calls for a frozen linear). At decoding's shapes 1.3-1.9x the plain
+    GEMM ([128, 512] x [512, 2048]: 2.3 -> 1.3 ms; the output projection over 32k: 46 -> 20 ms; this
+    project's CPU): the same products in another summation order (relative difference ~4e-7). The output bias is added in
     the GEMM where logit_scale is 1 (a separate add over [rows, V] took 4.5 ms a beam step of
     decode_ct2's model). `rows` is the batch the packing is tuned for. The packed weights are kept
     on the module (`_packed`) and reused while the weights and `rows` are unchanged (packing took
@@ -380,7 +401,8 @@ def packed_linears(module: nn.Module, rows: int) -> Iterator[None]:
         for linear, packed_weight in zip(linears, packed[:-1], strict=True):
             linear.forward = functools.partial(_packed_linear, packed_weight, linear.bias)
             patched.append(linear)
-        projection = functools.partial(_packed_linear, packed[-1], None if scaled else generator.bias)
+        bias = None if scaled else generator.bias
+        projection = functools.partial(_packed_projection, packed[-1], weight, bias, rows)
 
         def output(hidden: torch.Tensor, tgt_table: nn.Embedding) -> torch.Tensor:
             # Generator.forward with the packed weight (the table the model passes is `weight`).
@@ -399,7 +421,8 @@ def packed_linears(module: nn.Module, rows: int) -> Iterator[None]:
 
 
 def _packed_weights(module: nn.Module, weights: list[torch.Tensor], rows: int) -> list[torch.Tensor]:
-    """oneDNN's packing of each weight for `rows` rows, kept on `module` and reused while every
+    """oneDNN's packing of each weight for `rows` rows (the last, the output projection's: MKL's where
+    _mkl_packs), kept on `module` and reused while every
     weight is the same tensor, unmodified (its address and version counter: an optimizer step or
     load_state_dict changes them) and `rows` the same. Weights made in inference mode have no
     version counter: packed anew at each call."""
@@ -410,5 +433,5 @@ def _packed_weights(module: nn.Module, weights: list[torch.Tensor], rows: int) -
     kept = getattr(module, "_packed", None)
     if key is None or kept is None or kept[0] != key:
         pack = functools.partial(torch.ops.mkldnn._reorder_linear_weight, batch_size=rows)
-        kept = module._packed = (key, [pack(w) for w in weights])
+        kept = module._packed = (key, [*(pack(w) for w in weights[:-1]), _pack_projection(weights[-1], rows)])
     return kept[1]
