@@ -377,17 +377,16 @@ def _packed_projection(packed: torch.Tensor, weight: torch.Tensor, bias: torch.T
 
 @contextlib.contextmanager
 def packed_linears(module: nn.Module, rows: int) -> Iterator[None]:
-    """Inference on a CPU in float32: every nn.Linear of `module`, and the output projection (over
-    the target vocabulary: MKL's packing where _mkl_packs), computes with its weight packed by
-    oneDNN instead of repacked by the GEMM at every call (torch.ops.mkldnn._linear_pointwise: what
-    torch.compile's CPU backend calls for a frozen linear). At decoding's shapes 1.3-1.9x the plain
-    GEMM ([128, 512] x [512, 2048]: 2.3 -> 1.3 ms; the output projection over 32k: 46 -> 20 ms; this
-    project's CPU): the same products in another summation order (relative difference ~4e-7). The
-    output bias is added in the GEMM where logit_scale is 1 (a separate add over [rows, V] took 4.5 ms
-    a beam step of decode_ct2's model). `rows` is the batch the packing is tuned for. The packed weights are kept
-    on the module (`_packed`) and reused while the weights and `rows` are unchanged (packing took
-    ~150 ms a call there, as CTranslate2 packs once, at load). Anything else (a GPU, bfloat16,
-    gradients) runs as it is."""
+    """Inference on a CPU in float32: every nn.Linear of `module`, and the output projection (over the target
+    vocabulary: MKL's packing where _mkl_packs), computes with its weight packed by oneDNN instead of
+    repacked by the GEMM at every call (torch.ops.mkldnn._linear_pointwise: what torch.compile's CPU
+    backend calls for a frozen linear). At decoding's shapes 1.3-1.9x the plain GEMM ([128, 512] x [512,
+    2048]: 2.3 -> 1.3 ms; the output projection over 32k: 46 -> 20 ms; this project's CPU): the same
+    products in another summation order (relative difference ~4e-7). The output bias is added in the GEMM
+    where logit_scale is 1 (a separate add over [rows, V] took 4.5 ms a beam step of decode_ct2's model).
+    `rows` is the batch the packing is tuned for. The packed weights are kept on the module (`_packed`)
+    and reused while the weights and `rows` are unchanged (packing took ~150 ms a call there, as
+    CTranslate2 packs once, at load). Anything else (a GPU, bfloat16, gradients) runs as it is."""
     if not _can_pack(module):
         yield
         return
