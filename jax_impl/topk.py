@@ -37,7 +37,11 @@ def top_k_by_chunks(x: jax.Array, k: int) -> tuple[jax.Array, jax.Array]:
         return jax.lax.top_k(x, k)
     bits = jax.lax.bitcast_convert_type(x, jnp.int32)
     keys = jnp.where(bits < 0, bits ^ 0x7FFFFFFF, bits)  # float order, -0.0 below 0.0, NaNs at the ends
-    best = keys.reshape(*x.shape[:-1], V // width, width).max(axis=-1)
+    # Each chunk's max over two axes of at most 32: XLA's CPU backend rewrites a longer reduction into a
+    # reduce-window and a reduce (for float sums' accuracy), 2.6 ms a step over [128, 250, 128] against
+    # 0.6 ms (this project's 2-core Xeon). An int max is exact in any grouping.
+    inner = max(d for d in range(1, 33) if width % d == 0)
+    best = keys.reshape(*x.shape[:-1], V // width, width // inner, inner).max(axis=(-2, -1))
     chunk = jnp.sort(jax.lax.top_k(best, k)[1], axis=-1)  # index order: lax.top_k's ties stay by index
     position = (chunk[..., :, None] * width + jnp.arange(width)).reshape(*x.shape[:-1], k * width)
     values, index = jax.lax.top_k(jnp.take_along_axis(x, position, axis=-1), k)
