@@ -201,6 +201,23 @@ def test_jax_top_k_of_long_rows_through_their_best_chunks_is_lax_top_k():
             np.testing.assert_array_equal(np.asarray(got[0]), np.asarray(want[0]))
 
 
+def test_jax_grouped_max_is_numpys_max_at_every_length():
+    """jax_impl.topk.grouped_max (a max in groups of at most 32, past XLA's reduce-window rewrite)
+    against NumPy's max: lengths under 32, with divisors up to 32, nested (32,000 = 1000 x 32, 1000 = 40
+    x 25, 40 = 20 x 2), prime (no grouping); int32 keys as top_k_by_chunks gives it, and floats."""
+    pytest.importorskip("jax")
+    import jax
+
+    from jax_impl.topk import grouped_max
+
+    rng = np.random.default_rng(3)
+    for length in (7, 32, 33, 128, 250, 32000, 31991):
+        keys = rng.integers(-2**31, 2**31 - 1, size=(3, length), dtype=np.int64).astype(np.int32)
+        np.testing.assert_array_equal(np.asarray(jax.jit(grouped_max)(keys)), keys.max(axis=-1))
+        floats = rng.normal(size=(2, length)).astype(np.float32)
+        np.testing.assert_array_equal(np.asarray(jax.jit(grouped_max)(floats)), floats.max(axis=-1))
+
+
 @pytest.mark.ported
 @pytest.mark.parametrize("beam_size", [1, 3])
 def test_cache_off_gives_the_same_search(backend, beam_size):

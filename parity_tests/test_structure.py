@@ -258,6 +258,7 @@ JAX_ONLY: dict[str, dict[str, str]] = {
         "_sync_every": "SYNC_EVERY by backend, a static argument of the jitted searches",
     },
     "topk": {
+        "grouped_max": "a max in groups of 32, past XLA's CPU reduce-window rewrite (torch's amax has none)",
         "top_k_by_chunks": "lax.top_k through a long row's best chunks (torch: topk_stable's _best_chunks)",
     },
     "convert": {
