@@ -53,6 +53,9 @@ def top_k_by_chunks(x: jax.Array, k: int) -> tuple[jax.Array, jax.Array]:
     bits = jax.lax.bitcast_convert_type(x, jnp.int32)
     keys = jnp.where(bits < 0, bits ^ 0x7FFFFFFF, bits)  # float order, -0.0 below 0.0, NaNs at the ends
     best = grouped_max(keys.reshape(*x.shape[:-1], V // width, width))
+    # Ranked as the floats they are (the key map is its own inverse): XLA's CPU top-k of int32 was a
+    # stable sort of every row, its float32 top-k a kernel of its own, the order of lax.top_k(x) itself.
+    best = jax.lax.bitcast_convert_type(jnp.where(best < 0, best ^ 0x7FFFFFFF, best), x.dtype)
     chunk = jnp.sort(jax.lax.top_k(best, k)[1], axis=-1)  # index order: lax.top_k's ties stay by index
     position = (chunk[..., :, None] * width + jnp.arange(width)).reshape(*x.shape[:-1], k * width)
     values, index = jax.lax.top_k(jnp.take_along_axis(x, position, axis=-1), k)
