@@ -303,7 +303,9 @@ class Transformer(nn.Module):
         """Empty self-attention caches for `length` output positions and `beams` rows a sentence, every
         layer's in one tensor (LayerCache.stack); cross-attention keys and values of `memory` [B, S, d],
         computed once (LayerCache.cross_attend)."""
-        cross = [layer.cross_attn.project_kv(memory) for layer in self.decoder.layers]
+        # Contiguous once (split_heads gives views): every step's matmuls over them copied them first.
+        cross = [[x.contiguous() for x in layer.cross_attn.project_kv(memory)]
+                 for layer in self.decoder.layers]
         B, h, _, dh = cross[0][0].shape
         stack = cross[0][0].new_zeros(len(cross), 2, B * beams, h, length, dh)  # self: beams a sentence
         return [LayerCache(stack, i, k, v) for i, (k, v) in enumerate(cross)]
