@@ -421,10 +421,9 @@ def packed_linears(module: nn.Module, rows: int) -> Iterator[None]:
 
 def _packed_weights(module: nn.Module, weights: list[torch.Tensor], rows: int) -> list[torch.Tensor]:
     """oneDNN's packing of each weight for `rows` rows (the last, the output projection's: MKL's where
-    _mkl_packs), kept on `module` and reused while every
-    weight is the same tensor, unmodified (its address and version counter: an optimizer step or
-    load_state_dict changes them) and `rows` the same. Weights made in inference mode have no
-    version counter: packed anew at each call."""
+    _mkl_packs), kept on `module` and reused while every weight is the same tensor, unmodified (its
+    address and version counter: an optimizer step or load_state_dict changes them) and `rows` the
+    same. Weights made in inference mode have no version counter: packed anew at each call."""
     try:
         key = (rows, *((id(w), w.data_ptr(), w._version) for w in weights))
     except RuntimeError:  # "Inference tensors do not track version counter"
