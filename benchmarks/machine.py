@@ -77,13 +77,17 @@ def xla_dispatch() -> dict:
         if done is None or done.returncode != 0:
             return out | {"code": "unknown (JAX did not run)"}
         out["compile_s"] = float(done.stdout.split()[0])
-        hlo = "".join(o.read_text() for o in dump.glob("*after_optimizations.txt"))
+        # Nothing dumped: XLA did not read --xla_dump_to (it stops reading XLA_FLAGS at a word without "--").
+        hlo = "".join(o.read_text(errors="replace") for o in dump.glob("*after_optimizations.txt"))
+        objects = list(dump.glob("*.o"))
+        if not hlo or not objects:
+            return out | {"code": "unknown (XLA dumped nothing)", "dots": "unknown (XLA dumped nothing)"}
         out["dots"] = next((name for kind, name in DOT_LIBRARIES.items() if f'"{kind}"' in hlo), "XLA's own")
         objdump = shutil.which("objdump")
         if objdump is None:
             return out | {"code": "unknown (objdump not found)"}
         text = "".join(subprocess.run([objdump, "-d", str(o)], capture_output=True, text=True).stdout
-                       for o in dump.glob("*.o"))
+                       for o in objects)
         out["code"] = ("AVX-512" if re.search(r"%zmm|%k[1-7]", text) else "AVX2" if "%ymm" in text
                        else "SSE (no ymm register)")
         return out
