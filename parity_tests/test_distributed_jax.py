@@ -25,6 +25,7 @@ import pytest
 
 import jax_impl.train as jt
 from numpy_ref.backend import Model as NumpyModel
+from parity_tests.conftest import SUITE_COMPILE_FLAGS
 from rosetta.config import preset
 from rosetta.errors import RosettaError
 from rosetta.harness.batching import BatchIterator
@@ -145,7 +146,7 @@ def case(tmp_path_factory: pytest.TempPathFactory) -> Iterator[dict]:
         proc.log = directory / f"{out}.log"
         return proc
 
-    port, fast = free_port_pair(), "--xla_backend_optimization_level=0"
+    port, fast = free_port_pair(), SUITE_COMPILE_FLAGS
     procs = {
         "one_device": [start({"one_device": {}}, "one_device.npz", reference=True, XLA_FLAGS=fast)],
         "two_devices": [start(RUNS, "two_devices.npz", JAX_COMPILATION_CACHE_DIR=str(directory / "cache"),

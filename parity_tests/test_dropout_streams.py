@@ -9,6 +9,7 @@ import numpy as np
 import pytest
 import torch
 
+from parity_tests.conftest import SUITE_COMPILE_FLAGS
 from rosetta import init_params, preset
 from rosetta.parity import random_batch
 from rosetta.training import Batch, TrainConfig
@@ -189,7 +190,7 @@ def mesh_runs() -> dict:
     import sys
 
     env = {k: v for k, v in os.environ.items() if k not in ("WORLD_SIZE", "RANK", "LOCAL_RANK")}
-    env["XLA_FLAGS"] = "--xla_force_host_platform_device_count=2 --xla_backend_optimization_level=0"
+    env["XLA_FLAGS"] = f"--xla_force_host_platform_device_count=2 {SUITE_COMPILE_FLAGS}"
     done = subprocess.run([sys.executable, "-c", MESH_WORKER, json.dumps(DROPOUTS)], env=env,
                           capture_output=True, text=True, timeout=600)
     assert done.returncode == 0, done.stderr[-3000:]
