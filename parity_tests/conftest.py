@@ -29,12 +29,12 @@ BACKEND_MARKS: dict[str, tuple[Callable[[str], bool], str]] = {
 }
 
 
-# The suite's XLA_FLAGS (pytest_configure says why): LLVM at -O0, and XLA's CPU runtime on one thread.
-# (Only "--" flags: XLA stops reading XLA_FLAGS at the first word without them, so a flag a test or a
-# benchmark appends after one, an ISA cap, a dump folder, was silently dropped.)
+# The suite's XLA_FLAGS (pytest_configure says why): compile flags, and XLA's CPU runtime on one thread.
+# Only "--" flags: XLA stops reading XLA_FLAGS at the first word without them, silently dropping what a
+# test or benchmark appends after it (an ISA cap, a dump folder); a misspelled "--" flag aborts JAX.
 # The compile flags: LLVM at -O0, XLA's older loop emitters for its fusions instead of the MLIR fusion
-# emitters, and each program's LLVM module in one piece (issue 56: 47% less CPU on the JAX-heaviest
-# modules; the numbers and what they change in docs/testing.md). A test's own JAX subprocess adds them.
+# emitters, and each program's LLVM module in one piece (issue 56: the numbers and what they change
+# in docs/testing.md). A test that starts its own JAX process with other XLA_FLAGS adds them.
 SUITE_COMPILE_FLAGS = ("--xla_backend_optimization_level=0 --xla_cpu_use_fusion_emitters=false "
                        "--xla_cpu_parallel_codegen_split_count=1")
 SUITE_THREAD_FLAGS = "--xla_cpu_multi_thread_eigen=false"
