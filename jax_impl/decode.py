@@ -72,22 +72,30 @@ class Steps:
     state. `src` [B, S] and `memory` [B, S, d] are per sentence, the rows N = B x `beams` (beam k of
     sentence b: row b*beams + k); the cache's cross-attention keys and values stay per sentence
     (`shared`: SHARED_CROSS, ops.LayerCache.cross_attend), else they and the uncached path take them
-    per row."""
+    per row. The self-attention cache groups each sentence's rows whatever `shared` says
+    (ops.LayerCache: its reordering stays within a sentence)."""
 
     def __init__(self, module: Transformer, src: jax.Array, memory: jax.Array, length: int,
                  limits: jax.Array, constraints: Constraints = NO_CONSTRAINTS, cache: bool = True,
                  beams: int = 1, shared: bool = True):
-        self.beams = beams if cache and shared else 1  # self-attention rows a sentence's cache has
-        if self.beams != beams:
+        self.beams, self.shared = beams, cache and shared
+        self.module, self.sentences, self.cfg = module, memory, module.cfg  # memory per sentence
+        if not self.shared:  # cross-attention (and the uncached path) a row a beam
             src, memory = jnp.repeat(src, beams, axis=0), jnp.repeat(memory, beams, axis=0)
-        self.module, self.src, self.memory, self.cfg = module, src, memory, module.cfg
+        self.src, self.memory = src, memory
         self.limits, self.constraints = limits, constraints
         self.banned = constraints.banned_ids(self.cfg)
         self.use_cache, self.length = cache, length
         self.cross_mask = source_mask(src, self.cfg.pad_id)
 
     def init_cache(self) -> list[LayerCache]:
-        return self.module.init_cache(self.memory, self.length, self.beams) if self.use_cache else []
+        if not self.use_cache:
+            return []
+        cache = self.module.init_cache(self.sentences, self.length, self.beams)
+        if self.shared:
+            return cache
+        return [c._replace(cross_k=jnp.repeat(c.cross_k, self.beams, axis=0),
+                           cross_v=jnp.repeat(c.cross_v, self.beams, axis=0)) for c in cache]
 
     def next_log_probs(self, cache: list[LayerCache], tokens: jax.Array,
                        t: jax.Array) -> tuple[jax.Array, list[LayerCache]]:
@@ -114,12 +122,16 @@ class Steps:
 # base-sized model (benchmarks/decode_ct2.py, this project's CPU). The searches compile with
 # YNNPACK's individual dots only, what XLA_FLAGS=--xla_cpu_experimental_ynn_fusion_type=-reduce
 # leaves of jax 0.10's default (3.8 s -> 2.7 s, the same tokens); training keeps the default
-# (faster there: 2.8 s against 3.3 s a `small` step).
-CPU_SEARCH_OPTIONS = {"xla_cpu_experimental_ynn_fusion_type": "LIBRARY_FUSION_TYPE_INDIVIDUAL_DOT"}
+# (faster there: 2.8 s against 3.3 s a `small` step). And max/min without NaN propagation
+# (xla_cpu_enable_fast_min_max): the log-softmax's max over [128, 32000] (XLA's reduce-windows) took
+# 61 ms of a beam-4 search, 26 ms so (issue 55; the same tokens). A NaN among the logits still makes
+# the row's log-probabilities NaN (x - max, the sum of exp): the searches' NaN check still sees it.
+CPU_SEARCH_OPTIONS = {"xla_cpu_experimental_ynn_fusion_type": "LIBRARY_FUSION_TYPE_INDIVIDUAL_DOT",
+                      "xla_cpu_enable_fast_min_max": True}
 
 
 def _search_jit(fn, static_argnames: tuple[str, ...]):
-    """`jax.jit(fn)`, compiled with CPU_SEARCH_OPTIONS on a CPU; a jaxlib that does not know the
+    """`jax.jit(fn)`, compiled with CPU_SEARCH_OPTIONS on a CPU; a jaxlib that does not know an
     option gets the plain compilation."""
     plain = jax.jit(fn, static_argnames=static_argnames)
     tuned = jax.jit(fn, static_argnames=static_argnames, compiler_options=CPU_SEARCH_OPTIONS)
@@ -130,7 +142,7 @@ def _search_jit(fn, static_argnames: tuple[str, ...]):
             try:
                 return tuned(*args, **kwargs)
             except jax.errors.JaxRuntimeError as e:
-                if "xla_cpu_experimental_ynn_fusion_type" not in str(e):
+                if not any(option in str(e) for option in CPU_SEARCH_OPTIONS):
                     raise
                 usable[0] = False
         return plain(*args, **kwargs)

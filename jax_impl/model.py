@@ -187,9 +187,8 @@ class DecoderLayer(nnx.Module):
         written = {}
 
         def self_attn(h: Array) -> Array:
-            k, v = self.self_attn.project_kv(h)
-            written["cache"] = new = cache.write(t, k, v)  # a new cache (jax_impl/ops.py)
-            return self.self_attn.attend(h, new.self_k, new.self_v, self_mask)
+            y, written["cache"] = cache.self_attend(self.self_attn, h, t, self_mask)  # a new cache
+            return y
 
         x = residual(self.self_attn_norm, x, self_attn, self.cfg, self.dropout, None)
         x = residual(self.cross_attn_norm, x,
@@ -311,16 +310,18 @@ class Transformer(nnx.Module):
         caches = []
         for layer in self.decoder.layers:
             cross_k, cross_v = layer.cross_attn.project_kv(memory)
-            N, h, _, dh = (cross_k.shape[0] * beams, *cross_k.shape[1:])  # self: beams a sentence
-            caches.append(LayerCache(jnp.zeros((N, h, length, dh), cross_k.dtype),
-                                     jnp.zeros((N, h, length, dh), cross_k.dtype), cross_k, cross_v))
+            B, h, _, dh = cross_k.shape
+            keys, values = (jnp.zeros(shape, cross_k.dtype) for shape in  # ops.LayerCache's layouts
+                            ((B, h, dh, length * beams), (B, h, length * beams, dh)))
+            caches.append(LayerCache(keys, values, jnp.zeros((B * beams, length), jnp.int32),
+                                     cross_k.swapaxes(2, 3), cross_v))
         return caches
 
     def decode_step(self, tokens: Array, t: Array, cache: list[LayerCache],
                     cross_mask: Array) -> tuple[Array, list[LayerCache]]:
         """Logits [N, V] for the tokens [N] fed at position t, given the cache of positions < t, and
         the updated cache. Every cached position is a real token (decoding never emits pad_id)."""
-        length = cache[0].self_k.shape[2]
+        length = cache[0].slots.shape[1]
         x = self.embed(self.tgt_table, tokens[:, None], offset=t, rows=length)
         self_mask = (jnp.arange(length) <= t)[None, None, None, :]
         new_cache = []

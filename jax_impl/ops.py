@@ -12,7 +12,7 @@ Shapes: B batch, h heads, Tq query length, Tk key length, dh d_head.
 from __future__ import annotations
 
 import math
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from typing import NamedTuple
 
 import jax
@@ -140,27 +140,80 @@ def _project_backward(residuals: tuple[jax.Array, jax.Array], g: jax.Array) -> t
 project.defvjp(_project_forward, _project_backward)
 
 
+def fused_linear(linears: Sequence[nnx.Linear], x: jax.Array) -> list[jax.Array]:
+    """The outputs of `linears` (one input size; all with a bias or none) for x by one dot, their
+    kernels side by side (nnx.Linear's dtype promotion and dot): the decoding step's q, k and v
+    (issue 55: XLA's CPU backend ran the three dots of a base-sized beam-4 step concurrently, each
+    slower; the one dot took ~60% of their summed time). In the search's loop the concatenation is
+    loop-invariant: XLA computes it once. Each output the dot products of its own Linear, up to the
+    dot's summation order."""
+    first = linears[0]
+    kernel = jnp.concatenate([linear.kernel[...] for linear in linears], axis=1)
+    bias = None if first.bias is None else jnp.concatenate([linear.bias[...] for linear in linears])
+    x, kernel, bias = first.promote_dtype((x, kernel, bias), dtype=first.dtype)
+    y = first.dot_general(x, kernel, (((x.ndim - 1,), (0,)), ((), ())), precision=first.precision)
+    return jnp.split(y if bias is None else y + bias, len(linears), axis=-1)
+
+
 class LayerCache(NamedTuple):
-    """One decoder layer's keys and values (N, h, length, dh) for incremental decoding, a speed
-    path: self-attention over the L output positions (filled as decoding goes), cross-attention
-    over the S source positions (computed once, per sentence: `cross_attend`; the self-attention rows
-    are N = B x beams, the cross ones B). A NamedTuple, so a pytree for lax loops."""
+    """One decoder layer's keys and values for incremental decoding, a speed path: self-attention
+    over the L output positions (filled as decoding goes), cross-attention over the S source positions
+    (computed once, per sentence: `cross_attend`). The self-attention rows are N = B x K (K beams a
+    sentence, 1 in greedy search); their keys and values stay where they were written: `slots` [N, L]
+    says which of its sentence's K rows holds each position of row n, and beam search's reordering
+    moves those integers only (`reorder`, issue 55: gathering the whole cache was ~15% of a beam-4
+    search of a base-sized model on this project's CPU). Keys (B, h, dh, L x K) and values (B, h,
+    L x K, dh), position p of row k at p x K + k, and the cross-attention keys (B, h, dh, S): the
+    layouts XLA's CPU dots read as they are (in others XLA copied or transposed each cache every
+    step). A NamedTuple, so a pytree for lax loops."""
 
     self_k: jax.Array
     self_v: jax.Array
+    slots: jax.Array
     cross_k: jax.Array
     cross_v: jax.Array
 
     def write(self, t: jax.Array, k: jax.Array, v: jax.Array) -> LayerCache:
-        """The cache with the keys and values (N, h, 1, dh) of position t written, cast to its dtype:
-        the whole cache is attended, positions > t masked (torch_impl's static-cache path)."""
-        k, v = k.astype(self.self_k.dtype), v.astype(self.self_v.dtype)
-        return self._replace(self_k=jax.lax.dynamic_update_slice_in_dim(self.self_k, k, t, axis=2),
-                             self_v=jax.lax.dynamic_update_slice_in_dim(self.self_v, v, t, axis=2))
+        """The cache with row n's keys and values (N, h, 1, dh) of position t written into row n's own
+        slot (cast to the cache's dtype): the whole cache is attended, positions > t masked
+        (torch_impl's static-cache path)."""
+        (N, _), (B, h, dh, _) = self.slots.shape, self.self_k.shape
+        K = N // B
+        k, v = (x.reshape(B, K, h, dh).astype(self.self_v.dtype) for x in (k, v))
+        mine = (jnp.arange(N, dtype=self.slots.dtype) % K)[:, None]
+        return self._replace(
+            self_k=jax.lax.dynamic_update_slice_in_dim(self.self_k, k.transpose(0, 2, 3, 1), t * K, axis=3),
+            self_v=jax.lax.dynamic_update_slice_in_dim(self.self_v, v.transpose(0, 2, 1, 3), t * K, axis=2),
+            slots=jax.lax.dynamic_update_slice_in_dim(self.slots, mine, t, axis=1))
 
     def reorder(self, rows: jax.Array) -> LayerCache:
-        """Beam search's reordering: row i takes row rows[i] (a new cache: JAX arrays are immutable)."""
-        return self._replace(self_k=self.self_k[rows], self_v=self.self_v[rows])
+        """Beam search's reordering: row i takes row rows[i] (of the same sentence), its slots only."""
+        return self._replace(slots=self.slots[rows])
+
+    def self_attend(self, attention: nnx.Module, h: jax.Array, t: jax.Array,
+                    mask: jax.Array) -> tuple[jax.Array, LayerCache]:
+        """Self-attention of the new tokens h [N, 1, d] at position t by `attention` (the layer's
+        MultiHeadAttention) with `mask` [..., L], and the new cache: their keys and values written
+        (`write`), then eq. 1 for each row over its own positions, position p's key and value taken
+        from the row `slots` names. Each sentence's K queries meet its K rows' keys in one dot, a score
+        kept where the slot matches (the others add an exact 0), the values weighted in their slots
+        (0 elsewhere): the same numbers as a reordered cache, up to the dots' summation order (as
+        attention's explicit path: scores in float32 at least, masked by the most negative finite
+        value, SPEC §2)."""
+        projected = fused_linear([attention.q, attention.k, attention.v], h)
+        q, k, v = (attention.split_heads(x) for x in projected)
+        new = self.write(t, k, v)
+        (N, L), (B, heads, dh, _) = new.slots.shape, new.self_k.shape
+        K = N // B
+        q = q.reshape(B, K, heads, dh).transpose(0, 2, 1, 3)
+        k, v = new.self_k.astype(q.dtype), new.self_v.astype(q.dtype)
+        mine = (new.slots.reshape(B, 1, K, L, 1) == jnp.arange(K)).reshape(B, 1, K, L * K)  # (B, 1, Kq, L K)
+        scores = jnp.where(mine, jnp.einsum("bhqd,bhdp->bhqp", q, k), 0).reshape(B, heads, K, L, K).sum(-1)
+        wide = jnp.promote_types(q.dtype, jnp.float32)
+        scores = jnp.where(mask, scores.astype(wide) / math.sqrt(dh), jnp.finfo(wide).min)  # (B, h, Kq, L)
+        weights = jnp.repeat(jax.nn.softmax(scores, axis=-1).astype(q.dtype), K, axis=-1)
+        y = jnp.einsum("bhqp,bhpd->bhqd", jnp.where(mine, weights, 0), v)  # (B, h, Kq, dh)
+        return attention.o(y.transpose(0, 2, 1, 3).reshape(h.shape)), new
 
     def cross_attend(self, attend: Callable[..., jax.Array], h: jax.Array, mask: jax.Array) -> jax.Array:
         """Cross-attention of h [N, 1, d] over the cached encoder keys and values by `attend(x_q, k,
@@ -169,8 +222,8 @@ class LayerCache(NamedTuple):
         K rows are then K queries (B, K, d) of one attention over them, with `mask` [B, 1, 1, S]:
         keys and values computed and read once per sentence, not per beam (issue 47). The same
         numbers up to the dots' summation order (torch_impl/ops.py). B = N (greedy): each row its own."""
-        rows = self.cross_k.shape[0]
-        return attend(h.reshape(rows, -1, h.shape[-1]), self.cross_k, self.cross_v, mask).reshape(h.shape)
+        rows, keys = self.cross_k.shape[0], self.cross_k.swapaxes(2, 3)  # stored (B, h, dh, S)
+        return attend(h.reshape(rows, -1, h.shape[-1]), keys, self.cross_v, mask).reshape(h.shape)
 
 
 class Positions(nnx.Variable):

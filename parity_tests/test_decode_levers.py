@@ -392,6 +392,56 @@ def test_plain_attention_is_the_formula():
     np.testing.assert_allclose(want[0, 0, 1], v[0, 0].mean(0), atol=1e-6)  # the oracle's own rule
 
 
+def test_jax_slot_cache_attends_as_a_gathered_cache():
+    """jax_impl's self-attention cache (ops.LayerCache) keeps each row's keys and values where they
+    were written, and beam search's reordering moves its `slots` only: at every step of a search-like
+    run (3 sentences x 4 beams, 6 positions, rows redrawn within their sentence after each step,
+    repeats allowed as when one beam spawns two), LayerCache.self_attend equals eq. 1 in float64 NumPy
+    over a cache whose rows were gathered (the reordering it replaces): q, k and v by the layer's own
+    weights, the keys and values of positions <= t. float64 both: a few eps of 1, bound 1e-12."""
+    import jax
+    import jax.numpy as jnp
+    from flax import nnx
+
+    from jax_impl.model import MultiHeadAttention
+    from jax_impl.ops import LayerCache
+
+    rng = np.random.default_rng(0)
+    B, K, L = 3, 4, 6
+    N = B * K
+    with jax.enable_x64(True):
+        cfg = preset("tiny").replace(attention_bias=True)
+        h, dh = cfg.num_heads, cfg.d_model // cfg.num_heads
+        attention = MultiHeadAttention(cfg, jnp.float64, nnx.Rngs(0))
+        for linear in (attention.q, attention.k, attention.v, attention.o):  # nonzero biases
+            linear.bias[...] = jnp.asarray(rng.standard_normal(cfg.d_model), linear.bias.dtype)
+        weights = {name: (np.asarray(lin.kernel[...]), np.asarray(lin.bias[...])) for name, lin in
+                   (("q", attention.q), ("k", attention.k), ("v", attention.v), ("o", attention.o))}
+        cache = LayerCache(jnp.zeros((B, h, dh, L * K)), jnp.zeros((B, h, L * K, dh)),
+                           jnp.zeros((N, L), jnp.int32), None, None)
+        keys, values = np.zeros((N, h, L, dh)), np.zeros((N, h, L, dh))  # the gathered cache
+
+        def linear(name: str, x: np.ndarray) -> np.ndarray:
+            kernel, bias = weights[name]
+            return x @ kernel + bias
+
+        for t in range(L):
+            x = rng.standard_normal((N, 1, cfg.d_model))
+            mask = (jnp.arange(L) <= t)[None, None, None, :]
+            got, cache = cache.self_attend(attention, jnp.asarray(x), jnp.asarray(t), mask)
+            q, k, v = (linear(name, x[:, 0]).reshape(N, h, dh) for name in "qkv")
+            keys[:, :, t], values[:, :, t] = k, v
+            scores = np.einsum("nhd,nhpd->nhp", q, keys[:, :, :t + 1]) / np.sqrt(dh)
+            w = np.exp(scores - scores.max(-1, keepdims=True))
+            y = np.einsum("nhp,nhpd->nhd", w / w.sum(-1, keepdims=True), values[:, :, :t + 1])
+            want = linear("o", y.reshape(N, cfg.d_model))
+            np.testing.assert_allclose(np.asarray(got)[:, 0], want, rtol=0, atol=1e-12)
+            rows = (np.arange(B)[:, None] * K + rng.integers(0, K, (B, K))).reshape(-1)
+            cache = cache.reorder(jnp.asarray(rows))
+            keys, values = keys[rows], values[rows]
+        assert len(set(rows.tolist())) < N  # some beam was taken twice at least once (the draw)
+
+
 @pytest.mark.parametrize("stacked", [True, False])
 def test_stacked_cache_reorders_every_layer_by_one_gather(monkeypatch, stacked):
     """A beam step's reordering of the self-attention cache: one gather over the stacked cache's row

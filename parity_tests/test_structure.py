@@ -150,10 +150,8 @@ TORCH_ONLY: dict[str, dict[str, str]] = {
         "packed_linears": "the same",
         "_packed_weights": "the same: the packing kept per module while its weights are unchanged",
         "plain_attention": "the eager step's attention by matmuls (JAX's CPU path is already explicit)",
-        "fused_linear": "the eager step's q, k, v in one GEMM (a torch eager lever; JAX's three dots stay)",
         "LayerCache.self_k": "a layer's slice of the stacked cache (JAX keeps a cache per layer)",
         "LayerCache.self_v": "the same",
-        "LayerCache.self_attend": "the eager single-query path; JAX's step attends through attend",
         "reorder_stack": "every layer's cache reordered by one gather (JAX keeps a cache per layer)",
     },
     "loss": {
