@@ -152,7 +152,9 @@ TORCH_ONLY: dict[str, dict[str, str]] = {
         "plain_attention": "the eager step's attention by matmuls (JAX's CPU path is already explicit)",
         "LayerCache.self_k": "a layer's slice of the stacked cache (JAX keeps a cache per layer)",
         "LayerCache.self_v": "the same",
-        "reorder_stack": "every layer's cache reordered by one gather (JAX keeps a cache per layer)",
+        "reorder_stack": "every layer's cache reordered by one gather (JAX's reorder moves slots only)",
+        "keep_heap": "glibc's freed memory kept for reuse (XLA maps its buffers itself: mallopt cannot)",
+        "_heap_kept": "the same",
     },
     "loss": {
         "_ChunkedCrossEntropy": "the autograd.Function binding _chunked_forward/_backward (JAX: defvjp)",

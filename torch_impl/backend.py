@@ -19,7 +19,7 @@ from rosetta.params import Params
 from torch_impl import decode
 from torch_impl.convert import build_model, to_params
 from torch_impl.model import Transformer, source_mask
-from torch_impl.ops import packed_linears
+from torch_impl.ops import keep_heap, packed_linears
 
 
 @dataclass(frozen=True)
@@ -194,6 +194,7 @@ class Model(BackendModel):
         compiled = self.compile and cache
         # oneDNN's packed weights on the eager CPU path only: a compiled step captures the plain module.
         packed = contextlib.nullcontext() if compiled else packed_linears(self.module, len(src) * beam_size)
+        keep_heap(self.device.type)
         with self._context(), packed:
             if beam_size == 1:
                 return decode.greedy_search(self.module, self.config, self._tensor(src), max_len_margin,
