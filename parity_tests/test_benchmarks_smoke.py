@@ -383,15 +383,22 @@ def test_decode_ct2_smoke(model):
 def test_profile_cpu_smoke():
     """benchmarks/profile_cpu.py runs end to end on tiny models (in its own process: it sets
     XLA_FLAGS before JAX starts) and attributes each framework's time to kinds of work: matmuls
-    in every profile, and dropout's random bits in every training step (dropout is on)."""
+    in every profile, and dropout's random bits in every training step (dropout is on); its HLO
+    dumps, traces and model folder do not outlive it."""
     import re
     import subprocess
     import sys
+    import tempfile
     from pathlib import Path
 
+    def left() -> set[Path]:
+        return set(Path(tempfile.gettempdir()).glob("profile-cpu-*"))
+
+    before = left()
     out = subprocess.run([sys.executable, "-m", "benchmarks.profile_cpu", "--quick"], capture_output=True,
                          text=True, cwd=Path(__file__).parents[1], timeout=300, env=users_environment())
     assert out.returncode == 0, out.stderr[-2000:]
+    assert left() <= before, sorted(map(str, left() - before))
     tables = re.findall(r"^### (\w+): .*\n\n((?:\|.*\n)+)", out.stdout, re.M)
     assert [name for name, _ in tables] == ["torch", "peer", "jax", "torch", "jax"]
     for i, (name, rows) in enumerate(tables):
