@@ -516,20 +516,23 @@ def test_a_cpu_search_keeps_freed_memory_for_its_next_tensors():
         pytest.skip("keep_heap acts under glibc only (mallopt): nothing to check on this C library")
     assert threading.current_thread() is threading.main_thread()
 
-    class Mallinfo2(ctypes.Structure):
-        _fields_ = [(name, ctypes.c_size_t) for name in ("arena", "ordblks", "smblks", "hblks", "hblkhd",
-                                                          "usmblks", "fsmblks", "uordblks", "fordblks",
-                                                          "keepcost")]
-
     libc = ctypes.CDLL(None)
-    libc.mallinfo2.restype, libc.malloc.restype = Mallinfo2, ctypes.c_void_p
-    libc.free.argtypes = [ctypes.c_void_p]
+    # glibc >= 2.33's mallinfo2 (size_t fields); before it, mallinfo's int fields (the same names)
+    wide = hasattr(libc, "mallinfo2")
+
+    class Mallinfo(ctypes.Structure):
+        _fields_ = [(name, ctypes.c_size_t if wide else ctypes.c_int)
+                    for name in ("arena", "ordblks", "smblks", "hblks", "hblkhd", "usmblks", "fsmblks",
+                                 "uordblks", "fordblks", "keepcost")]
+
+    mallinfo = libc.mallinfo2 if wide else libc.mallinfo
+    mallinfo.restype, libc.malloc.restype, libc.free.argtypes = Mallinfo, ctypes.c_void_p, [ctypes.c_void_p]
     keep_heap("cpu")
     size = 64 << 20
-    before = libc.mallinfo2()
+    before = mallinfo()
     block = libc.malloc(size)
-    during = libc.mallinfo2()
+    during = mallinfo()
     libc.free(block)
-    after = libc.mallinfo2()
+    after = mallinfo()
     assert during.hblks == before.hblks and during.uordblks >= before.uordblks + size  # the heap's
     assert after.arena == during.arena  # kept, not trimmed
