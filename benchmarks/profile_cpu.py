@@ -128,15 +128,15 @@ def profile_jax(fn, vocab: int, module: str, hlo_dir: Path, calls: int = 2) -> t
     from jax.profiler import ProfileData
 
     wall = _wall(lambda: jax.block_until_ready(fn()), calls)
-    trace = Path(tempfile.mkdtemp(prefix="profile-cpu-trace-", suffix=f"-{os.getpid()}"))
-    jax.profiler.start_trace(str(trace))
-    for _ in range(calls):
-        jax.block_until_ready(fn())
-    jax.profiler.stop_trace()
+    with tempfile.TemporaryDirectory(prefix="profile-cpu-trace-") as trace:
+        jax.profiler.start_trace(trace)
+        for _ in range(calls):
+            jax.block_until_ready(fn())
+        jax.profiler.stop_trace()
+        data = ProfileData.from_file(str(next(Path(trace).rglob("*.xplane.pb"))))
     instructions = _hlo_instructions(module, hlo_dir)
     kinds: Counter = Counter()
     executing = 0
-    data = ProfileData.from_file(str(next(trace.rglob("*.xplane.pb"))))
     for plane in data.planes:
         for line in plane.lines:
             if not line.name.startswith("tf_XLA"):  # XLA's threads: its pool's, the client's
@@ -171,8 +171,8 @@ def decode_cases(quick: bool) -> dict:
     from rosetta import from_params
 
     B, L = (4, 8) if quick else (32, 24)
-    folder = Path(tempfile.mkdtemp(prefix="profile-cpu-model-", suffix=f"-{os.getpid()}"))
-    cfg, params = marian_model(QUICK if quick else BASE, folder / "marian")
+    with tempfile.TemporaryDirectory(prefix="profile-cpu-model-") as folder:  # the weights: in memory
+        cfg, params = marian_model(QUICK if quick else BASE, Path(folder) / "marian")
     rng = np.random.default_rng(0)
     src = np.concatenate([rng.integers(2, cfg.src_vocab_size - 1, (B, L - 1)), np.full((B, 1), cfg.eos_id)],
                          axis=1)
@@ -216,9 +216,8 @@ def main(argv: list[str] | None = None) -> None:
     hlo_dir = Path(tempfile.mkdtemp(prefix="profile-cpu-hlo-"))  # the optimized HLO, for the thunk names
     try:
         _profile(args, name, hlo_dir)
-    finally:  # the dumps, the traces and the decode case's model: nothing left in the temp folder
-        for folder in (hlo_dir, *Path(tempfile.gettempdir()).glob(f"profile-cpu-*-{os.getpid()}")):
-            shutil.rmtree(folder, ignore_errors=True)
+    finally:  # nothing left in the temp folder (the traces and the decode case's model: where made)
+        shutil.rmtree(hlo_dir, ignore_errors=True)
 
 
 def _profile(args, name: str, hlo_dir: Path) -> None:
