@@ -21,7 +21,6 @@ import datetime as dt
 import math
 import os
 import re
-import shutil
 import sys
 import tempfile
 import time
@@ -213,11 +212,9 @@ def main(argv: list[str] | None = None) -> None:
     if "jax" in sys.modules:  # XLA reads XLA_FLAGS once, when JAX starts; JAX is imported only below
         cli.error("JAX is already imported in this process: run `python -m benchmarks.profile_cpu` "
                   "on its own")
-    hlo_dir = Path(tempfile.mkdtemp(prefix="profile-cpu-hlo-"))  # the optimized HLO, for the thunk names
-    try:
-        _profile(args, name, hlo_dir)
-    finally:  # nothing left in the temp folder (the traces and the decode case's model: where made)
-        shutil.rmtree(hlo_dir, ignore_errors=True)
+    # The optimized HLO, for the thunk names; like the traces and the decode case's model, removed here.
+    with tempfile.TemporaryDirectory(prefix="profile-cpu-hlo-") as hlo_dir:
+        _profile(args, name, Path(hlo_dir))
 
 
 def _profile(args, name: str, hlo_dir: Path) -> None:

@@ -501,11 +501,10 @@ def test_a_cpu_search_keeps_freed_memory_for_its_next_tensors():
     """torch_impl.ops.keep_heap (every CPU search calls it): once it has run, under glibc, a 64 MB
     block is served from malloc's heap, not mapped on its own, and freed it stays there (glibc's own
     accounting, mallinfo2: `hblks` counts blocks mapped on their own, `uordblks` the heap's bytes in
-    use, `arena` its bytes from the OS). By
-    default glibc maps any block over 32 MB and unmaps it when freed, so each step's large tensors came
-    in fresh pages (~44,800 page faults a beam-4 call of decode_ct2's model; docs/decoding.md). In the
-    test's own thread: the main one, whose heap is the one keep_heap's settings govern. Other C
-    libraries: keep_heap changes nothing (no mallopt)."""
+    use, `arena` its bytes from the OS). By default glibc maps any block over 32 MB and unmaps it when
+    freed, so each step's large tensors came in fresh pages (~44,800 page faults a beam-4 call of
+    decode_ct2's model; docs/decoding.md). In the test's own thread: the main one, whose heap is the
+    one keep_heap's settings govern. Other C libraries: keep_heap changes nothing (no mallopt)."""
     import ctypes
     import platform
     import threading
