@@ -161,6 +161,7 @@ TORCH_ONLY: dict[str, dict[str, str]] = {
     },
     "distributed": {
         "replicate": "DDP or FSDP2 wrap the module; JAX lays its variables on a mesh (place)",
+        "_instance": "FSDP2's and DTensor's types asked without importing them (JAX's sharding is loaded)",
         "unwrap": "the module inside DDP's wrapper; JAX wraps nothing",
         "gradient_sync": "DDP's and FSDP2's reduction held until the last micro-batch; JAX sums in one step",
         "all_sum": "the loss summed over processes by hand; XLA inserts JAX's reductions itself",

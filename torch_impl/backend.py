@@ -4,12 +4,12 @@ JAX's, under the same names where they match, in the same order (parity_tests/te
 from __future__ import annotations
 
 import contextlib
+import sys
 from collections.abc import Iterator, Mapping
 from dataclasses import dataclass
 
 import numpy as np
 import torch
-from torch.distributed.fsdp import FSDPModule
 
 from rosetta.backends import BackendModel
 from rosetta.device import check_device
@@ -112,7 +112,8 @@ def compute_context(module: torch.nn.Module, dtype: torch.dtype | None, autocast
     if dtype is None:
         return contextlib.nullcontext()
     inner = module.module if isinstance(module, torch.nn.parallel.DistributedDataParallel) else module
-    if autocast or not isinstance(inner, Transformer) or isinstance(module, FSDPModule):
+    fsdp = sys.modules.get("torch.distributed.fsdp")  # imported where a module is sharded (distributed.py)
+    if autocast or not isinstance(inner, Transformer) or fsdp and isinstance(module, fsdp.FSDPModule):
         device = next(module.parameters()).device
         return torch.autocast(device.type, dtype=dtype)
     return _swapped(module, compute_weights(module, dtype) if weights is None else weights)

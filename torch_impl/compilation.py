@@ -9,11 +9,15 @@ jax_impl/compilation.py holds JAX's (jit is always on there: its persistent cach
 
 from __future__ import annotations
 
+import sys
 from collections.abc import Callable
 from typing import Any
 
 import torch
-import torch._dynamo
+
+# torch._dynamo is imported where compiling starts (here, and decode.py's compiled search), never at
+# import: ~1 s of CPU (sympy included) that a process that only decodes (translate, generate, diff)
+# need not pay. A training process pays it anyway: torch.optim's Optimizer imports it.
 
 # What torch.compile lowers to. Tests swap in a counting backend
 # (torch._dynamo.testing.CompileCounterWithBackend("aot_eager")): the same graph capture, no code
@@ -28,10 +32,11 @@ def compiled(fn: Callable, *, dynamic: bool | None, mode: str | None = None) -> 
     """`torch.compile(fn)` as the backend compiles: whole graphs (`fullgraph`), `dynamic` as asked
     (False: one graph per input shape; None: torch's automatic dynamic shapes, at most two), `mode`
     for inductor ("reduce-overhead": CUDA graphs on a GPU, none on a CPU)."""
-    limit = max(torch._dynamo.config.recompile_limit, RECOMPILE_LIMIT)
-    torch._dynamo.config.recompile_limit = limit
-    torch._dynamo.config.accumulated_recompile_limit = max(torch._dynamo.config.accumulated_recompile_limit,
-                                                           limit)
+    import torch._dynamo as dynamo
+
+    limit = max(dynamo.config.recompile_limit, RECOMPILE_LIMIT)
+    dynamo.config.recompile_limit = limit
+    dynamo.config.accumulated_recompile_limit = max(dynamo.config.accumulated_recompile_limit, limit)
     options = {"mode": mode} if BACKEND == "inductor" and mode is not None else {}
     return torch.compile(fn, fullgraph=True, dynamic=dynamic, backend=BACKEND, **options)
 
@@ -67,7 +72,9 @@ def compile_totals() -> tuple[float, int]:
     """(seconds, graphs): the time this process spent in torch.compile (graph capture and the backend:
     inductor's code generation, or its cache's read) and the graphs it compiled so far. From dynamo's
     own per-phase timings: "_compile.compile_inner" wraps one frame's whole compilation, backward
-    graph included."""
+    graph included. Nothing compiled where dynamo was never imported (torch.compile imports it)."""
+    if "torch._dynamo" not in sys.modules:
+        return 0.0, 0
     from torch._dynamo.utils import compilation_time_metrics
 
     frames = compilation_time_metrics.get("_compile.compile_inner", ())

@@ -127,8 +127,10 @@ class Steps:
                     layer_cache.fused_qkv = fused_linear([attention.q, attention.k, attention.v], rows)
             self.cross_mask = None if bool(self.cross_mask.all()) else self.cross_mask  # no padding
         if static:
+            import torch._dynamo as dynamo  # compiling: imported here, not at start (compilation.py)
+
             for x in self.tensors():
-                torch._dynamo.mark_static_address(x)
+                dynamo.mark_static_address(x)
 
     def tensors(self) -> list[torch.Tensor]:
         """What a compiled step reads besides the state and the weights."""
@@ -262,9 +264,11 @@ def run(body: Callable[[State], State], state: State, length: int, compiled: boo
     # sizes dynamo specializes (0 and 1: a one-sentence batch, a one-token cache) and for sizes
     # equal by chance in the first call (duck sizing); dynamic=False would compile one graph per
     # (N, S, L), and dynamic=True would make the constant sizes symbolic too.
+    import torch._dynamo as dynamo  # compiling: imported here, not at start (compilation.py)
+
     for x, dims in dynamic:
         for dim in dims:
-            torch._dynamo.maybe_mark_dynamic(x, dim)
+            dynamo.maybe_mark_dynamic(x, dim)
     step = compilation.compiled(body, dynamic=None, mode="reduce-overhead" if device.type == "cuda" else None)
     state = (torch.zeros((), dtype=torch.int64, device=device), *state[1:])
     for i in range(length):

@@ -13,14 +13,13 @@ from __future__ import annotations
 
 import contextlib
 import datetime
+import sys
 from collections.abc import Iterator
 from typing import Any
 
 import numpy as np
 import torch
 import torch.distributed as dist
-from torch.distributed.fsdp import FSDPModule, fully_shard
-from torch.distributed.tensor import DTensor, distribute_tensor
 from torch.nn.parallel import DistributedDataParallel
 
 from rosetta.distributed import LaunchEnv
@@ -61,6 +60,8 @@ def replicate(module: Transformer, device: torch.device, env: LaunchEnv, shard: 
     """The module the forward pass runs through: itself (one process), DDP around it, or itself
     sharded in place by FSDP2 (each layer one unit, the root the embeddings and the rest)."""
     if shard:
+        from torch.distributed.fsdp import fully_shard
+
         for p in module.parameters():  # FSDP2 shards contiguous tensors only; Linear weights
             p.data = p.data.contiguous()  # arrive as transposed views of the canonical [in, out]
         for layer in [*module.encoder.layers, *module.decoder.layers]:
@@ -70,6 +71,14 @@ def replicate(module: Transformer, device: torch.device, env: LaunchEnv, shard: 
         ids = [device.index] if device.type == "cuda" else None
         return DistributedDataParallel(module, device_ids=ids)  # broadcasts rank 0's weights
     return module
+
+
+def _instance(value: Any, module: str, name: str) -> bool:
+    """isinstance(value, module.name), False where `module` was never imported: FSDP2 and DTensor are
+    imported where a module is sharded (replicate), not at start (~0.5 s of CPU, sympy included, that
+    a process that only decodes need not pay), and none of their modules or tensors exist before."""
+    found = sys.modules.get(module)
+    return found is not None and isinstance(value, getattr(found, name))
 
 
 def unwrap(module: torch.nn.Module) -> Transformer:
@@ -84,7 +93,7 @@ def gradient_sync(replica: torch.nn.Module, sync: bool) -> Iterator[None]:
     if isinstance(replica, DistributedDataParallel) and not sync:
         with replica.no_sync():
             yield
-    elif isinstance(replica, FSDPModule) and not sync:
+    elif _instance(replica, "torch.distributed.fsdp", "FSDPModule") and not sync:
         replica.set_requires_gradient_sync(False)
         try:
             yield
@@ -112,7 +121,7 @@ def any_process(flag: bool, num_processes: int, device: torch.device) -> bool:
 
 def whole(tensor: torch.Tensor) -> torch.Tensor:
     """A DTensor shard gathered whole (a collective: every process calls it); others as they are."""
-    return tensor.full_tensor() if isinstance(tensor, DTensor) else tensor
+    return tensor.full_tensor() if _instance(tensor, "torch.distributed.tensor", "DTensor") else tensor
 
 
 def put(value: np.ndarray, like: torch.Tensor) -> torch.Tensor:
@@ -122,7 +131,9 @@ def put(value: np.ndarray, like: torch.Tensor) -> torch.Tensor:
     moments in memory order, so a moment of another layout would be updated with the wrong gradient
     entries. The reverse of `whole`."""
     tensor = torch.from_numpy(np.array(value))
-    if isinstance(like, DTensor) and tensor.ndim:
+    if _instance(like, "torch.distributed.tensor", "DTensor") and tensor.ndim:
+        from torch.distributed.tensor import distribute_tensor
+
         return distribute_tensor(tensor.to(like.device), like.device_mesh, like.placements)
     if tensor.shape != like.shape:
         return tensor  # the step count (0-d), or a mismatch that check_state has already refused

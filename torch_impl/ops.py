@@ -331,10 +331,13 @@ def reorder_stack(stack: torch.Tensor, rows: torch.Tensor, t: int | torch.Tensor
     return kept
 
 
-@torch.compiler.disable  # replaces a buffer: eager, once per new length, even when compiled
 def grow_positions(model: nn.Module, rows: int) -> None:
     """Replaces `model.positions` by a table of at least `rows` positions (rosetta/positional.py's
-    grown_rows), on the same device and in the same dtype."""
+    grown_rows), on the same device and in the same dtype. Eager, once per new length: a compiled
+    step's caller grows the table before it (decode.Steps, train.Trainer.step), and a graph that would
+    grow it is refused while it is traced (a NumPy table traced into a graph would be recomputed in it)."""
+    if torch.compiler.is_compiling():
+        raise RuntimeError("the position table grows outside a compiled step: position_table(rows) first")
     table = model_table(model.cfg, grown_rows(rows, model.positions.shape[0], model.cfg.max_len))
     with torch.inference_mode(False):  # a plain tensor, usable by training later
         model.positions = torch.from_numpy(table).to(model.positions.device, model.positions.dtype)
