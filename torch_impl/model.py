@@ -225,10 +225,10 @@ class Transformer(nn.Module):
         names = embedding_names(cfg)
         for name in dict.fromkeys((names.src, names.tgt)):  # one table when shared
             vocab = cfg.tgt_vocab_size if name.startswith("tgt") else cfg.src_vocab_size
-            # The table given (empty: build_model loads every value), so nothing initialises it: nn.init's
+            # The table given (zeros: build_model loads every value), so nothing initialises it: nn.init's
             # normal_ on the meta device imports torch's compiler (~1 s of a decoding process's start).
             self.add_module(name.split(".")[0], nn.Embedding(vocab, cfg.d_model,
-                                                             _weight=torch.empty(vocab, cfg.d_model)))
+                                                             _weight=torch.zeros(vocab, cfg.d_model)))
         self.encoder = Stack(cfg, EncoderLayer, cfg.num_encoder_layers)
         self.decoder = Stack(cfg, DecoderLayer, cfg.num_decoder_layers)
         self.generator = Generator(cfg)
