@@ -161,7 +161,6 @@ TORCH_ONLY: dict[str, dict[str, str]] = {
     },
     "distributed": {
         "replicate": "DDP or FSDP2 wrap the module; JAX lays its variables on a mesh (place)",
-        "_instance": "FSDP2's and DTensor's types asked without importing them (JAX's sharding is loaded)",
         "unwrap": "the module inside DDP's wrapper; JAX wraps nothing",
         "gradient_sync": "DDP's and FSDP2's reduction held until the last micro-batch; JAX sums in one step",
         "all_sum": "the loss summed over processes by hand; XLA inserts JAX's reductions itself",
@@ -213,6 +212,7 @@ TORCH_ONLY: dict[str, dict[str, str]] = {
         "Precision": "torch's dtypes: parameter dtype, compute dtype, autocast or not, CUDA-only",
         "float32_matmul_precision": "torch's TF32 switches, restored after",
         "_swapped": "the cast weights swapped into the modules; JAX merges a cast state",
+        "loaded_instance": "FSDP2's and DTensor's types asked without importing them (JAX's are loaded)",
         "compute_context": "the cast weights, or autocast for other modules; JAX casts the state alone",
         "default_device": "CUDA if available: torch places tensors itself; JAX has a default device",
         "Model.__init__": "the device and the compiled search step chosen per model",

@@ -89,6 +89,15 @@ def _swapped(module: torch.nn.Module, weights: Mapping[int, torch.Tensor]) -> It
             m._parameters[name] = p
 
 
+def loaded_instance(value: object, module: str, name: str) -> bool:
+    """isinstance(value, module.name), False where `module` was never imported: FSDP2 and DTensor are
+    imported where a module is sharded (torch_impl/distributed.py's replicate), not at start (~0.5 s of
+    CPU, sympy included, that a process that only decodes need not pay), and none of their modules or
+    tensors exist before."""
+    found = sys.modules.get(module)
+    return found is not None and isinstance(value, getattr(found, name))
+
+
 def compute_context(module: torch.nn.Module, dtype: torch.dtype | None, autocast: bool = False,
                     weights: Mapping[int, torch.Tensor] | None = None) -> contextlib.AbstractContextManager:
     """The backend's one low-precision compute policy, around a forward pass of `module` (one process,
@@ -112,8 +121,8 @@ def compute_context(module: torch.nn.Module, dtype: torch.dtype | None, autocast
     if dtype is None:
         return contextlib.nullcontext()
     inner = module.module if isinstance(module, torch.nn.parallel.DistributedDataParallel) else module
-    fsdp = sys.modules.get("torch.distributed.fsdp")  # imported where a module is sharded (distributed.py)
-    if autocast or not isinstance(inner, Transformer) or fsdp and isinstance(module, fsdp.FSDPModule):
+    sharded = loaded_instance(module, "torch.distributed.fsdp", "FSDPModule")
+    if autocast or not isinstance(inner, Transformer) or sharded:
         device = next(module.parameters()).device
         return torch.autocast(device.type, dtype=dtype)
     return _swapped(module, compute_weights(module, dtype) if weights is None else weights)

@@ -13,7 +13,6 @@ from __future__ import annotations
 
 import contextlib
 import datetime
-import sys
 from collections.abc import Iterator
 from typing import Any
 
@@ -24,7 +23,7 @@ from torch.nn.parallel import DistributedDataParallel
 
 from rosetta.distributed import LaunchEnv
 from rosetta.errors import RosettaError
-from torch_impl.backend import default_device
+from torch_impl.backend import default_device, loaded_instance
 from torch_impl.model import Transformer
 
 
@@ -73,14 +72,6 @@ def replicate(module: Transformer, device: torch.device, env: LaunchEnv, shard: 
     return module
 
 
-def _instance(value: Any, module: str, name: str) -> bool:
-    """isinstance(value, module.name), False where `module` was never imported: FSDP2 and DTensor are
-    imported where a module is sharded (replicate), not at start (~0.5 s of CPU, sympy included, that
-    a process that only decodes need not pay), and none of their modules or tensors exist before."""
-    found = sys.modules.get(module)
-    return found is not None and isinstance(value, getattr(found, name))
-
-
 def unwrap(module: torch.nn.Module) -> Transformer:
     """The Transformer inside a DistributedDataParallel wrapper (FSDP2 shards it in place)."""
     return module.module if isinstance(module, DistributedDataParallel) else module
@@ -93,7 +84,7 @@ def gradient_sync(replica: torch.nn.Module, sync: bool) -> Iterator[None]:
     if isinstance(replica, DistributedDataParallel) and not sync:
         with replica.no_sync():
             yield
-    elif _instance(replica, "torch.distributed.fsdp", "FSDPModule") and not sync:
+    elif loaded_instance(replica, "torch.distributed.fsdp", "FSDPModule") and not sync:
         replica.set_requires_gradient_sync(False)
         try:
             yield
@@ -121,7 +112,7 @@ def any_process(flag: bool, num_processes: int, device: torch.device) -> bool:
 
 def whole(tensor: torch.Tensor) -> torch.Tensor:
     """A DTensor shard gathered whole (a collective: every process calls it); others as they are."""
-    return tensor.full_tensor() if _instance(tensor, "torch.distributed.tensor", "DTensor") else tensor
+    return tensor.full_tensor() if loaded_instance(tensor, "torch.distributed.tensor", "DTensor") else tensor
 
 
 def put(value: np.ndarray, like: torch.Tensor) -> torch.Tensor:
@@ -131,7 +122,7 @@ def put(value: np.ndarray, like: torch.Tensor) -> torch.Tensor:
     moments in memory order, so a moment of another layout would be updated with the wrong gradient
     entries. The reverse of `whole`."""
     tensor = torch.from_numpy(np.array(value))
-    if _instance(like, "torch.distributed.tensor", "DTensor") and tensor.ndim:
+    if loaded_instance(like, "torch.distributed.tensor", "DTensor") and tensor.ndim:
         from torch.distributed.tensor import distribute_tensor
 
         return distribute_tensor(tensor.to(like.device), like.device_mesh, like.placements)
