@@ -346,20 +346,27 @@ def test_trained_copy_model_decodes_identically_in_every_backend(copy_model, bea
         np.testing.assert_allclose(got.scores, want.scores, rtol=SCORE_TOLERANCE, atol=atol)
 
 
-@pytest.mark.parametrize("overrides", [{}, dict(share_embeddings="none", output_bias=True, logit_scale=0.5),
-                                       dict(output_bias=True)])
-def test_torch_packed_linears_change_only_the_summation_order(overrides, monkeypatch):
+@pytest.mark.parametrize("overrides, intel", [
+    ({}, True), ({}, False), (dict(share_embeddings="none", output_bias=True, logit_scale=0.5), False),
+    (dict(output_bias=True), True), (dict(output_bias=True), False)])
+def test_torch_packed_linears_change_only_the_summation_order(overrides, intel, monkeypatch, request):
     """torch_impl.ops.packed_linears (oneDNN's packed weights for CPU decoding) computes the same
     logits as the plain forward within float32's bound for the model (rosetta.parity.TOLERANCES:
     only the GEMMs' summation order differs; the output bias inside the GEMM where logit_scale is
     1, after the scale otherwise), decodes the same tokens, and leaves the module as it found it;
-    with gradients on it changes nothing."""
+    with gradients on it changes nothing. The output projection's two ways both run on any CPU:
+    MKL's packing where the CPU is said to be Intel's, oneDNN's where it is not (ops._mkl_packs)."""
     import torch
 
     from rosetta.parity import TOLERANCES
     from torch_impl import ops
     from torch_impl.ops import _can_pack, packed_linears
 
+    monkeypatch.setattr(ops, "intel_cpu", lambda: intel)
+    ops._mkl_packs.cache_clear()
+    request.addfinalizer(ops._mkl_packs.cache_clear)  # the real CPU's answer for the next test
+    assert ops._mkl_packs() == (intel and torch.backends.mkl.is_available()
+                                and hasattr(torch.ops.mkl, "_mkl_reorder_linear_weight"))
     calls, projections = [], []
     packed_linear, packed_projection = ops._packed_linear, ops._packed_projection
     monkeypatch.setattr(ops, "_packed_linear", lambda *args: calls.append(1) or packed_linear(*args))

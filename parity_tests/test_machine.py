@@ -21,6 +21,7 @@ from rosetta.machine import (
     UNCAPPED_DOTS,
     cpu_facts,
     describe,
+    intel_cpu,
     isa_cap,
     isa_environment,
     machine_block,
@@ -48,8 +49,10 @@ def test_isa_environment_caps_every_library_and_native_takes_every_cap_away():
 
 def test_the_block_names_the_cpu_its_dispatch_and_a_calibration():
     block = machine_block(calibrate_repeats=1)
-    assert set(block["cpu"]) == {"model", "vector_flags", "cores", "l2", "l3"}
+    assert set(block["cpu"]) == {"vendor", "model", "vector_flags", "cores", "l2", "l3"}
     assert block["torch_dispatch"]["aten"] in {"DEFAULT", "AVX2", "AVX512", "ZVECTOR", "VSX", "NO AVX"}
+    if block["torch_dispatch"]["mkl"] != "unknown":  # MKL's banner names an ISA on Intel's CPUs only
+        assert (block["torch_dispatch"]["mkl"] == "generic") == (not intel_cpu()), block
     assert block["matmul"]["gflops"] > 0 and block["matmul"]["size"] == 1024
     line = describe(block)
     assert line.startswith(block["cpu"]["model"]) and "GFLOP/s" in line and "ATen" in line
@@ -96,8 +99,8 @@ def test_under_the_avx2_cap_every_library_reports_avx2():
     assert block["isa_cap"] == "avx2"
     dispatch = block["torch_dispatch"]
     assert dispatch["aten"] == "AVX2"  # ATen takes the capability it is given wherever AVX2 exists
-    # oneDNN and MKL pick their own path at or below the cap (MKL may take a narrower one on some AMD
-    # CPUs): nothing wider than AVX2, and a banner read.
+    # oneDNN and MKL pick their own path at or below the cap (MKL its generic one on a CPU not Intel's,
+    # whose banner names no ISA): nothing wider than AVX2, and a banner read.
     for library in ("onednn", "mkl"):
         assert dispatch[library] != "unknown" and "512" not in dispatch[library] \
             and "AMX" not in dispatch[library] and "AVX10" not in dispatch[library], dispatch

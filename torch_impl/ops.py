@@ -24,6 +24,7 @@ from torch import nn
 from torch.nn.attention import SDPBackend, sdpa_kernel
 from torch.nn.attention.flex_attention import BlockMask, create_block_mask, flex_attention
 
+from rosetta.machine import intel_cpu
 from rosetta.positional import grown_rows, model_table
 
 
@@ -358,11 +359,15 @@ def _packed_linear(weight: torch.Tensor, bias: torch.Tensor | None, x: torch.Ten
 
 
 # The output projection over the vocabulary (a base model's largest GEMM: 43% of a beam step's FLOPs)
-# goes through MKL's packed SGEMM where this torch build has it, as CTranslate2 runs its GEMMs: [128,
-# 512] x [512, 32000] 194 -> 241 GFLOP/s natively and 103 -> 136 capped at AVX2 against oneDNN's packed
-# (this project's 2-core Xeon); the other linears stay with oneDNN (no steady gain at their shapes).
+# goes through MKL's packed SGEMM on Intel's CPUs where this torch build has it, as CTranslate2 runs its
+# GEMMs there: [128, 512] x [512, 32000] 194 -> 241 GFLOP/s natively and 103 -> 136 capped at AVX2 against
+# oneDNN's packed (this project's 2-core Xeon). Elsewhere MKL takes its generic path: on the 2-core
+# AVX-512 AMD EPYC oneDNN's packed ran it at 455 GFLOP/s natively and 240 capped, MKL's at 160 under
+# both (issue 55). The other linears stay with oneDNN (no steady gain at their shapes).
+@functools.cache
 def _mkl_packs() -> bool:
-    return torch.backends.mkl.is_available() and hasattr(torch.ops.mkl, "_mkl_reorder_linear_weight")
+    return (torch.backends.mkl.is_available() and hasattr(torch.ops.mkl, "_mkl_reorder_linear_weight")
+            and intel_cpu())
 
 
 def _pack_projection(weight: torch.Tensor, rows: int) -> torch.Tensor:
