@@ -291,16 +291,42 @@ def release() -> None:
     torch.cuda.empty_cache()
 
 
-def write_results(name: str, payload: dict, markdown: str, out_dir: Path | None = None) -> tuple[Path, Path]:
+def write_results(name: str, payload: dict, markdown: str, out_dir: Path | None = None,
+                  replace: bool = False) -> tuple[Path, Path]:
     """<out_dir or benchmarks/results>/<name>.json and .md, written atomically; the markdown's title
     (its first line) is followed by the machine line of the payload's environment (issue 55: every
-    table names the ISA and calibration it ran at)."""
+    table names the ISA and calibration it ran at). A file already at the name is kept (_keep_earlier)
+    unless `replace` (benchmarks.run's --overwrite)."""
     out_dir = out_dir or RESULTS
     json_path, md_path = out_dir / f"{name}.json", out_dir / f"{name}.md"
+    if not replace:
+        _keep_earlier(json_path, md_path, payload.get("environment", {}).get("commit"))
     markdown = with_machine(markdown, payload.get("environment", {}))
     atomic_write_bytes(json_path, (json.dumps(payload, indent=2) + "\n").encode())
     atomic_write_bytes(md_path, markdown.encode())
     return json_path, md_path
+
+
+def _keep_earlier(json_path: Path, md_path: Path, commit: str | None) -> None:
+    """A results file already at this name from another commit (a second run the same day) is kept,
+    renamed `<name>-<its commit>` (.json and .md), before this run's takes the name: nothing written is
+    lost. The same clean commit's file is replaced (the same code run again)."""
+    if not json_path.exists():
+        return
+    try:
+        earlier = str(read_json(json_path, "a results file").get("environment", {}).get("commit", ""))
+    except (RosettaError, AttributeError):
+        earlier = ""
+    if earlier == commit and not commit.endswith("dirty"):
+        return
+    tag = re.sub(r"[^0-9A-Za-z]+", "-", earlier.split(" ")[0]).strip("-") or "earlier"
+    stem, n = f"{json_path.stem}-{tag}", 1
+    while json_path.with_name(f"{stem}.json").exists() or md_path.with_name(f"{stem}.md").exists():
+        n += 1
+        stem = f"{json_path.stem}-{tag}-{n}"
+    for path in (json_path, md_path):
+        if path.exists():
+            path.rename(path.with_name(stem + path.suffix))
 
 
 def newest_results(prefix: str, results: Path = RESULTS) -> Path | None:

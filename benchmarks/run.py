@@ -491,7 +491,7 @@ def main(argv: list[str] | None = None) -> None:
     text = with_machine(markdown(result), env)
     print(text)
     if not args.no_write:
-        json_path, md_path = write_results(name, result, text, out_dir)
+        json_path, md_path = write_results(name, result, text, out_dir, replace=args.overwrite)
         png = plot(result, json_path.with_suffix(".png"))
         print("wrote", json_path, md_path, *([png] if png else []))
         partial.unlink(missing_ok=True)

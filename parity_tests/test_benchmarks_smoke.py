@@ -11,7 +11,7 @@ import pytest
 
 from benchmarks import decode_speed
 from benchmarks import run as run_module
-from benchmarks.common import RESULTS, environment
+from benchmarks.common import RESULTS, environment, write_results
 from benchmarks.report import BENCHMARK_DOC, SUITES_IN_README, load, markdown, newest, plot, readme_block
 from benchmarks.report import main as report_main
 from benchmarks.run import SUITES, results_name, run
@@ -146,6 +146,37 @@ def test_runner_refuses_to_overwrite_results(tmp_path, capsys):
     assert "already exists" in capsys.readouterr().err
     assert existing.read_text() == "earlier results"
     assert sorted(p.name for p in tmp_path.iterdir()) == [existing.name]
+
+
+def test_a_second_run_under_the_same_name_keeps_the_first(tmp_path):
+    """write_results (every benchmark's writer): a results file already at the name, from another
+    commit (a second run the same day), is renamed `<name>-<its commit>` before the new one takes the
+    name; the same clean commit's is replaced; an unreadable one is kept as `-earlier`."""
+    def write(commit: str) -> None:
+        write_results("bench_cpu_2026-11-29", {"environment": {"commit": commit}}, f"# {commit}\n", tmp_path)
+
+    def commits() -> dict[str, str]:
+        return {p.name: json.loads(p.read_text())["environment"]["commit"] for p in tmp_path.glob("*.json")}
+
+    write("aaa1111")
+    write("bbb2222")
+    write("bbb2222")  # the same code again: replaced
+    write("bbb2222+dirty")
+    assert commits() == {"bench_cpu_2026-11-29.json": "bbb2222+dirty",
+                         "bench_cpu_2026-11-29-bbb2222.json": "bbb2222",
+                         "bench_cpu_2026-11-29-aaa1111.json": "aaa1111"}
+    assert (tmp_path / "bench_cpu_2026-11-29-aaa1111.md").read_text().startswith("# aaa1111")
+    write("bbb2222+dirty")  # dirty trees differ between runs: kept, numbered
+    assert "bench_cpu_2026-11-29-bbb2222-dirty.json" in commits()
+    (tmp_path / "bench_cpu_2026-11-29.json").write_text("garbage")
+    write("ccc3333")
+    assert (tmp_path / "bench_cpu_2026-11-29-earlier.json").read_text() == "garbage"
+    assert len(list(tmp_path.glob("*.json"))) == len(list(tmp_path.glob("*.md"))) == 5
+    write_results("bench_cpu_2026-11-29", {"environment": {"commit": "ddd4444"}}, "# d\n", tmp_path,
+                  replace=True)  # benchmarks.run --overwrite: replaced, nothing renamed
+    assert len(list(tmp_path.glob("*.json"))) == 5
+    newest = json.loads((tmp_path / "bench_cpu_2026-11-29.json").read_text())
+    assert newest["environment"]["commit"] == "ddd4444"
 
 
 @pytest.mark.parametrize("content, message", [(None, "cannot read"), ("garbage", "not valid JSON"),
