@@ -311,11 +311,11 @@ def _keep_earlier(json_path: Path, md_path: Path, commit: str | None) -> None:
     """A results file already at this name from another commit (a second run the same day) is kept,
     renamed `<name>-<its commit>` (.json and .md), before this run's takes the name: nothing written is
     lost. The same clean commit's file is replaced (the same code run again)."""
-    if not json_path.exists():
+    if not (json_path.exists() or md_path.exists()):
         return
     try:
         earlier = str(read_json(json_path, "a results file").get("environment", {}).get("commit", ""))
-    except (RosettaError, AttributeError):
+    except (RosettaError, AttributeError):  # unreadable, or only the .md there
         earlier = ""
     if earlier == commit and not commit.endswith("dirty"):
         return

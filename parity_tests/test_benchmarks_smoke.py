@@ -172,9 +172,12 @@ def test_a_second_run_under_the_same_name_keeps_the_first(tmp_path):
     write("ccc3333")
     assert (tmp_path / "bench_cpu_2026-11-29-earlier.json").read_text() == "garbage"
     assert len(list(tmp_path.glob("*.json"))) == len(list(tmp_path.glob("*.md"))) == 5
+    (tmp_path / "bench_cpu_2026-11-29.json").unlink()  # a table left alone (its .json deleted) is kept too
+    write("ccc3333")
+    assert (tmp_path / "bench_cpu_2026-11-29-earlier-2.md").read_text().startswith("# ccc3333")
     write_results("bench_cpu_2026-11-29", {"environment": {"commit": "ddd4444"}}, "# d\n", tmp_path,
                   replace=True)  # benchmarks.run --overwrite: replaced, nothing renamed
-    assert len(list(tmp_path.glob("*.json"))) == 5
+    assert len(list(tmp_path.glob("*.json"))) == 5 and len(list(tmp_path.glob("*.md"))) == 6
     newest = json.loads((tmp_path / "bench_cpu_2026-11-29.json").read_text())
     assert newest["environment"]["commit"] == "ddd4444"
 
