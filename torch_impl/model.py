@@ -1,9 +1,8 @@
 """The Transformer (Vaswani et al. 2017) as PyTorch modules.
 
-Mirrors numpy_ref/model.py box for box and name for name, and jax_impl/model.py line for line; diff
-them to see only framework differences (PyTorch-only speed paths live in torch_impl/ops.py). Module
-attribute names are the canonical checkpoint names, so torch_impl/convert.py only renames leaves
-and transposes kernels.
+Mirrors numpy_ref/model.py box for box and name for name, and jax_impl/model.py line for line; diff them to
+see only framework differences (PyTorch-only speed paths live in torch_impl/ops.py). Module attribute names
+are the canonical checkpoint names, so torch_impl/convert.py only renames leaves and transposes kernels.
 
 Shapes: B batch, S source length, T target length, d d_model, h heads, dh d_head, V vocab.
 """
@@ -20,6 +19,7 @@ from rosetta.config import ModelConfig
 from rosetta.inputs import Packing, check_packing
 from rosetta.params import embedding_names
 from rosetta.positional import model_table
+from torch_impl.onednn import Linear, linear
 from torch_impl.ops import Dropout, LayerCache, SegmentMask, attention, grow_positions, packed_mask
 
 Stages = dict[str, Tensor]
@@ -74,7 +74,7 @@ class MultiHeadAttention(nn.Module):
     def __init__(self, cfg: ModelConfig):
         super().__init__()
         d, bias = cfg.d_model, cfg.attention_bias
-        self.q, self.k, self.v, self.o = (nn.Linear(d, d, bias=bias) for _ in range(4))
+        self.q, self.k, self.v, self.o = (Linear(d, d, bias=bias) for _ in range(4))
         self.num_heads, self.attention_dropout = cfg.num_heads, cfg.attention_dropout
 
     def split_heads(self, x: Tensor) -> Tensor:  # (B, T, d) -> (B, h, T, dh)
@@ -108,8 +108,8 @@ class FeedForward(nn.Module):
 
     def __init__(self, cfg: ModelConfig):
         super().__init__()
-        self.linear1 = nn.Linear(cfg.d_model, cfg.d_ff, bias=cfg.ffn_bias)
-        self.linear2 = nn.Linear(cfg.d_ff, cfg.d_model, bias=cfg.ffn_bias)
+        self.linear1 = Linear(cfg.d_model, cfg.d_ff, bias=cfg.ffn_bias)
+        self.linear2 = Linear(cfg.d_ff, cfg.d_model, bias=cfg.ffn_bias)
         self.activation, self.dropout = cfg.activation, Dropout(cfg.activation_dropout_rate)
 
     def forward(self, x: Tensor, record: Stages | None = None, name: str = "") -> Tensor:
@@ -211,7 +211,7 @@ class Generator(nn.Module):
 
     def forward(self, hidden: Tensor, tgt_table: nn.Embedding) -> Tensor:
         weight = tgt_table.weight if self.weight is None else self.weight
-        logits = F.linear(hidden, weight)
+        logits = linear(hidden, weight)
         logits = logits if self.logit_scale == 1.0 else logits * self.logit_scale  # SPEC §2 (Flax: 1/sqrt(d))
         return logits if self.bias is None else logits + self.bias
 
