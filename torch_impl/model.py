@@ -1,8 +1,9 @@
 """The Transformer (Vaswani et al. 2017) as PyTorch modules.
 
 Mirrors numpy_ref/model.py box for box and name for name, and jax_impl/model.py line for line; diff them to
-see only framework differences (PyTorch-only speed paths live in torch_impl/ops.py). Module attribute names
-are the canonical checkpoint names, so torch_impl/convert.py only renames leaves and transposes kernels.
+see only framework differences (PyTorch-only speed paths live in torch_impl/ops.py and onednn.py). Module
+attribute names are the canonical checkpoint names, so torch_impl/convert.py only renames leaves and
+transposes kernels.
 
 Shapes: B batch, S source length, T target length, d d_model, h heads, dh d_head, V vocab.
 """
