@@ -85,7 +85,8 @@ def test_every_training_linear_goes_to_onednn_off_intel_and_none_on_intel(monkey
     assert calls[0] == 0
 
 
-@pytest.mark.parametrize("case", ["no gradient", "float64", "a torch function mode", "a dispatch mode"])
+@pytest.mark.parametrize("case", ["no gradient", "float64", "a torch function mode", "a dispatch mode",
+                                  "no rows"])
 def test_anything_but_eager_float32_training_takes_f_linear(case, monkeypatch):
     """Inference, float64 (the suite's exact trainers), and a mode that watches F.linear or its aten ops
     (rosetta diff's TF32 emulation, FlopCounterMode) see the plain F.linear."""
@@ -101,7 +102,12 @@ def test_anything_but_eager_float32_training_takes_f_linear(case, monkeypatch):
             return func(*args, **(kwargs or {}))
 
     module, calls = _model_linears(intel=False, monkeypatch=monkeypatch)
-    if case == "no gradient":
+    if case == "no rows":  # oneDNN refuses an empty product; F.linear gives the empty result and gradients
+        x = torch.zeros(0, 5, 8, requires_grad=True)
+        weight = torch.nn.Parameter(torch.ones(4, 8))
+        onednn.linear(x, weight, torch.nn.Parameter(torch.ones(4))).sum().backward()
+        assert x.grad.shape == x.shape and not weight.grad.any()
+    elif case == "no gradient":
         with torch.no_grad():
             _loss(module)
     elif case == "float64":

@@ -30,14 +30,15 @@ def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = No
     there ATen's float32 matmul is MKL's generic path (a [4096, 512] x [512, 2048] product forward and
     backward 134 ms, oneDNN 88 ms on the 2-core AVX-512 AMD EPYC, issue 55). The same products in
     another summation order. Anything else takes F.linear: a GPU, Intel's CPUs, another dtype or
-    autocast, no gradient, torch.compile, a tensor subclass (FSDP2's DTensor), or a torch function or
-    dispatch mode that watches F.linear and its aten ops (rosetta diff's TF32 emulation, FlopCounterMode)."""
-    if (x.dtype == weight.dtype == torch.float32 and x.device.type == "cpu" and torch.is_grad_enabled()
-            and (x.requires_grad or weight.requires_grad) and type(x) is torch.Tensor
-            and type(weight) in (torch.Tensor, nn.Parameter) and not torch.is_autocast_enabled("cpu")
-            and not torch.compiler.is_compiling() and not torch._C._is_torch_function_mode_enabled()
-            and _get_current_dispatch_mode() is None and not torch._C._are_functorch_transforms_active()
-            and _onednn_trains()):
+    autocast, no gradient, no rows (oneDNN refuses an empty product), torch.compile, a tensor subclass
+    (FSDP2's DTensor), or a torch function or dispatch mode that watches F.linear and its aten ops
+    (rosetta diff's TF32 emulation, FlopCounterMode)."""
+    if (x.dtype == weight.dtype == torch.float32 and x.device.type == "cpu" and x.numel() > 0
+            and torch.is_grad_enabled() and (x.requires_grad or weight.requires_grad)
+            and type(x) is torch.Tensor and type(weight) in (torch.Tensor, nn.Parameter)
+            and not torch.is_autocast_enabled("cpu") and not torch.compiler.is_compiling()
+            and not torch._C._is_torch_function_mode_enabled() and _get_current_dispatch_mode() is None
+            and not torch._C._are_functorch_transforms_active() and _onednn_trains()):
         return _OneDNNLinear.apply(x, weight, bias)
     return F.linear(x, weight, bias)
 
