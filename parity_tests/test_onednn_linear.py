@@ -23,23 +23,24 @@ def _within_dot_bound(got: torch.Tensor, exact: torch.Tensor, magnitude: torch.T
     return bool(((got.double() - exact).abs() <= gamma * magnitude + 1e-30).all())
 
 
-@pytest.mark.parametrize("bias", [True, False])
-def test_gemms_forward_and_backward_are_the_products_within_float32s_bound(bias):
+@pytest.mark.parametrize("bias, d_in, d_out", [(True, 40, 56), (False, 40, 56), (True, 56, 40)])
+def test_gemms_forward_and_backward_are_the_products_within_float32s_bound(bias, d_in, d_out):
+    """Both ways of W's gradient: MKL's GEMM where d_out > d_in, oneDNN's otherwise."""
     if not onednn._onednn_available():
         pytest.skip("this torch build has no oneDNN linear")
     gen = torch.Generator().manual_seed(0)
-    x = torch.randn(24, 3, 40, generator=gen).transpose(0, 1).requires_grad_()  # [3, 24, 40], strided
-    w = torch.randn(56, 40, generator=gen).requires_grad_()
-    b = torch.randn(56, generator=gen).requires_grad_() if bias else None
-    g = torch.randn(3, 24, 56, generator=gen)
+    x = torch.randn(24, 3, d_in, generator=gen).transpose(0, 1).requires_grad_()  # [3, 24, d_in], strided
+    w = torch.randn(d_out, d_in, generator=gen).requires_grad_()
+    b = torch.randn(d_out, generator=gen).requires_grad_() if bias else None
+    g = torch.randn(3, 24, d_out, generator=gen)
     y = onednn._OneDNNLinear.apply(x, w, b)
     y.backward(g)
     xd, wd, gd = x.detach().double(), w.detach().double(), g.double()
     exact = xd @ wd.T + (b.detach().double() if bias else 0)
     magnitude = xd.abs() @ wd.abs().T + (b.detach().double().abs() if bias else 0)
-    assert _within_dot_bound(y.detach(), exact, magnitude, 40 + bias)
-    assert _within_dot_bound(x.grad, gd @ wd, gd.abs() @ wd.abs(), 56)
-    rows_g, rows_x = gd.reshape(-1, 56), xd.reshape(-1, 40)
+    assert _within_dot_bound(y.detach(), exact, magnitude, d_in + bias)
+    assert _within_dot_bound(x.grad, gd @ wd, gd.abs() @ wd.abs(), d_out)
+    rows_g, rows_x = gd.reshape(-1, d_out), xd.reshape(-1, d_in)
     assert _within_dot_bound(w.grad, rows_g.T @ rows_x, rows_g.abs().T @ rows_x.abs(), 72)
     if bias:
         assert _within_dot_bound(b.grad, rows_g.sum(0), rows_g.abs().sum(0), 72)

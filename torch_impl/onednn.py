@@ -53,8 +53,8 @@ def _onednn_available() -> bool:
 
 
 class _OneDNNLinear(torch.autograd.Function):
-    """x W^T + b and its gradients, g W for x, g^T x for W (oneDNN takes the transposed operands as
-    views) and g summed over the rows for b, by torch.ops.mkldnn._linear_pointwise."""
+    """x W^T + b and its gradients, g W for x, g^T x for W and g summed over the rows for b, by
+    torch.ops.mkldnn._linear_pointwise (W's gradient by MKL's GEMM where W has more rows than columns)."""
 
     @staticmethod
     def forward(ctx, x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
@@ -71,5 +71,10 @@ class _OneDNNLinear(torch.autograd.Function):
         def gemm(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:  # a b^T
             return torch.ops.mkldnn._linear_pointwise(a, b, None, "none", [], "")
 
-        return (gemm(g, weight.t()) if need_x else None, gemm(rows_g.t(), rows_x.t()) if need_w else None,
+        # W's gradient takes g and x transposed, which oneDNN's linear copies first: where g ([rows, out])
+        # is the larger, MKL's GEMM, which reads them transposed in place, was faster (2-core AMD EPYC:
+        # [4080, 256] x [256, 8000] forward and backward 245 -> 209 ms natively, 335 -> 267 capped).
+        grad_w = None if not need_w else rows_g.t() @ rows_x if g.shape[-1] > x.shape[-1] \
+            else gemm(rows_g.t(), rows_x.t())
+        return (gemm(g, weight.t()) if need_x else None, grad_w,
                 rows_g.sum(0) if ctx.has_bias and need_b else None)
