@@ -311,7 +311,7 @@ def _keep_earlier(json_path: Path, md_path: Path, commit: str | None) -> None:
     """A results file already at this name from another commit (a second run the same day) is kept,
     renamed `<name>-<its commit>` (.json and .md), before this run's takes the name: nothing written is
     lost. The same clean commit's file is replaced (the same code run again)."""
-    if not (json_path.exists() or md_path.exists()):
+    if not (json_path.is_file() or md_path.is_file()):  # a folder in the way: the write refuses it
         return
     try:
         earlier = str(read_json(json_path, "a results file").get("environment", {}).get("commit", ""))
@@ -325,7 +325,7 @@ def _keep_earlier(json_path: Path, md_path: Path, commit: str | None) -> None:
         n += 1
         stem = f"{json_path.stem}-{tag}-{n}"
     for path in (json_path, md_path):
-        if path.exists():
+        if path.is_file():
             path.rename(path.with_name(stem + path.suffix))
 
 

@@ -17,6 +17,7 @@ from benchmarks.report import main as report_main
 from benchmarks.run import SUITES, results_name, run
 from benchmarks.run import main as run_main
 from parity_tests.conftest import users_environment
+from rosetta.errors import RosettaError
 
 
 def test_benchmark_runner_smoke(tmp_path, monkeypatch):
@@ -180,6 +181,11 @@ def test_a_second_run_under_the_same_name_keeps_the_first(tmp_path):
     assert len(list(tmp_path.glob("*.json"))) == 5 and len(list(tmp_path.glob("*.md"))) == 6
     newest = json.loads((tmp_path / "bench_cpu_2026-11-29.json").read_text())
     assert newest["environment"]["commit"] == "ddd4444"
+    folder = tmp_path / "other_cpu_2026-11-29.json"  # a folder where the file goes: refused, left as it is
+    (folder / "inside").mkdir(parents=True)
+    with pytest.raises(RosettaError, match="other_cpu_2026-11-29.json"):
+        write_results("other_cpu_2026-11-29", {"environment": {"commit": "eee5555"}}, "# e\n", tmp_path)
+    assert (folder / "inside").is_dir() and not list(tmp_path.glob("other_cpu_2026-11-29-*"))
 
 
 @pytest.mark.parametrize("content, message", [(None, "cannot read"), ("garbage", "not valid JSON"),
