@@ -18,6 +18,8 @@ AVX-512 machine measures what an AVX2-only one would run (its clock and caches s
 
 from __future__ import annotations
 
+import copy
+import functools
 import json
 import os
 import re
@@ -30,7 +32,7 @@ import tempfile
 import time
 from pathlib import Path
 
-from rosetta.machine import ISA_NAMES, describe, isa_environment, machine_block
+from rosetta.machine import ISA_CAPS, ISA_NAMES, describe, isa_environment, machine_block
 
 # XLA's probe, run in its own process (its XLA_FLAGS must name the dump folder before JAX starts): one
 # small program compiled with the persistent cache off, timed, and its object code kept for reading.
@@ -145,7 +147,15 @@ def torch_step_ms(repeats: int = 20) -> float:
 
 
 def full_block() -> dict:
-    """rosetta.machine's block with XLA's and CTranslate2's dispatch and the four timings."""
+    """rosetta.machine's block with XLA's and CTranslate2's dispatch and the four timings: measured once
+    a process for each setting of the caps' variables (ISA_CAPS; the probes start two processes, about
+    1.5 s of CPU: the suite wrote 20 results files a run), a fresh copy each call."""
+    names = sorted({name for settings in ISA_CAPS.values() for name in settings})
+    return copy.deepcopy(_full_block(tuple(os.environ.get(name) for name in names)))
+
+
+@functools.cache
+def _full_block(caps: tuple) -> dict:
     block = machine_block()
     block["xla_dispatch"] = xla_dispatch()
     block["ct2_dispatch"] = ct2_dispatch()
