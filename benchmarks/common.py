@@ -25,7 +25,7 @@ from typing import Any, NoReturn
 from rosetta.backends import get_trainer
 from rosetta.cli_args import machine_memory, nonempty_path
 from rosetta.config import ModelConfig
-from rosetta.device import cache_dir
+from rosetta.device import cache_dir, collect_less
 from rosetta.errors import RosettaError
 from rosetta.files import atomic_write_bytes, check_writable
 from rosetta.harness.stepping import Stepper, cycle
@@ -141,7 +141,10 @@ def given_path(text: str) -> Path:
 
 
 def parser(script: str, description: str | None) -> Parser:
-    """The Parser of benchmarks/<script>.py (`script`: its __file__), named as it is run."""
+    """The Parser of benchmarks/<script>.py (`script`: its __file__), named as it is run. Every
+    benchmark's main builds it first: its process collects Python's garbage as `rosetta`'s does
+    (rosetta/device.py: collect_less), so a step is timed as `rosetta train` runs it."""
+    collect_less()
     return Parser(prog=f"python -m benchmarks.{Path(script).stem}", description=description,
                   formatter_class=argparse.RawDescriptionHelpFormatter)
 

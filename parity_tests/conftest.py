@@ -16,6 +16,7 @@ import torch
 
 from rosetta import ModelConfig, init_params, preset
 from rosetta.backends import BACKENDS, MODEL_BACKENDS, get_backend
+from rosetta.device import collect_less
 from rosetta.errors import RosettaError
 from rosetta.parity import random_batch
 
@@ -88,7 +89,7 @@ def pytest_configure(config: pytest.Config) -> None:
         # much), which every bound allows: each is derived for any order of the sums. Speed is measured
         # in benchmarks/, which compile as `rosetta train` does. A user's own XLA_FLAGS are kept.
         os.environ.setdefault("XLA_FLAGS", SUITE_XLA_FLAGS)
-    if not _xdist_controller(config):  # the processes that collect and run tests (GC_THRESHOLDS)
+    if not _xdist_controller(config):  # the processes that collect and run tests
         gc.disable()  # until collection ends (pytest_collection_finish): the test modules' imports
     registered = {line.split(":")[0].split("(")[0].strip() for line in config.getini("markers")}
     for mark, (_, description) in BACKEND_MARKS.items():
@@ -142,15 +143,12 @@ SLOW_FIRST = ("test_gpu_path", "test_benchmarks_smoke", "test_diff_training_reci
               "test_harness", "test_dtype_matrix")
 
 
-# Python's cyclic garbage collector in the suite's processes (issue 56). With torch, JAX, flax and
-# transformers imported a worker holds millions of objects, and every full collection walks them all
-# while JAX and dynamo trace (a JAX trace allocates in the hundreds of thousands): 21% of a process
-# that imports and takes one JAX step was the collector (perf, on the AMD EPYC). So collection runs with
-# the collector off; then what the imports made is frozen (gc.freeze: kept out of every later
-# collection; module-level objects, never garbage) and the young generation collected every 20,000
-# allocations, not 700. Cyclic garbage is still collected, later; no check reads when. Measured in
-# docs/testing.md.
-GC_THRESHOLDS = (20_000, 20, 20)
+# Python's cyclic garbage collector in the suite's processes (issue 56), as in `rosetta`'s
+# (rosetta/device.py: GC_THRESHOLDS) and more: with torch, JAX, flax and transformers imported a worker
+# holds millions of objects, and every full collection walks them all while JAX and dynamo trace. So
+# collection runs with the collector off; then what the imports made is frozen (gc.freeze: left out of
+# every later collection; module-level objects, never garbage) and the collector runs at `rosetta`'s
+# thresholds. Cyclic garbage is still collected, later; no check reads when. Measured in docs/testing.md.
 
 
 def _xdist_controller(config: pytest.Config) -> bool:
@@ -162,7 +160,7 @@ def _xdist_controller(config: pytest.Config) -> bool:
 def pytest_collection_finish(session: pytest.Session) -> None:
     gc.collect()
     gc.freeze()
-    gc.set_threshold(*GC_THRESHOLDS)
+    collect_less()
     gc.enable()
 
 

@@ -47,6 +47,7 @@ from rosetta.cli_args import (
     search_settings,
 )
 from rosetta.config import PRESETS, ModelConfig, preset
+from rosetta.device import collect_less
 from rosetta.diff import commands as diff_commands
 from rosetta.errors import RosettaError
 from rosetta.harness import commands as harness_commands
@@ -321,6 +322,7 @@ def _process() -> str:
 
 
 def main(argv: list[str] | None = None) -> int:
+    collect_less()  # before the command imports its framework (rosetta/device.py: GC_THRESHOLDS)
     argv = sys.argv[1:] if argv is None else list(argv)
     try:
         args = build_parser().parse_args(argv)
