@@ -25,6 +25,7 @@ from hypothesis import strategies as st
 
 import rosetta
 import rosetta.positional
+from parity_tests.conftest import python_collector
 from parity_tests.safetensors_bytes import join, split
 from rosetta import InputError, ModelConfig, RosettaError, from_params, init_params, preset, save_checkpoint
 from rosetta.backends import MODEL_BACKENDS, BackendModel
@@ -114,7 +115,8 @@ def _load(path, backend: str) -> BackendModel | RosettaError:
     tracemalloc.start()
     start = time.perf_counter()
     try:
-        return rosetta.load(path, backend=backend)
+        with python_collector():  # the peak of a library user's process (conftest.py says why)
+            return rosetta.load(path, backend=backend)
     except RosettaError as e:
         return e
     finally:
