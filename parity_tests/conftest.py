@@ -3,7 +3,6 @@ the batches."""
 
 from __future__ import annotations
 
-import contextlib
 import functools
 import gc
 import os
@@ -155,18 +154,19 @@ SLOW_FIRST = ("test_gpu_path", "test_benchmarks_smoke", "test_diff_training_reci
 PYTHON_GC_THRESHOLDS = gc.get_threshold()  # the interpreter's own (conftest is imported before collection)
 
 
-@contextlib.contextmanager
+@pytest.fixture(scope="module")
 def python_collector():
-    """Python's own collector thresholds for a measurement of allocations: tracemalloc's peak counts
-    cyclic garbage until it is collected, which at GC_THRESHOLDS waits up to 20,000 allocations (a JAX
-    load's peak 1.67 MB against 1.44 MB allowed, in one cold run): a library user's process, not the
-    suite's setting, is what such a bound is about."""
+    """Python's own collector thresholds for a module that bounds allocations: tracemalloc's peak
+    counts cyclic garbage until it is collected, which at GC_THRESHOLDS waits up to 20,000 allocations
+    (a JAX load's peak 1.67 MB against 1.44 MB allowed, in one cold run): a library user's process, not
+    the suite's setting, is what such a bound is about. One full collection first, outside any
+    measurement: lowered thresholds over counts run up at the suite's would collect everything the
+    run made inside one (a refusal timed at 1.7 s against 1 s allowed when each load switched)."""
     saved = gc.get_threshold()
+    gc.collect()
     gc.set_threshold(*PYTHON_GC_THRESHOLDS)
-    try:
-        yield
-    finally:
-        gc.set_threshold(*saved)
+    yield
+    gc.set_threshold(*saved)
 
 
 def _xdist_controller(config: pytest.Config) -> bool:

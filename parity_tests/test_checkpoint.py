@@ -22,7 +22,7 @@ import pytest
 import safetensors.numpy
 
 import rosetta
-from parity_tests.conftest import CONFIG_VARIANTS, python_collector, variant_config
+from parity_tests.conftest import CONFIG_VARIANTS, variant_config
 from parity_tests.safetensors_bytes import join, split
 from rosetta import (
     PRESETS,
@@ -39,6 +39,9 @@ from rosetta.files import atomic_write
 from rosetta.harness.trainer_state import load_trainer_state, save_trainer_state
 from rosetta.params import checkpoint_size
 from rosetta.parity import random_batch, relative_error, target_positions
+
+# _refused_cheaply's allocation bound at Python's own collector thresholds (conftest.py: python_collector).
+pytestmark = pytest.mark.usefixtures("python_collector")
 
 
 @pytest.mark.parametrize("variant", sorted(CONFIG_VARIANTS))
@@ -267,7 +270,7 @@ def _refused_cheaply(path, *messages, stored=None):
     tracemalloc.start()
     start = time.perf_counter()
     try:
-        with pytest.raises(CheckpointError) as err, python_collector():  # conftest.py says why
+        with pytest.raises(CheckpointError) as err:
             load_checkpoint(path)
     finally:
         elapsed = time.perf_counter() - start

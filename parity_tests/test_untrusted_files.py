@@ -25,7 +25,6 @@ from hypothesis import strategies as st
 
 import rosetta
 import rosetta.positional
-from parity_tests.conftest import python_collector
 from parity_tests.safetensors_bytes import join, split
 from rosetta import InputError, ModelConfig, RosettaError, from_params, init_params, preset, save_checkpoint
 from rosetta.backends import MODEL_BACKENDS, BackendModel
@@ -43,6 +42,7 @@ TOLERANCE = {"float64": 1e-12, "float32": 1e-5}
 LOAD_SECONDS = 5.0
 MEMORY_FACTOR = 4
 MEMORY_SLACK = 2**20
+pytestmark = pytest.mark.usefixtures("python_collector")  # the bounds at Python's own collector (conftest.py)
 # Per example (three loads, and a JAX compile for an edited config): a hang fails the test
 # instead of stalling the suite.
 EXAMPLE_SECONDS = 20
@@ -115,8 +115,7 @@ def _load(path, backend: str) -> BackendModel | RosettaError:
     tracemalloc.start()
     start = time.perf_counter()
     try:
-        with python_collector():  # the peak of a library user's process (conftest.py says why)
-            return rosetta.load(path, backend=backend)
+        return rosetta.load(path, backend=backend)
     except RosettaError as e:
         return e
     finally:
