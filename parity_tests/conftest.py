@@ -149,6 +149,17 @@ SLOW_FIRST = ("test_gpu_path", "test_benchmarks_smoke", "test_diff_training_reci
 # collection runs with the collector off; then what the imports made is frozen (gc.freeze: left out of
 # every later collection; module-level objects, never garbage) and the collector runs at `rosetta`'s
 # thresholds. Cyclic garbage is still collected, later; no check reads when. Measured in docs/testing.md.
+def _xdist_controller(config: pytest.Config) -> bool:
+    """Whether this process only hands tests to xdist's workers (it collects none)."""
+    workers = getattr(config.option, "numprocesses", None)
+    return not hasattr(config, "workerinput") and workers not in (None, 0)
+
+
+def pytest_collection_finish(session: pytest.Session) -> None:
+    gc.collect()
+    gc.freeze()
+    collect_less()
+    gc.enable()
 
 
 PYTHON_GC_THRESHOLDS = gc.get_threshold()  # the interpreter's own (conftest is imported before collection)
@@ -167,19 +178,6 @@ def python_collector():
     gc.set_threshold(*PYTHON_GC_THRESHOLDS)
     yield
     gc.set_threshold(*saved)
-
-
-def _xdist_controller(config: pytest.Config) -> bool:
-    """Whether this process only hands tests to xdist's workers (it collects none)."""
-    workers = getattr(config.option, "numprocesses", None)
-    return not hasattr(config, "workerinput") and workers not in (None, 0)
-
-
-def pytest_collection_finish(session: pytest.Session) -> None:
-    gc.collect()
-    gc.freeze()
-    collect_less()
-    gc.enable()
 
 
 def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:

@@ -107,3 +107,25 @@ def test_parity_refuses_a_backend_named_twice(capsys):
     captured = capsys.readouterr()
     assert captured.err == "rosetta: error: --backends lists a backend twice: numpy numpy\n"
     assert captured.out == ""  # refused before the report: no row printed, let alone twice
+
+
+@pytest.mark.parametrize("front", ["rosetta", "benchmark"])
+def test_every_command_collects_pythons_garbage_at_the_projects_thresholds(front, capsys):
+    """`rosetta` and every benchmark (whose main builds benchmarks.common's parser first) set Python's
+    collector to rosetta/device.py's GC_THRESHOLDS, so a benchmark times the step as `rosetta train`
+    runs it; started here from Python's own thresholds (the suite's workers already run at them)."""
+    import gc
+
+    from benchmarks.common import parser
+    from rosetta.device import GC_THRESHOLDS
+
+    saved = gc.get_threshold()
+    gc.set_threshold(700, 10, 10)
+    try:
+        if front == "rosetta":
+            assert main(["config", "--preset", "tiny"]) == 0
+        else:
+            parser(__file__, None)
+        assert gc.get_threshold() == GC_THRESHOLDS != (700, 10, 10)
+    finally:
+        gc.set_threshold(*saved)

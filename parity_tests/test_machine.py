@@ -140,3 +140,34 @@ def test_print_env_gives_the_shell_lines_of_the_cap_for_any_other_command():
     assert done.returncode == 0, done.stderr
     devices = "--xla_force_host_platform_device_count=2"
     assert done.stdout.splitlines() == [f"avx2 {devices} --xla_cpu_max_isa=AVX2", f"native {devices}"]
+
+
+def test_the_full_block_is_measured_once_a_process_per_cap_setting(monkeypatch):
+    """benchmarks.machine.full_block measures (two probe processes and four timings) once a process for
+    each setting of ISA_CAPS's variables: every later call gets a fresh copy of that block, and a
+    changed cap variable measures again. The measurements are counted, not run, here."""
+    from benchmarks import machine
+
+    measured: list[str | None] = []
+
+    def block() -> dict:
+        measured.append(os.environ.get("ONEDNN_MAX_CPU_ISA"))
+        return {"cpu": {"model": "x"}, "matmul": {"gflops": 1.0}}
+
+    monkeypatch.setattr(machine, "machine_block", block)
+    monkeypatch.setattr(machine, "xla_dispatch", lambda: {"compile_s": 0.1})
+    monkeypatch.setattr(machine, "ct2_dispatch", dict)
+    monkeypatch.setattr(machine, "python_loop_s", lambda: 0.1)
+    monkeypatch.setattr(machine, "torch_step_ms", lambda: 0.1)
+    monkeypatch.delenv("ONEDNN_MAX_CPU_ISA", raising=False)
+    machine._full_block.cache_clear()
+    try:
+        first = machine.full_block()
+        first["cpu"]["model"] = "changed by its reader"
+        again = machine.full_block()
+        assert again["cpu"]["model"] == "x" and len(measured) == 1  # a copy, not measured again
+        monkeypatch.setenv("ONEDNN_MAX_CPU_ISA", "AVX2")
+        machine.full_block()
+        assert measured == [None, "AVX2"]
+    finally:
+        machine._full_block.cache_clear()  # later tests measure the real machine
