@@ -21,7 +21,8 @@ step() {  # step SECONDS COMMAND...: one command under its timeout, its exit sta
 }
 case $stage in
   1)  # issue 59, run 1: where a step goes in both frameworks, then the correctness groups
-    step 340 python3 -m benchmarks.profile_step --out-dir "$out"
+    # perf_hints: inductor says whether and why it skipped CUDA graphs (compilation.CUDA_GRAPHS)
+    TORCH_LOGS=perf_hints step 340 python3 -m benchmarks.profile_step --out-dir "$out"
     step 150 python3 -m benchmarks.gpu_check --only parity attention decode --out-dir "$out" ;;
   2)  # issue 59, run 2: the suite's rows the profile says matter
     step 300 python3 -m benchmarks.run --suite gpu --presets base --dtypes bfloat16 --out-dir "$out" ;;

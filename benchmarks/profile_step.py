@@ -178,13 +178,29 @@ def run_parts(parts: list[Part], cfg, params, size: Size, args, tmp: Path) -> li
     rows, jax_parts = [], [p for p in parts if p.framework == "jax"]
     for i, part in enumerate(p for p in parts if p.framework == "torch"):
         (tmp / str(i)).mkdir()
-        rows.append(profile_impl(part, cfg, params, size, args, tmp / str(i)))
+        rows.append(attempt(profile_impl, part, cfg, params, size, args, tmp / str(i)))
     if jax_parts:
         with ProcessPoolExecutor(max_workers=1, mp_context=multiprocessing.get_context("spawn")) as pool:
+            def there(*a) -> dict:
+                return pool.submit(profile_impl, *a).result()
             for i, part in enumerate(jax_parts, start=len(rows)):
                 (tmp / str(i)).mkdir()
-                rows.append(pool.submit(profile_impl, part, cfg, params, size, args, tmp / str(i)).result())
+                rows.append(attempt(there, part, cfg, params, size, args, tmp / str(i)))
     return rows
+
+
+def attempt(run: Callable[..., dict], part: Part, *args) -> dict:
+    """`run(part, *args)`'s row, or where the part failed, a row with its error in one line: the other
+    parts still run and are written (on an H200, 2026-11-30, the compiled step's failure lost the whole
+    run's rows)."""
+    try:
+        return run(part, *args)
+    except Exception as error:  # noqa: BLE001 - any part's failure is its row's, not the run's
+        line = f"{type(error).__name__}: {(str(error).strip().splitlines() or [''])[0]}"
+        print(f"  {part.title}: failed: {line}", flush=True)
+        release()
+        return {"part": part.key, "title": part.title, "framework": part.framework, "impl": part.impl,
+                "error": line}
 
 
 def loss_timings(cfg, size: Size, dtype: str, device: str, steps: int) -> str:
@@ -236,7 +252,9 @@ def side_by_side(rows: list[dict], device: str) -> str:
     """The one table: ms per step and share of the device (CPU: operator) time by kind, one column per
     part; then the step, MFU, idle, launches and syncs in `device`'s words (WORDS), and each part's own
     seconds and the machine's load around it."""
-    words = WORDS[device]
+    words, rows = WORDS[device], [r for r in rows if "error" not in r]
+    if not rows:
+        return "No part ran to the end (each part's error is below).\n"
     head = "| kind | " + " | ".join(r["title"] for r in rows) + " |"
     lines = [head, "|" + " --- |" * (len(rows) + 1)]
     for kind in KIND_ORDER:
@@ -276,7 +294,10 @@ def load_warnings(rows: list[dict], cores: int) -> list[str]:
 
 
 def details(row: dict, device: str) -> str:
-    """One part's line of figures and its TOP largest kernels (CPU: operators or thunks)."""
+    """One part's line of figures and its TOP largest kernels (CPU: operators or thunks); a part that
+    failed, its error."""
+    if "error" in row:
+        return f"### {row['title']}\n\n**Failed**: `{row['error']}`\n"
     figures = (f"device busy {row['busy_ms']:.2f} of {row['span_ms']:.2f} ms a step, idle "
                f"{_pct(row['idle_share'], 0)}, {row['launches_per_step']:,.0f} launches and "
                f"{row['syncs_per_step']:.2f} syncs a step" if device == "cuda" else
@@ -397,6 +418,10 @@ def main(argv: list[str] | None = None) -> None:
     print(text, flush=True)
     if not args.no_write:
         print("wrote", *write_results(name, result, text, args.out_dir))
+    failed = [r["title"] for r in rows if "error" in r]
+    if failed:
+        raise SystemExit(f"profile_step: {len(failed)} of {len(rows)} parts failed ({', '.join(failed)}): "
+                         "their errors are in the results")
 
 
 if __name__ == "__main__":

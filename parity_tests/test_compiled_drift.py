@@ -36,12 +36,12 @@ STEPS = 10
 
 @pytest.mark.slow
 def test_inductor_step_is_the_eager_function_in_float64(monkeypatch):
-    """The compiled trainer in the GPU's mode ("reduce-overhead": CUDA graphs; on a CPU inductor
+    """The compiled trainer in the GPU's options (compilation.CUDA_GRAPHS; on a CPU inductor
     compiles the same graphs and skips the capture), so its step (cudagraph_mark_step_begin, the loss
     copied out of the graph's reused outputs) runs here as a GPU runs it, only the device differing."""
     from torch_impl import compilation
 
-    monkeypatch.setattr(compilation, "training_mode", lambda device_type, accumulate=1: "reduce-overhead")
+    monkeypatch.setattr(compilation, "training_options", lambda *_, **__: compilation.CUDA_GRAPHS)
     params = init_params(CFG, seed=0)
     batch = bucket_batches(CFG, buckets=(16,), per_shape=1)[0]
     compiled, eager = (get_trainer("torch")(CFG, params, TRAIN, device="cpu", dtype="float64", compile=c)

@@ -28,15 +28,18 @@ def _batch(seed: int = 0) -> Batch:
 
 # -- PyTorch: functionalised RNG for compiled training on CUDA only ----------------------------
 
-@pytest.mark.parametrize("device_type, compiled, on", [("cuda", True, True), ("cuda", False, False),
-                                                       ("cpu", True, False), ("cpu", False, False)])
-def test_torch_dropout_rng_functionalises_compiled_cuda_steps_only(device_type, compiled, on):
+@pytest.mark.parametrize("device_type, compiled, graphs, on",
+                         [("cuda", True, False, True), ("cuda", True, True, False),
+                          ("cuda", False, False, False), ("cpu", True, False, False),
+                          ("cpu", False, False, False)])
+def test_torch_dropout_rng_functionalises_compiled_cuda_steps_without_graphs_only(device_type, compiled,
+                                                                                  graphs, on):
     from torch._functorch import config
 
     from torch_impl.ops import dropout_rng
 
     before = config.functionalize_rng_ops
-    with dropout_rng(device_type, compiled):
+    with dropout_rng(device_type, compiled, graphs):
         assert config.functionalize_rng_ops is on
     assert config.functionalize_rng_ops is before
 
@@ -85,7 +88,7 @@ def test_torch_compiled_cpu_training_is_unchanged(monkeypatch):
         return losses, trainer.params()
 
     losses, params = run()
-    monkeypatch.setattr(ops, "dropout_rng", lambda device_type, compiled: contextlib.nullcontext())
+    monkeypatch.setattr(ops, "dropout_rng", lambda device_type, compiled, graphs: contextlib.nullcontext())
     before_losses, before_params = run()
     assert losses == before_losses
     for name, value in params.items():

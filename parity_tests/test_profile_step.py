@@ -249,6 +249,36 @@ def test_cpu_twin_end_to_end(tmp_path, capsys, monkeypatch):
     assert rows["search-torch"]["kinds_ms"]["attention"] > 0  # SDPA's CPU kernel, every decoder layer
 
 
+def test_a_part_that_fails_is_its_rows_error_and_the_others_are_written(tmp_path, capsys, monkeypatch):
+    """On an H200 (2026-11-30) the compiled step's capture failed and the run lost every part's row: a
+    part's failure is now its row's error, in one line, the other parts measured and written, and the
+    run exits 1 naming the part."""
+    real = ps.build_trainer
+
+    def build(impl, *args, **kwargs):
+        if impl == "torch.compile":
+            raise RuntimeError("These storage data ptrs are not allocated in pool (0, 1)\nmore lines")
+        return real(impl, *args, **kwargs)
+
+    monkeypatch.setattr(ps, "build_trainer", build)
+    with pytest.raises(SystemExit) as stop:
+        ps.main(["--device", "cpu", "--preset", "tiny", "--batch", "4", "--length", "8", "--warmup", "1",
+                 "--steps", "1", "--profiled", "1", "--parts", "train-eager", "train-compiled",
+                 "--out-dir", str(tmp_path)])
+    assert "1 of 2 parts failed (PyTorch compiled)" in str(stop.value.code)
+    out = capsys.readouterr().out
+    error = "RuntimeError: These storage data ptrs are not allocated in pool (0, 1)"
+    assert f"PyTorch compiled: failed: {error}\n" in out
+    result = json.loads(next(tmp_path.glob("profile-step-partial_*.json")).read_text())
+    eager, compiled = result["rows"]
+    assert eager["part"] == "train-eager" and eager["events"] > 0 and "error" not in eager
+    assert compiled == {"part": "train-compiled", "title": "PyTorch compiled", "framework": "torch",
+                        "impl": "torch.compile",
+                        "error": "RuntimeError: These storage data ptrs are not allocated in pool (0, 1)"}
+    md = next(tmp_path.glob("profile-step-partial_*.md")).read_text()
+    assert "| kind | PyTorch eager |\n" in md and "**Failed**: `RuntimeError: These storage" in md
+
+
 def test_bad_flags_refused_before_measuring(capsys, monkeypatch):
     monkeypatch.setattr(ps, "profile_impl", lambda *a, **k: pytest.fail("measured before refusing"))
     for argv, says in ((["--device", "cpu", "--sentences", "0"], "argument --sentences: must be an integer"),

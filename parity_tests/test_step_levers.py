@@ -203,20 +203,35 @@ def test_jax_step_transfers_nothing(jax_reads):
 
 # -- Item 7: the whole step captured, PyTorch ----------------------------------------------------
 
-def test_inductor_mode_is_a_function_of_the_device(monkeypatch):
-    """CUDA graphs ("reduce-overhead") on CUDA; the default mode on a CPU (no CUDA graphs there) and
+def test_inductor_options_are_a_function_of_the_device(monkeypatch):
+    """CUDA graphs, unpartitioned, on CUDA; the default mode on a CPU (no CUDA graphs there) and
     with gradient accumulation (a micro-batch's replay would overwrite the last one's gradients).
-    The trainer asks compilation.compiled for its device's mode."""
-    assert compilation.training_mode("cuda") == "reduce-overhead"
-    assert compilation.training_mode("cpu") is None
-    assert compilation.training_mode("cuda", accumulate=2) is None
+    The trainer asks compilation.compiled for its device's options, and functionalises dropout's RNG
+    only where no graphs are captured (ops.dropout_rng: its (seed, offset) are host tensors)."""
+    graphs = {"triton.cudagraphs": True, "graph_partition": False}  # "reduce-overhead", unpartitioned
+    assert compilation.training_options("cuda") == graphs
+    assert compilation.training_options("cpu") is None
+    assert compilation.training_options("cuda", accumulate=2) is None
     asked = []
     monkeypatch.setattr(compilation, "compiled", lambda fn, **kwargs: asked.append(kwargs) or fn)
     from torch_impl.train import compiled_forward
 
     compiled_forward("plain", "cuda")
-    get_trainer("torch")(CFG, init_params(CFG, seed=0), TRAIN, device="cpu", compile=True)
-    assert asked == [{"dynamic": False, "mode": "reduce-overhead"}, {"dynamic": False, "mode": None}]
+    trainer = get_trainer("torch")(CFG, init_params(CFG, seed=0), TRAIN, device="cpu", compile=True)
+    assert asked == [{"dynamic": False, "options": graphs}, {"dynamic": False, "options": None}]
+    assert trainer.graphs is False
+
+
+def test_inductor_reads_the_cuda_graph_options():
+    """The options are inductor's own settings in this torch (torch.compile refuses an unknown one),
+    and "reduce-overhead" is CUDA graphs alone: the training options differ from it by the partitions."""
+    import torch._inductor
+
+    from torch_impl.compilation import CUDA_GRAPHS
+
+    config = torch._inductor.config.get_config_copy()
+    assert all(key in config for key in CUDA_GRAPHS)
+    assert torch._inductor.list_mode_options("reduce-overhead") == {"triton.cudagraphs": True}
 
 
 @pytest.fixture

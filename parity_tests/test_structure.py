@@ -204,7 +204,7 @@ TORCH_ONLY: dict[str, dict[str, str]] = {
     },
     "compilation": {
         "compiled": "torch.compile with our settings; JAX jits each step where it is defined",
-        "training_mode": "inductor's mode per device (CUDA graphs); XLA on a GPU launches whole programs",
+        "training_options": "inductor's options per device (CUDA graphs); XLA on a GPU runs whole programs",
         "host_copy": "pinned, non-blocking copies per process; JAX lays the batch on the mesh (put)",
         "to_device": "the same",
     },

@@ -28,27 +28,38 @@ BACKEND: Any = "inductor"
 RECOMPILE_LIMIT = 256
 
 
-def compiled(fn: Callable, *, dynamic: bool | None, mode: str | None = None) -> Callable:
+def compiled(fn: Callable, *, dynamic: bool | None, mode: str | None = None,
+             options: dict[str, Any] | None = None) -> Callable:
     """`torch.compile(fn)` as the backend compiles: whole graphs (`fullgraph`), `dynamic` as asked
     (False: one graph per input shape; None: torch's automatic dynamic shapes, at most two), `mode`
-    for inductor ("reduce-overhead": CUDA graphs on a GPU, none on a CPU)."""
+    for inductor ("reduce-overhead": CUDA graphs on a GPU, none on a CPU) or its `options` (one or the
+    other)."""
     import torch._dynamo as dynamo
 
     limit = max(dynamo.config.recompile_limit, RECOMPILE_LIMIT)
     dynamo.config.recompile_limit = limit
     dynamo.config.accumulated_recompile_limit = max(dynamo.config.accumulated_recompile_limit, limit)
-    options = {"mode": mode} if BACKEND == "inductor" and mode is not None else {}
-    return torch.compile(fn, fullgraph=True, dynamic=dynamic, backend=BACKEND, **options)
+    settings = {"mode": mode} if mode else {"options": options} if options else {}
+    settings = settings if BACKEND == "inductor" else {}
+    return torch.compile(fn, fullgraph=True, dynamic=dynamic, backend=BACKEND, **settings)
 
 
-def training_mode(device_type: str, accumulate: int = 1) -> str | None:
-    """Inductor's mode for the compiled training step: "reduce-overhead" on CUDA, the forward and
-    backward graphs replayed as CUDA graphs (inductor's cudagraph trees: one launch per graph instead
-    of one per kernel; the graph's outputs are rewritten by its next replay, so the trainer copies
-    the loss it keeps). None (the default mode) on a CPU, where no CUDA graphs exist, and with
-    `accumulate` > 1: the second micro-batch's replay would overwrite the first one's gradients,
-    which the backward graph wrote as .grad (cudagraph trees refuse it). GPU effect: not measured."""
-    return "reduce-overhead" if device_type == "cuda" and accumulate == 1 else None
+# The compiled training step's inductor options on CUDA: CUDA graphs (what mode "reduce-overhead" sets:
+# cudagraph trees, one launch per graph instead of one per kernel) over unpartitioned graphs. With
+# torch 2.11's graph partitions (its default) recording the forward graph failed on an H200
+# (2026-11-30, benchmarks/results/gpu-session_nvidia-h200_8cb17c9.md: "These storage data ptrs are not
+# allocated in pool"; its partition returned parameters as outputs). Unpartitioned, a graph holding a
+# CPU operation runs without CUDA graphs (inductor logs "skipping cudagraphs") instead of failing.
+CUDA_GRAPHS: dict[str, Any] = {"triton.cudagraphs": True, "graph_partition": False}
+
+
+def training_options(device_type: str, accumulate: int = 1) -> dict[str, Any] | None:
+    """Inductor's options for the compiled training step: CUDA_GRAPHS on CUDA (the graph's outputs are
+    rewritten by its next replay, so the trainer copies the loss it keeps). None (the default mode) on
+    a CPU, where no CUDA graphs exist, and with `accumulate` > 1: the second micro-batch's replay would
+    overwrite the first one's gradients, which the backward graph wrote as .grad (cudagraph trees
+    refuse it). GPU effect: not measured."""
+    return dict(CUDA_GRAPHS) if device_type == "cuda" and accumulate == 1 else None
 
 
 def host_copy(device_type: str) -> tuple[bool, bool] | None:

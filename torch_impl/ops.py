@@ -182,18 +182,21 @@ class Dropout(nn.Dropout):
         return cpu_dropout(x, self.p)
 
 
-def dropout_rng(device_type: str, compiled: bool) -> contextlib.AbstractContextManager:
-    """torch.compile's functionalised RNG around a compiled training step on CUDA (AOTAutograd's
-    `functionalize_rng_ops`): each random op becomes a philox draw from a (seed, offset) read off
+def dropout_rng(device_type: str, compiled: bool, graphs: bool = False) -> contextlib.AbstractContextManager:
+    """torch.compile's functionalised RNG around a compiled training step on CUDA that is not captured
+    as CUDA graphs (`graphs`: compilation.training_options; `--accumulate` above one), AOTAutograd's
+    `functionalize_rng_ops`: each random op becomes a philox draw from a (seed, offset) read off
     the CUDA generator, a pure function of them, so the partitioner may regenerate a dropout mask in
     the backward pass from the saved (seed, offset) instead of saving the mask, and inductor fuses
     it with the bias and residual add around it. The masks come from another stream than inductor's
     own seeds (docs/training.md: dropout streams). CUDA only: torch 2.13 functionalises only CUDA's
     philox generator and refuses a CPU random op with it on (parity_tests/test_dropout_streams.py);
-    eager steps never see it. Not yet run on a GPU, nor with CUDA graphs (compilation.training_mode):
-    it passes the (seed, offset) as host tensors, which may keep inductor from capturing a graph (its
-    log says "skipping cudagraphs"): for the GPU session to check. GPU effect: not measured."""
-    return torch._functorch.config.patch(functionalize_rng_ops=compiled and device_type == "cuda")
+    eager steps never see it. Off under CUDA graphs: it passes the (seed, offset) as host tensors, a
+    CPU input that keeps inductor from capturing the graph whole (with torch 2.11's graph partitions,
+    the capture that failed on an H200, compilation.CUDA_GRAPHS); inductor's own seeds live on the
+    device. GPU effect: not measured."""
+    functionalise = compiled and device_type == "cuda" and not graphs
+    return torch._functorch.config.patch(functionalize_rng_ops=functionalise)
 
 
 def plain_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,

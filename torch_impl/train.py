@@ -168,12 +168,12 @@ def train_step(module: Transformer, optimizer: torch.optim.Optimizer,
 
 
 def compiled_forward(loss: str, device_type: str = "cpu", accumulate: int = 1) -> Callable[..., torch.Tensor]:
-    """FORWARDS[loss] compiled whole with its backward (AOTAutograd), inductor's mode per device
-    (compilation.training_mode): `rosetta train --compile`. The loss over a 37k vocabulary alone is
+    """FORWARDS[loss] compiled whole with its backward (AOTAutograd), inductor's options per device
+    (compilation.training_options): `rosetta train --compile`. The loss over a 37k vocabulary alone is
     ~3x faster compiled than eager on an H100 (docs/benchmarks.md). One graph per batch shape: a CPU
     `small` step ran 3.5% faster than with dynamic shapes (1.70 against 1.76 s; docs/training.md)."""
     return compilation.compiled(FORWARDS[loss], dynamic=False,
-                                mode=compilation.training_mode(device_type, accumulate))
+                                options=compilation.training_options(device_type, accumulate))
 
 
 def gradients(module: Transformer, src: torch.Tensor, tgt: torch.Tensor, labels: torch.Tensor,
@@ -268,6 +268,7 @@ class Trainer:
         self.device = local_device(device, env)
         # compile_cache: inductor keeps its own cache of compiled graphs (TORCHINDUCTOR_CACHE_DIR).
         self.forward = compiled_forward(loss, self.device.type, accumulate) if compile else FORWARDS[loss]
+        self.graphs = self.compile and compilation.training_options(self.device.type, accumulate) is not None
         if env.distributed:
             if compile:  # DDP's and FSDP2's hooks under torch.compile are not tested here yet
                 raise RosettaError("--compile trains in one process for now: leave out --nproc or --compile")
@@ -307,7 +308,7 @@ class Trainer:
     @contextlib.contextmanager
     def _context(self) -> Iterator[None]:
         """The trainer's generator in place of torch's global one, its RNG mode, the matmul precision."""
-        rng = ops.dropout_rng(self.device.type, self.compile)  # functionalised: compiled, on CUDA
+        rng = ops.dropout_rng(self.device.type, self.compile, self.graphs)  # functionalised or not
         with torch.random.fork_rng(devices=self._rng_devices()), self._precision(), rng:
             torch.set_rng_state(self._rng["cpu"])
             if "cuda" in self._rng:
