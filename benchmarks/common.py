@@ -294,6 +294,20 @@ def release() -> None:
     torch.cuda.empty_cache()
 
 
+def attempt(title: str, run: Callable[..., Any], *args: Any) -> tuple[Any, str | None]:
+    """(`run(*args)`, None), or where it raised, (None, its error in one line: the type and the
+    message's first line), printed under `title`, with what it held released: one failing part of a
+    benchmark costs its own rows, not the run's (on an H200, 2026-11-30, the compiled training step's
+    failure lost a whole profile_step run). The benchmark still exits 1 after writing what it measured."""
+    try:
+        return run(*args), None
+    except Exception as error:  # noqa: BLE001 - any part's failure is its own, written beside the rest
+        line = f"{type(error).__name__}: {(str(error).strip().splitlines() or [''])[0]}"
+        print(f"  {title}: failed: {line}", flush=True)
+        release()
+        return None, line
+
+
 def write_results(name: str, payload: dict, markdown: str, out_dir: Path | None = None,
                   replace: bool = False) -> tuple[Path, Path]:
     """<out_dir or benchmarks/results>/<name>.json and .md, written atomically; the markdown's title

@@ -1,10 +1,10 @@
 #!/usr/bin/env bash
 # One call on a lent GPU (issue 59), run from the repository root by the device tool:
-#   ROSETTA_COMMIT=<commit> bash benchmarks/gpu_session.sh 1|2
+#   ROSETTA_COMMIT=<commit> bash benchmarks/gpu_session.sh 1|2|3
 # Prints the machine and versions, runs the call's commands each under its own timeout (a command that
 # runs long is stopped and the next one still runs), writes every results file and the whole log to $OUT.
 set -u
-stage=${1:?usage: gpu_session.sh 1 or 2}
+stage=${1:?usage: gpu_session.sh 1, 2 or 3}
 out=${OUT:?OUT: the folder whose files come back}
 export XLA_PYTHON_CLIENT_PREALLOCATE=false PYTHONUNBUFFERED=1  # PyTorch and JAX share the card
 exec > >(tee -a "$out/gpu-session_call$stage.log") 2>&1
@@ -24,8 +24,13 @@ case $stage in
     # perf_hints: inductor says whether and why it skipped CUDA graphs (compilation.CUDA_GRAPHS)
     TORCH_LOGS=perf_hints step 340 python3 -m benchmarks.profile_step --out-dir "$out"
     step 150 python3 -m benchmarks.gpu_check --only parity attention decode --out-dir "$out" ;;
-  2)  # issue 59, run 2: the suite's rows the profile says matter
-    step 300 python3 -m benchmarks.run --suite gpu --presets base --dtypes bfloat16 --out-dir "$out" ;;
+  2)  # issue 59, run 2: base bfloat16 training, bucketed and packed, compiled PyTorch, JAX and the peer
+    # (each compile 40-90 s on an H200: the three with their loop and packed rows fill about 7 minutes)
+    TORCH_LOGS=perf_hints step 420 python3 -m benchmarks.run --suite gpu --presets base --dtypes bfloat16 \
+      --tasks train --impls torch.compile jax peer --out-dir "$out" ;;
+  3)  # issue 59, run 2's decoding: greedy and beam 4 at 64 sentences, beam 4 at 256, both frameworks
+    step 240 python3 -m benchmarks.run --suite gpu --presets base --dtypes bfloat16 --tasks decode \
+      --out-dir "$out" ;;
   *) echo "no stage $stage"; exit 2 ;;
 esac
 echo "== call $stage done at $((SECONDS - t0)) s"

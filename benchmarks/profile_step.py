@@ -53,6 +53,7 @@ from torch.profiler import ProfilerActivity, profile
 from benchmarks.common import (
     USER_RESULTS,
     Parser,
+    attempt,
     build_trainer,
     environment,
     parser,
@@ -178,29 +179,23 @@ def run_parts(parts: list[Part], cfg, params, size: Size, args, tmp: Path) -> li
     rows, jax_parts = [], [p for p in parts if p.framework == "jax"]
     for i, part in enumerate(p for p in parts if p.framework == "torch"):
         (tmp / str(i)).mkdir()
-        rows.append(attempt(profile_impl, part, cfg, params, size, args, tmp / str(i)))
+        rows.append(attempt_part(profile_impl, part, cfg, params, size, args, tmp / str(i)))
     if jax_parts:
         with ProcessPoolExecutor(max_workers=1, mp_context=multiprocessing.get_context("spawn")) as pool:
             def there(*a) -> dict:
                 return pool.submit(profile_impl, *a).result()
             for i, part in enumerate(jax_parts, start=len(rows)):
                 (tmp / str(i)).mkdir()
-                rows.append(attempt(there, part, cfg, params, size, args, tmp / str(i)))
+                rows.append(attempt_part(there, part, cfg, params, size, args, tmp / str(i)))
     return rows
 
 
-def attempt(run: Callable[..., dict], part: Part, *args) -> dict:
-    """`run(part, *args)`'s row, or where the part failed, a row with its error in one line: the other
-    parts still run and are written (on an H200, 2026-11-30, the compiled step's failure lost the whole
-    run's rows)."""
-    try:
-        return run(part, *args)
-    except Exception as error:  # noqa: BLE001 - any part's failure is its row's, not the run's
-        line = f"{type(error).__name__}: {(str(error).strip().splitlines() or [''])[0]}"
-        print(f"  {part.title}: failed: {line}", flush=True)
-        release()
-        return {"part": part.key, "title": part.title, "framework": part.framework, "impl": part.impl,
-                "error": line}
+def attempt_part(run: Callable[..., dict], part: Part, *args) -> dict:
+    """`run(part, *args)`'s row, or where the part failed, a row with its error (common.attempt): the
+    other parts still run and are written."""
+    row, error = attempt(part.title, run, part, *args)
+    return row if error is None else {"part": part.key, "title": part.title, "framework": part.framework,
+                                      "impl": part.impl, "error": error}
 
 
 def loss_timings(cfg, size: Size, dtype: str, device: str, steps: int) -> str:

@@ -142,7 +142,14 @@ def describe(result: dict) -> str:
 def markdown(result: dict) -> str:
     """The results file's Markdown: title, description, tables."""
     return (f"# Benchmarks: {result['suite']} suite on {result['device']}\n\n{describe(result)}\n"
-            + tables(result))
+            + tables(result) + failures(result))
+
+
+def failures(result: dict) -> str:
+    """The measurements that failed (benchmarks/common.py attempt), each with its error; none: nothing."""
+    failed = result.get("failed") or []
+    return "".join(["\n## Failed\n\n"] + [f"- {r['preset']} {r['dtype']} {r['task']} {r['impl']}: "
+                                             f"`{r['error']}`\n" for r in failed]) if failed else ""
 
 
 def plot(result: dict, path: Path) -> Path | None:

@@ -33,6 +33,7 @@ import re
 import statistics
 import tempfile
 import time
+from collections.abc import Callable
 from concurrent.futures import ProcessPoolExecutor
 from dataclasses import dataclass, replace
 from pathlib import Path
@@ -51,6 +52,7 @@ from benchmarks.common import (
     IMPL_ORDER,
     RESULTS,
     TRAINERS,
+    attempt,
     build_trainer,
     environment,
     given_path,
@@ -367,24 +369,33 @@ def measure_group(suite: Suite, preset_name: str, dtype: str) -> list[dict]:
     batches = training_batches(cfg, preset_name, size)
     impls = train_impls(suite, preset_name, dtype)
     found = []
+
+    def guarded(task: str, impl: str, run: Callable[[], list[dict]]) -> list[dict]:
+        """run()'s rows, or one row with its error (common.attempt): the other measurements still run."""
+        rows, error = attempt(f"{task} {impl}", run)
+        return rows if error is None else [dict(task=task, impl=impl, error=error)]
+
     if "train" in suite.tasks:  # JAX last (its allocator keeps what it took); each loop row right after
         packed = training_batches(cfg, preset_name, size, packing=True)  # the same pairs (docs/packing.md)
         for name in sorted(impls, key=lambda n: TRAINERS[n][0] == "jax"):  # its step's, alternated
             pairs = size.loop_pairs if name in suite.harness else 1
-            found += paired_rows(alternate(cfg, params, batches, preset_name, size, dtype, suite, name,
-                                           device, pairs))
+            found += guarded("train", name, lambda name=name, pairs=pairs: paired_rows(alternate(
+                cfg, params, batches, preset_name, size, dtype, suite, name, device, pairs)))
             if (preset_name, dtype) in suite.packed and name in PACKED_IMPLS:
-                found += bench_training(cfg, params, packed, dtype, suite, [name], device, "packed")
+                found += guarded("train", f"{name} packed", lambda name=name: bench_training(
+                    cfg, params, packed, dtype, suite, [name], device, "packed"))
     if "forward" in suite.tasks:
-        found += bench_forward(cfg, params, peer, size, dtype, suite, device)
+        found += guarded("forward", "all", lambda: bench_forward(cfg, params, peer, size, dtype, suite,
+                                                                 device))
     if "decode" in suite.tasks:
-        found += bench_decoding(cfg, params, peer, size, dtype, suite, device)
+        found += guarded("decode", "all", lambda: bench_decoding(cfg, params, peer, size, dtype, suite,
+                                                                 device))
     peak = (suite.peak_tflops * 1e12 if suite.peak_tflops is not None
             else peak_flops(torch.cuda.get_device_name(0) if device == "cuda" else "cpu", dtype))
     real_flops = sum(batch_work(cfg, b)["flops"] for b in batches) / len(batches)
     for row in found:
         row.update(preset=preset_name, dtype=dtype)
-        if row["task"] == "train":  # real-token MFU: the FLOPs of the batches' sentences alone
+        if row["task"] == "train" and "error" not in row:  # real-token MFU: the batches' sentences alone
             row.setdefault("real_flops_per_step", real_flops)  # the loop's rows: the bucketed batches'
             row["mfu"] = mfu(row["real_flops_per_step"], row["median_s"], peak)
     return found
@@ -396,7 +407,7 @@ def run(suite: Suite | str, partial: Path | None = None) -> tuple[dict, str]:
     memory it took until the process ends, and PyTorch's measurements after it would run out."""
     suite = SUITES[suite] if isinstance(suite, str) else suite
     device = "cuda" if torch.cuda.is_available() else "cpu"
-    rows = []
+    rows, failed = [], []
     started = time.perf_counter()
     for preset_name in suite.presets:
         for dtype in suite.dtypes:
@@ -408,14 +419,15 @@ def run(suite: Suite | str, partial: Path | None = None) -> tuple[dict, str]:
                     found = pool.submit(measure_group, suite, preset_name, dtype).result()
             else:
                 found = measure_group(suite, preset_name, dtype)
-            rows += found
+            rows += [r for r in found if "error" not in r]
+            failed += [r for r in found if "error" in r]
             if partial is not None:
                 atomic_write_bytes(partial, json.dumps(rows, indent=1).encode())
             print(f"[{time.perf_counter() - started:6.1f}s] {preset_name} {dtype}: {len(found)} rows in "
                   f"{time.perf_counter() - t0:.1f}s", flush=True)
     add_ratios(rows)
     sizes = {k: v.__dict__ for k, v in suite.presets.items()}
-    return dict(suite=suite.name, device=device_name(), rows=rows, sizes=sizes), device_name()
+    return dict(suite=suite.name, device=device_name(), rows=rows, failed=failed, sizes=sizes), device_name()
 
 
 def select(suite: Suite, presets: list[str] | None, dtypes: list[str] | None,
@@ -495,6 +507,10 @@ def main(argv: list[str] | None = None) -> None:
         png = plot(result, json_path.with_suffix(".png"))
         print("wrote", json_path, md_path, *([png] if png else []))
         partial.unlink(missing_ok=True)
+    if measured["failed"]:
+        raise SystemExit(f"benchmarks.run: {len(measured['failed'])} measurements failed (" + ", ".join(
+            f"{r['preset']} {r['dtype']} {r['task']} {r['impl']}" for r in measured["failed"])
+            + "): their errors are in the results")
 
 
 if __name__ == "__main__":
