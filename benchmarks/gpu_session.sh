@@ -21,12 +21,12 @@ step() {  # step SECONDS COMMAND...: one command under its timeout, its exit sta
 }
 case $stage in
   1)  # issue 59, run 1: where a step goes in both frameworks, then the correctness groups
-    # perf_hints: inductor says whether and why it skipped CUDA graphs (compilation.CUDA_GRAPHS)
-    TORCH_LOGS=perf_hints step 340 python3 -m benchmarks.profile_step --out-dir "$out"
+    # +cudagraphs: whether and why inductor partitioned a graph or skipped its CUDA graphs (CUDA_GRAPHS)
+    TORCH_LOGS=perf_hints,+cudagraphs step 340 python3 -m benchmarks.profile_step --out-dir "$out"
     step 150 python3 -m benchmarks.gpu_check --only parity attention decode --out-dir "$out" ;;
   2)  # issue 59, run 2: base bfloat16 training, bucketed and packed, compiled PyTorch, JAX and the peer
     # (each compile 40-90 s on an H200: the three with their loop and packed rows fill about 7 minutes)
-    TORCH_LOGS=perf_hints step 420 python3 -m benchmarks.run --suite gpu --presets base --dtypes bfloat16 \
+    TORCH_LOGS=perf_hints,+cudagraphs step 420 python3 -m benchmarks.run --suite gpu --presets base --dtypes bfloat16 \
       --tasks train --impls torch.compile jax peer --out-dir "$out" ;;
   3)  # issue 59, run 2's decoding: greedy and beam 4 at 64 sentences, beam 4 at 256, both frameworks
     step 240 python3 -m benchmarks.run --suite gpu --presets base --dtypes bfloat16 --tasks decode \
