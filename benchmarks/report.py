@@ -2,7 +2,8 @@
 copy of the newest tables in docs/benchmarks.md.
 
     python -m benchmarks.report benchmarks/results/gpu_*.json   # re-render their .md and .png
-    python -m benchmarks.report --docs        # docs/benchmarks.md <- newest cpu and gpu tables
+    python -m benchmarks.report --docs        # docs/benchmarks.md <- newest cpu and gpu tables,
+                                              # README.md <- the GPU head-to-head (newest per group)
 
 benchmarks/run.py calls `markdown` and `plot` after every run; the block in docs/benchmarks.md
 (between its markers; `--readme` is the flag's older name, from when the block was in the
@@ -13,6 +14,7 @@ from __future__ import annotations
 
 import io
 import os
+import re
 from pathlib import Path
 
 from benchmarks.common import (
@@ -32,6 +34,10 @@ ROOT = Path(__file__).parent.parent
 BENCHMARK_DOC = ROOT / "docs" / "benchmarks.md"  # the page that shows the newest tables
 BEGIN, END = "<!-- benchmarks:begin -->", "<!-- benchmarks:end -->"
 SUITES_IN_README = ("gpu", "cpu")  # newest results file of each, in this order
+README = ROOT / "README.md"  # its "On your own GPU" head-to-head table, between these markers:
+GPU_BEGIN, GPU_END = "<!-- gpu-head-to-head:begin -->", "<!-- gpu-head-to-head:end -->"
+# A GPU suite's results: the whole suite (gpu_...) or some of its tasks (gpu-train_..., gpu-decode_...).
+GPU_RESULTS = re.compile(r"^gpu(-(train|forward|decode))*_[a-z0-9-]+_\d{4}-\d\d-\d\d\.json$")
 
 
 def _sorted(rows: list[dict], task: str) -> list[dict]:
@@ -230,6 +236,58 @@ def update_readme(readme: Path = BENCHMARK_DOC, results: Path = RESULTS) -> None
     replace_block(readme, BEGIN, END, readme_block(results))
 
 
+def newest_gpu_groups(results: Path = RESULTS) -> dict[tuple[str, str, str], tuple[Path, dict]]:
+    """(task, preset, dtype) -> the newest GPU suite results file with rows of it (a run of some tasks
+    or presets counts for those), and that file: a group's rows, ours and the peer's, from one run."""
+    files = sorted((p for p in results.glob("gpu*.json") if GPU_RESULTS.match(p.name)),
+                   key=lambda p: (p.stem[-10:], p.name))  # oldest first: the newest file wins a group
+    chosen: dict[tuple[str, str, str], tuple[Path, dict]] = {}
+    for path in files:
+        result = load(path)
+        if result["device"] != "cpu":
+            chosen |= {(r["task"], r["preset"], r["dtype"]): (path, result) for r in result["rows"]}
+    return chosen
+
+
+def gpu_head_to_head(results: Path = RESULTS, page: Path = README) -> str:
+    """The README's GPU table between its markers: each (preset, dtype)'s training and decoding rows
+    from the newest GPU results file that has them (newest_gpu_groups), PyTorch, JAX and the peer side
+    by side, each row numbered with its run (GPU, commit, date, results file) listed below the tables."""
+    groups = newest_gpu_groups(results)
+    runs = list(dict.fromkeys(path for path, _ in groups.values()))
+    train = ["| preset | dtype | impl | batching | step ms | MFU | ratio vs peer | peak mem GB | run |",
+             "| --- | --- | --- | --- | --- | --- | --- | --- | --- |"]
+    decode = ["| preset | dtype | impl | search | tokens/s | ratio vs peer | run |",
+              "| --- | --- | --- | --- | --- | --- | --- |"]
+    for (task, preset_name, dtype), (path, result) in sorted(groups.items(), key=lambda g: g[0][1:]):
+        run = runs.index(path) + 1
+        rows = [r for r in _sorted(result["rows"], task) if (r["preset"], r["dtype"]) == (preset_name, dtype)]
+        for r in rows if task == "train" else []:
+            mem = None if r.get("peak_memory_bytes") is None else r["peak_memory_bytes"] / 1e9
+            kind = "" if "real_flops_per_step" in r or r.get("mfu") is None else " padded"
+            train.append(f"| {preset_name} | {dtype} | {r['impl']} | {r.get('batching', 'bucketed')} | "
+                         f"{r['median_s'] * 1e3:.1f} | {_percent(r.get('mfu'))}{kind} | "
+                         f"{_fmt(r.get('ratio_vs_peer'), '.2f')} | {_fmt(mem, '.1f')} | {run} |")
+        for r in rows if task == "decode" else []:
+            decode.append(f"| {preset_name} | {dtype} | {r['impl']} | {r['search']} | "
+                          f"{r['tokens_per_s']:,.0f} | {_fmt(r.get('ratio_vs_peer'), '.2f')} | {run} |")
+    listed = []
+    for n, path in enumerate(runs, start=1):
+        result = next(result for p, result in groups.values() if p == path)
+        commit = result["environment"].get("commit", "?").split()[0]
+        link = Path(os.path.relpath(path.with_suffix(".md"), page.parent)).as_posix()
+        listed.append(f"{n}. {result['device']}, commit {commit}, {path.stem[-10:]}: "
+                      f"[`{path.with_suffix('.md').name}`]({link})")
+    return "\n".join([GPU_BEGIN, "Training (one optimizer step; MFU real-token where the run recorded its "
+                      "real tokens, else over the padded batch: \"padded\")", "", *train, "",
+                      "Decoding (cached; the peer decodes greedy in float32 only)", "", *decode, "",
+                      "The runs:", "", *listed, GPU_END])
+
+
+def update_gpu_table(readme: Path = README, results: Path = RESULTS) -> None:
+    replace_block(readme, GPU_BEGIN, GPU_END, gpu_head_to_head(results, readme))
+
+
 def main(argv: list[str] | None = None) -> None:
     cli = parser(__file__, __doc__)
     cli.add_argument("results", nargs="*", type=given_path, help="results JSON files to re-render")
@@ -242,13 +300,15 @@ def main(argv: list[str] | None = None) -> None:
                           flag="results")
     if args.docs:
         cli.check_out_dir(BENCHMARK_DOC.parent, [BENCHMARK_DOC.name], flag=None)
+        cli.check_out_dir(README.parent, [README.name], flag=None)
     for path in args.results:
         result = load(path)
         atomic_write_bytes(path.with_suffix(".md"), markdown(result).encode())
         print("wrote", path.with_suffix(".md"), plot(result, path.with_suffix(".png")))
     if args.docs:
         update_readme()
-        print("updated", BENCHMARK_DOC)
+        update_gpu_table()
+        print("updated", BENCHMARK_DOC, README)
 
 
 if __name__ == "__main__":

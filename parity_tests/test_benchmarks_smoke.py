@@ -166,6 +166,51 @@ def test_a_measurement_that_fails_is_written_beside_the_others(tmp_path, capsys,
     assert "| tiny | float32 | peer |" in md
 
 
+def test_readme_gpu_table_is_the_newest_gpu_results():
+    """The README's "On your own GPU" head-to-head is the rendering of benchmarks/results' GPU files."""
+    from benchmarks.report import GPU_BEGIN, GPU_END, README, gpu_head_to_head
+
+    text = README.read_text()
+    assert text[text.index(GPU_BEGIN):text.index(GPU_END) + len(GPU_END)] == gpu_head_to_head(), \
+        "run `python -m benchmarks.report --docs` after adding GPU results"
+
+
+def test_gpu_table_takes_each_group_from_the_newest_run_that_measured_it(tmp_path):
+    """A newer run of some tasks (decode only, another GPU) replaces those groups alone; the files of
+    gpu_check, a same-day earlier run kept under its commit, and a GPU suite run on a CPU are no GPU
+    suite results; each row's run is listed with its GPU, commit and date."""
+    from benchmarks.report import gpu_head_to_head
+
+    def results(name: str, device: str, commit: str, rows: list[dict]) -> None:
+        body = {"environment": {"commit": f"{commit} (from ROSETTA_COMMIT)"}, "suite": "gpu",
+                "device": device, "rows": rows, "sizes": {}}
+        (tmp_path / name).write_text(json.dumps(body))
+
+    def train(impl: str, ms: float, **extra) -> dict:
+        return dict(task="train", preset="base", dtype="bfloat16", impl=impl, median_s=ms / 1e3, **extra)
+
+    def decode(impl: str, tokens_per_s: float) -> dict:
+        return dict(task="decode", preset="base", dtype="bfloat16", impl=impl, search="beam 4",
+                    tokens_per_s=tokens_per_s)
+
+    results("gpu_gpu-a_2026-01-01.json", "GPU A", "aaaaaaa",
+            [train("jax", 45.25, mfu=0.4, real_flops_per_step=1, ratio_vs_peer=1.5, peak_memory_bytes=13.4e9),
+             train("peer", 67.9, mfu=0.2), decode("jax", 1000.4)])
+    results("gpu-decode_gpu-b_2026-01-02.json", "GPU B", "bbbbbbb", [decode("jax", 2000.0)])
+    results("gpu-check_gpu-b_2026-01-03.json", "GPU B", "ccccccc", [decode("jax", 3.0)])
+    results("gpu_gpu-b_2026-01-03-ddddddd.json", "GPU B", "ddddddd", [decode("jax", 4.0)])
+    results("gpu_cpu_2026-01-04.json", "cpu", "eeeeeee", [decode("jax", 5.0)])
+    table = gpu_head_to_head(tmp_path, tmp_path / "README.md")
+    assert "| base | bfloat16 | jax | bucketed | 45.2 | 40.0% | 1.50 | 13.4 | 1 |" in table
+    assert "| base | bfloat16 | peer | bucketed | 67.9 | 20.0% padded | – | – | 1 |" in table  # none real
+    assert "| base | bfloat16 | jax | beam 4 | 2,000 | – | 2 |" in table and "1,000" not in table
+    assert not any(f"| {n} |" in table for n in ("3", "4", "5"))
+    assert "1. GPU A, commit aaaaaaa, 2026-01-01: [`gpu_gpu-a_2026-01-01.md`](gpu_gpu-a_2026-01-01.md)\n" \
+        in table
+    assert "2. GPU B, commit bbbbbbb, 2026-01-02: [`gpu-decode_gpu-b_2026-01-02.md`]" in table
+    assert "\n3. " not in table
+
+
 def test_runner_refuses_to_overwrite_results(tmp_path, capsys):
     """An existing results file of today's run is kept unless --overwrite; refused before any
     measurement."""
