@@ -43,6 +43,19 @@ SUITE_THREAD_FLAGS = "--xla_cpu_multi_thread_eigen=false"
 SUITE_XLA_FLAGS = f"{SUITE_COMPILE_FLAGS} {SUITE_THREAD_FLAGS}"
 
 
+def fail_to_build(monkeypatch, module, impl: str, message: str) -> None:
+    """`module`'s build_trainer (a benchmark's) raising RuntimeError(message) for the implementation
+    `impl` and building the others: one measurement that fails, as the compiled step did on an H200."""
+    real = module.build_trainer
+
+    def build(name, *args, **kwargs):
+        if name == impl:
+            raise RuntimeError(message)
+        return real(name, *args, **kwargs)
+
+    monkeypatch.setattr(module, "build_trainer", build)
+
+
 def users_environment() -> dict[str, str]:
     """os.environ with XLA's CPU runtime threaded as users run it (the suite's XLA_FLAGS without its
     one-thread flags; LLVM's -O0 kept: the same thunks, compiled sooner): for a benchmark a test runs

@@ -16,7 +16,7 @@ from benchmarks.report import BENCHMARK_DOC, SUITES_IN_README, load, markdown, n
 from benchmarks.report import main as report_main
 from benchmarks.run import SUITES, results_name, run
 from benchmarks.run import main as run_main
-from parity_tests.conftest import users_environment
+from parity_tests.conftest import fail_to_build, users_environment
 from rosetta.errors import RosettaError
 
 
@@ -142,14 +142,7 @@ def test_a_measurement_that_fails_is_written_beside_the_others(tmp_path, capsys,
     """One implementation that fails (here PyTorch's trainer, built to fail; on an H200 the compiled
     step's CUDA graph once) costs its own rows only: the peer's are measured and written, the failure
     is listed with its error in one line, and the run exits 1 naming it."""
-    real = run_module.build_trainer
-
-    def build(impl, *args, **kwargs):
-        if impl == "torch":
-            raise RuntimeError("not allocated in pool (0, 1)\nthe rest of the message")
-        return real(impl, *args, **kwargs)
-
-    monkeypatch.setattr(run_module, "build_trainer", build)
+    fail_to_build(monkeypatch, run_module, "torch", "not allocated in pool (0, 1)\nthe rest of the message")
     with pytest.raises(SystemExit) as stop:
         run_main(["--suite", "smoke", "--tasks", "train", "--impls", "torch", "peer",
                   "--out-dir", str(tmp_path)])

@@ -19,6 +19,7 @@ import pytest
 
 from benchmarks import profile_step as ps
 from benchmarks import profile_trace as pt
+from parity_tests.conftest import fail_to_build
 from rosetta import preset
 from rosetta.flops import training_flops
 
@@ -253,14 +254,8 @@ def test_a_part_that_fails_is_its_rows_error_and_the_others_are_written(tmp_path
     """On an H200 (2026-11-30) the compiled step's capture failed and the run lost every part's row: a
     part's failure is now its row's error, in one line, the other parts measured and written, and the
     run exits 1 naming the part."""
-    real = ps.build_trainer
-
-    def build(impl, *args, **kwargs):
-        if impl == "torch.compile":
-            raise RuntimeError("These storage data ptrs are not allocated in pool (0, 1)\nmore lines")
-        return real(impl, *args, **kwargs)
-
-    monkeypatch.setattr(ps, "build_trainer", build)
+    fail_to_build(monkeypatch, ps, "torch.compile",
+                  "These storage data ptrs are not allocated in pool (0, 1)\nmore lines")
     with pytest.raises(SystemExit) as stop:
         ps.main(["--device", "cpu", "--preset", "tiny", "--batch", "4", "--length", "8", "--warmup", "1",
                  "--steps", "1", "--profiled", "1", "--parts", "train-eager", "train-compiled",
