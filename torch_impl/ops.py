@@ -192,9 +192,9 @@ def dropout_rng(device_type: str, compiled: bool, graphs: bool = False) -> conte
     own seeds (docs/training.md: dropout streams). CUDA only: torch 2.13 functionalises only CUDA's
     philox generator and refuses a CPU random op with it on (parity_tests/test_dropout_streams.py);
     eager steps never see it. Off under CUDA graphs: it passes the (seed, offset) as host tensors, a
-    CPU input that keeps inductor from capturing the graph whole (with torch 2.11's graph partitions,
-    the capture that failed on an H200, compilation.CUDA_GRAPHS); inductor's own seeds live on the
-    device. GPU effect: not measured."""
+    CPU input that keeps inductor from capturing the graph whole (the lead, not established, for the
+    partitioned graph whose capture failed on an H200: compilation.CUDA_GRAPHS); inductor's own seeds
+    live on the device. GPU effect: not measured."""
     functionalise = compiled and device_type == "cuda" and not graphs
     return torch._functorch.config.patch(functionalize_rng_ops=functionalise)
 
