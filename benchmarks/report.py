@@ -28,7 +28,9 @@ from benchmarks.common import (
     parser,
     replace_block,
 )
+from rosetta.errors import RosettaError
 from rosetta.files import atomic_write_bytes
+from rosetta.json_input import check_schema, field
 
 ROOT = Path(__file__).parent.parent
 BENCHMARK_DOC = ROOT / "docs" / "benchmarks.md"  # the page that shows the newest tables
@@ -121,9 +123,39 @@ def tables(result: dict) -> str:
     return "\n".join(lines) + "\n"
 
 
+_NUMBER = field("number", required=True)
+# What the tables read of a results file and of each of its rows (others pass: files carry more).
+# (Their presence: load_results's `keys`.)
+RESULT = {"environment": field("object"), "suite": field("string"), "device": field("string"),
+          "sizes": field("object")}
+ROW = {"task": field("string", required=True, choices=("train", "forward", "decode")),
+       "preset": field("string", required=True), "dtype": field("string", required=True),
+       "impl": field("string", required=True, choices=IMPL_ORDER), "median_s": _NUMBER,
+       **{name: field("number", "null") for name in ("min_s", "max_s", "mfu", "ratio_vs_peer",
+                                                   "vs_benchmark", "peak_memory_bytes", "real_token_share")},
+       "search": field("string"), "batching": field("string")}
+# The figures each task's table prints.
+TASK_FIELDS = {"train": {"tokens_per_s": _NUMBER, "padded_tokens_per_s": _NUMBER},
+               "forward": {"sentences_per_s": _NUMBER},
+               "decode": {"search": field("string", required=True), "tokens_per_s": _NUMBER,
+                          "sentences_per_s": _NUMBER}}
+
+
 def load(path: Path) -> dict:
-    """A results JSON written by benchmarks/run.py, or a clear error naming what is wrong."""
-    return load_results(path, "benchmarks/run.py", ("environment", "suite", "device", "rows", "sizes"))
+    """A results JSON written by benchmarks/run.py, or a clear error naming the file and what is
+    wrong: its top-level fields, and each row's (`rows[i]: ...`), as the tables read them."""
+    result = load_results(path, "benchmarks/run.py", ("environment", "suite", "device", "rows", "sizes"),
+                          schema=RESULT)
+    for i, row in enumerate(result["rows"]):
+        where = f"{path}: rows[{i}]"
+        if not isinstance(row, dict):
+            raise SystemExit(f"{where} must be an object, got {type(row).__name__}")
+        try:
+            check_schema(row, ROW, str(path), RosettaError, f"rows[{i}].")
+            check_schema(row, TASK_FIELDS[row["task"]], str(path), RosettaError, f"rows[{i}].")
+        except RosettaError as e:
+            raise SystemExit(str(e)) from None
+    return result
 
 
 def describe(result: dict) -> str:

@@ -180,11 +180,12 @@ def test_gpu_table_takes_each_group_from_the_newest_run_that_measured_it(tmp_pat
         (tmp_path / name).write_text(json.dumps(body))
 
     def train(impl: str, ms: float, **extra) -> dict:
-        return dict(task="train", preset="base", dtype="bfloat16", impl=impl, median_s=ms / 1e3, **extra)
+        return dict(task="train", preset="base", dtype="bfloat16", impl=impl, median_s=ms / 1e3,
+                    tokens_per_s=1.0, padded_tokens_per_s=2.0, **extra)
 
     def decode(impl: str, tokens_per_s: float) -> dict:
-        return dict(task="decode", preset="base", dtype="bfloat16", impl=impl, search="beam 4",
-                    tokens_per_s=tokens_per_s)
+        return dict(task="decode", preset="base", dtype="bfloat16", impl=impl, search="beam 4", median_s=1.0,
+                    tokens_per_s=tokens_per_s, sentences_per_s=1.0)
 
     results("gpu_gpu-a_2026-01-01.json", "GPU A", "aaaaaaa",
             [train("jax", 45.25, mfu=0.4, real_flops_per_step=1, ratio_vs_peer=1.5, peak_memory_bytes=13.4e9),
@@ -255,14 +256,37 @@ def test_a_second_run_under_the_same_name_keeps_the_first(tmp_path):
     assert (folder / "inside").is_dir() and not list(tmp_path.glob("other_cpu_2026-11-29-*"))
 
 
-@pytest.mark.parametrize("content, message", [(None, "cannot read"), ("garbage", "not valid JSON"),
-                                              ('{"rows": []}', "missing environment")])
+ROW = {"task": "decode", "preset": "base", "dtype": "float32", "impl": "jax", "search": "greedy",
+       "median_s": 1.0, "tokens_per_s": 9.0, "sentences_per_s": 2.0}
+RESULT = {"environment": {}, "suite": "gpu", "device": "G", "sizes": {}, "rows": [ROW]}
+
+
+@pytest.mark.parametrize("content, message", [
+    (None, "cannot read"), ("garbage", "not valid JSON"), ('{"rows": []}', "missing environment"),
+    (json.dumps(RESULT)[:50], "not valid JSON"),  # truncated
+    (json.dumps(RESULT | {"device": ["G"]}), "device must be a string, got an array"),
+    (json.dumps(RESULT | {"environment": 3}), "environment must be an object"),
+    (json.dumps(RESULT | {"rows": [1]}), r"rows\[0\] must be an object, got int"),
+    (json.dumps(RESULT | {"rows": [ROW, {**ROW, "task": None}]}), r"rows\[1\].task must be a string"),
+    (json.dumps(RESULT | {"rows": [{k: v for k, v in ROW.items() if k != "tokens_per_s"}]}),
+     r"missing required field rows\[0\].tokens_per_s"),
+    (json.dumps(RESULT | {"rows": [ROW | {"median_s": "fast"}]}), r"rows\[0\].median_s must be a number"),
+    (json.dumps(RESULT | {"rows": [ROW | {"impl": "mine"}]}), r"rows\[0\].impl must be one of"),
+])
 def test_report_names_a_bad_results_file(tmp_path, content, message):
+    """A results file the tables cannot read is refused in one line naming it and the field, for the
+    re-rendering (`report FILE`) and the README's GPU table (`gpu_head_to_head`) alike."""
+    from benchmarks.report import gpu_head_to_head
+
     path = tmp_path / "results.json"
     if content is not None:
         path.write_text(content)
     with pytest.raises(SystemExit, match=message):
         report_main([str(path)])
+    if content is not None:  # the same file as a GPU suite's newest run
+        (tmp_path / "gpu_g_2026-01-01.json").write_text(content)
+        with pytest.raises(SystemExit, match=f"gpu_g_2026-01-01.json: .*{message}"):
+            gpu_head_to_head(tmp_path, tmp_path / "README.md")
 
 
 def test_recorded_gpu_results_show_what_issue_7_asks():
