@@ -3,7 +3,8 @@ copy of the newest tables in docs/benchmarks.md.
 
     python -m benchmarks.report benchmarks/results/gpu_*.json   # re-render their .md and .png
     python -m benchmarks.report --docs        # docs/benchmarks.md <- newest cpu and gpu tables,
-                                              # README.md <- the GPU head-to-head (newest per group)
+                                              # README.md <- the GPU head-to-head (newest per group);
+                                              # both rendered before either is written
 
 benchmarks/run.py calls `markdown` and `plot` after every run; the block in docs/benchmarks.md
 (between its markers; `--readme` is the flag's older name, from when the block was in the
@@ -264,8 +265,13 @@ def readme_block(results: Path = RESULTS) -> str:
     return "\n".join(parts + [END])
 
 
-def update_readme(readme: Path = BENCHMARK_DOC, results: Path = RESULTS) -> None:
-    replace_block(readme, BEGIN, END, readme_block(results))
+def update_docs(results: Path = RESULTS) -> None:
+    """docs/benchmarks.md's tables and the README's GPU table, both rendered (every results file read)
+    before either page is written: a bad results file leaves both pages as they were."""
+    blocks = [(BENCHMARK_DOC, BEGIN, END, readme_block(results)),
+              (README, GPU_BEGIN, GPU_END, gpu_head_to_head(results, README))]
+    for page, begin, end, block in blocks:
+        replace_block(page, begin, end, block)
 
 
 def newest_gpu_groups(results: Path = RESULTS) -> dict[tuple[str, str, str], tuple[Path, dict]]:
@@ -316,10 +322,6 @@ def gpu_head_to_head(results: Path = RESULTS, page: Path = README) -> str:
                       "The runs:", "", *listed, GPU_END])
 
 
-def update_gpu_table(readme: Path = README, results: Path = RESULTS) -> None:
-    replace_block(readme, GPU_BEGIN, GPU_END, gpu_head_to_head(results, readme))
-
-
 def main(argv: list[str] | None = None) -> None:
     cli = parser(__file__, __doc__)
     cli.add_argument("results", nargs="*", type=given_path, help="results JSON files to re-render")
@@ -338,8 +340,7 @@ def main(argv: list[str] | None = None) -> None:
         atomic_write_bytes(path.with_suffix(".md"), markdown(result).encode())
         print("wrote", path.with_suffix(".md"), plot(result, path.with_suffix(".png")))
     if args.docs:
-        update_readme()
-        update_gpu_table()
+        update_docs()
         print("updated", BENCHMARK_DOC, README)
 
 

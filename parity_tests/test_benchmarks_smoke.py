@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import json
 import os
+import shutil
 
 import pytest
 
@@ -166,6 +167,24 @@ def test_readme_gpu_table_is_the_newest_gpu_results():
     text = README.read_text()
     assert text[text.index(GPU_BEGIN):text.index(GPU_END) + len(GPU_END)] == gpu_head_to_head(), \
         "run `python -m benchmarks.report --docs` after adding GPU results"
+
+
+def test_a_bad_results_file_leaves_both_pages_as_they_were(tmp_path, monkeypatch):
+    """`report --docs` renders docs/benchmarks.md's block and the README's GPU table before writing
+    either: a GPU results file it cannot read changes neither page."""
+    from benchmarks import report
+
+    results = tmp_path / "results"
+    shutil.copytree(RESULTS, results)
+    (results / "gpu-decode_g_2099-01-01.json").write_text('{"rows": [1]}')
+    pages = {name: tmp_path / name for name in ("benchmarks.md", "README.md")}
+    for page in pages.values():
+        page.write_text(f"{report.BEGIN}\nold\n{report.END}\n{report.GPU_BEGIN}\nold\n{report.GPU_END}\n")
+    monkeypatch.setattr(report, "BENCHMARK_DOC", pages["benchmarks.md"])
+    monkeypatch.setattr(report, "README", pages["README.md"])
+    with pytest.raises(SystemExit, match="gpu-decode_g_2099-01-01.json"):
+        report.update_docs(results)
+    assert all(page.read_text().count("old") == 2 for page in pages.values())
 
 
 def test_gpu_table_takes_each_group_from_the_newest_run_that_measured_it(tmp_path):
