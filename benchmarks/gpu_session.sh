@@ -25,7 +25,7 @@ case $stage in
     TORCH_LOGS=perf_hints,+cudagraphs step 340 python3 -m benchmarks.profile_step --out-dir "$out"
     step 150 python3 -m benchmarks.gpu_check --only parity attention decode --out-dir "$out" ;;
   2)  # issue 59, run 2: base bfloat16 training, bucketed and packed, compiled PyTorch, JAX and the peer
-    # (each compile 40-90 s on an H200: the three with their loop and packed rows fill about 7 minutes)
+    # (each compile took 40-90 s on the H100 and H200 runs of 2026-11-22/27; this stage as a whole: not yet run)
     TORCH_LOGS=perf_hints,+cudagraphs step 420 python3 -m benchmarks.run --suite gpu --presets base --dtypes bfloat16 \
       --tasks train --impls torch.compile jax peer --out-dir "$out" ;;
   3)  # issue 59, run 2's decoding: greedy and beam 4 at 64 sentences, beam 4 at 256, both frameworks
