@@ -292,13 +292,13 @@ def gpu_head_to_head(results: Path = RESULTS, page: Path = README) -> str:
     from the newest GPU results file that has them (newest_gpu_groups), PyTorch, JAX and the peer side
     by side, each row numbered with its run (GPU, commit, date, results file) listed below the tables."""
     groups = newest_gpu_groups(results)
-    runs = list(dict.fromkeys(path for path, _ in groups.values()))
+    runs = dict(groups.values())  # path -> its results, in the order first met
     train = ["| preset | dtype | impl | batching | step ms | MFU | ratio vs peer | peak mem GB | run |",
              "| --- | --- | --- | --- | --- | --- | --- | --- | --- |"]
     decode = ["| preset | dtype | impl | search | tokens/s | ratio vs peer | run |",
               "| --- | --- | --- | --- | --- | --- | --- |"]
     for (task, preset_name, dtype), (path, result) in sorted(groups.items(), key=lambda g: g[0][1:]):
-        run = runs.index(path) + 1
+        run = list(runs).index(path) + 1
         rows = [r for r in _sorted(result["rows"], task) if (r["preset"], r["dtype"]) == (preset_name, dtype)]
         for r in rows if task == "train" else []:
             mem = None if r.get("peak_memory_bytes") is None else r["peak_memory_bytes"] / 1e9
@@ -310,8 +310,7 @@ def gpu_head_to_head(results: Path = RESULTS, page: Path = README) -> str:
             decode.append(f"| {preset_name} | {dtype} | {r['impl']} | {r['search']} | "
                           f"{r['tokens_per_s']:,.0f} | {_fmt(r.get('ratio_vs_peer'), '.2f')} | {run} |")
     listed = []
-    for n, path in enumerate(runs, start=1):
-        result = next(result for p, result in groups.values() if p == path)
+    for n, (path, result) in enumerate(runs.items(), start=1):
         commit = result["environment"].get("commit", "?").split()[0]
         link = Path(os.path.relpath(path.with_suffix(".md"), page.parent)).as_posix()
         listed.append(f"{n}. {result['device']}, commit {commit}, {path.stem[-10:]}: "
