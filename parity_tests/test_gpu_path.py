@@ -205,22 +205,25 @@ def test_rosetta_train_compile_runs_and_reports_its_compilation(tmp_path, graph_
 def test_decoding_without_compile_never_imports_the_compiler():
     """PyTorch's model built and decoding (greedy and beam) import neither dynamo nor FSDP2: about 1 s
     of CPU at the start of every `rosetta translate`, `generate` or `diff` (torch_impl/compilation.py,
-    distributed.py; a training process imports dynamo with torch.optim's Optimizer). And a compiled
+    distributed.py; a training process imports dynamo with torch.optim's Optimizer); the default
+    decoder chosen (backends.default_decoder: torch here) imports no JAX either. And a compiled
     graph that would grow the position table is refused while traced, not traced (a NumPy table
     recomputed inside the graph): its callers grow it first (ops.grow_positions)."""
     script = """if True:
         import sys
         from rosetta import init_params, preset
-        from rosetta.backends import from_params
+        from rosetta.backends import default_decoder, from_params
         cfg = preset("tiny")
-        model = from_params(cfg, init_params(cfg, seed=0), "torch")
+        model = from_params(cfg, init_params(cfg, seed=0), default_decoder()[0])
         for beams in (1, 2):
             model.generate([[5, 6, 7]], beam_size=beams)
-        print(sorted(m for m in ("torch._dynamo", "torch.distributed.fsdp", "sympy") if m in sys.modules))
+        print(sorted(m for m in ("torch._dynamo", "torch.distributed.fsdp", "sympy", "jax", "flax")
+                     if m in sys.modules), type(model).__module__)
     """
     out = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, cwd=ROOT,
                          timeout=300)
-    assert out.returncode == 0 and out.stdout.strip() == "[]", out.stdout + out.stderr[-2000:]
+    assert out.returncode == 0 and out.stdout.strip() == "[] torch_impl.backend", \
+        out.stdout + out.stderr[-2000:]
     from torch_impl.convert import build_model
 
     module = build_model(preset("tiny"), init_params(preset("tiny"), seed=0))

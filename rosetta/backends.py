@@ -236,16 +236,18 @@ def get_trainer(name: str) -> Any:
     return module.Trainer
 
 
+def installed(name: str) -> bool:
+    """Whether model backend `name`'s framework imports here (it is imported to find out)."""
+    try:
+        get_backend(name)
+    except RosettaError:
+        return False
+    return True
+
+
 def available_backends() -> list[str]:
     """The model backends whose framework imports here, in `BACKENDS` order."""
-    found = []
-    for name in MODEL_BACKENDS:
-        try:
-            get_backend(name)
-        except RosettaError:
-            continue
-        found.append(name)
-    return found
+    return [name for name in MODEL_BACKENDS if installed(name)]
 
 
 # `translate`, `evaluate` and `generate` without --backend: a run's own decoder, else the first of
@@ -258,11 +260,11 @@ DECODING_ORDER = ("torch", "jax", "numpy")
 def default_decoder(trained_by: str | None = None) -> tuple[str, str]:
     """(the backend to decode with when none is named, why): the decoder of the backend that
     trained the model (a run's `trained_by`, BACKENDS' `decoder`) if installed, else the first
-    installed backend of DECODING_ORDER."""
-    installed = available_backends()
-    if trained_by in BACKENDS and BACKENDS[trained_by].decoder in installed:
+    installed backend of DECODING_ORDER. Only the frameworks it tries are imported: a process that
+    decodes with PyTorch does not pay for importing JAX (about half a second at every start)."""
+    if trained_by in BACKENDS and installed(BACKENDS[trained_by].decoder):
         return BACKENDS[trained_by].decoder, f"the run's own, trained by {trained_by}"
-    name = next(name for name in DECODING_ORDER if name in installed)
+    name = next(name for name in DECODING_ORDER if installed(name))
     return name, ("the fastest installed, with a cache" if name != "numpy"
                   else "no framework installed: the float64 reference, without a cache")
 
