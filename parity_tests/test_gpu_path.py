@@ -192,7 +192,7 @@ def test_rosetta_train_compile_runs_and_reports_its_compilation(tmp_path, graph_
                  "--device", "cpu"]) == 0
     result = json.loads((out / "torch" / "result.json").read_text())
     assert result["compiles"] == graph_counter.frame_count == 1 and result["compile_time_total_s"] > 0
-    assert "| compilation, all steps (s; programs) |" in (out / "summary.md").read_text()
+    assert "| compilation, all steps (s; programs compiled) |" in (out / "summary.md").read_text()
     capsys.readouterr()
     refused = tmp_path / "x"
     assert main(["train", "--backend", "torch", "--compile", "--nproc", "2", "--out", str(refused)]) == 2

@@ -268,7 +268,7 @@ def write_summary(out: Path, results: Mapping[str, Record], run: Record) -> None
         ("median MFU", lambda r: _fmt(r["median_mfu"], ".2%")),
         ("steps in the medians (logged, not first of shape)", lambda r: _fmt(r.get("timed_steps"), "d")),
         ("step time, all steps (s)", lambda r: _fmt(r.get("step_time_total_s"), ",.2f")),
-        ("compilation, all steps (s; programs)",
+        ("compilation, all steps (s; programs compiled)",
          lambda r: f"{_fmt(r.get('compile_time_total_s'), ',.1f')}; {_fmt(r.get('compiles'), 'd')}"),
         ("target tokens trained, all steps", lambda r: _fmt(r.get("tgt_tokens_total"), ",d")),
         ("source tokens trained, all steps", lambda r: _fmt(r.get("src_tokens_total"), ",d")),
@@ -290,7 +290,10 @@ def write_summary(out: Path, results: Mapping[str, Record], run: Record) -> None
               "evaluations and checkpoints. Tokens are real (non-pad) ones. MFU counts matmul FLOPs of real "
               "tokens (rosetta/harness/metrics.py); – where the device's peak rate is unknown (pass "
               "--peak-tflops) or a count is unknown. Scaling efficiency is tokens/s ÷ (workers × the "
-              "one-device run's tokens/s), – unless `--baseline` names that run.", "", SUMMARY_FOOTER]
+              "one-device run's tokens/s), – unless `--baseline` names that run. Compilation's seconds "
+              "include tracing and reading programs from JAX's persistent cache; its count is of programs "
+              "compiled, not read (a run after one of the same shapes: seconds, and 0 programs).", "",
+              SUMMARY_FOOTER]
     atomic_write_bytes(out / "summary.md", ("\n".join(lines) + "\n").encode("utf-8"))
 
 
