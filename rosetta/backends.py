@@ -261,7 +261,7 @@ def default_decoder(trained_by: str | None = None) -> tuple[str, str]:
     """(the backend to decode with when none is named, why): the decoder of the backend that
     trained the model (a run's `trained_by`, BACKENDS' `decoder`) if installed, else the first
     installed backend of DECODING_ORDER. Only the frameworks it tries are imported: a process that
-    decodes with PyTorch does not pay for importing JAX (about half a second at every start)."""
+    decodes with PyTorch does not pay for importing JAX (most of a second of CPU: docs/evaluate.md)."""
     if trained_by in BACKENDS and installed(BACKENDS[trained_by].decoder):
         return BACKENDS[trained_by].decoder, f"the run's own, trained by {trained_by}"
     name = next(name for name in DECODING_ORDER if installed(name))
