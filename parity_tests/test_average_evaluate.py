@@ -297,7 +297,7 @@ def test_evaluate_refuses_bad_input_by_name(text_model, tmp_path, capsys):
     assert cli(["evaluate", str(ckpt), "--tokenizer", str(tmp_path / "tok.json"), "--out", out]) == 2
     assert "tok.json' does not exist" in error_line(capsys)
     assert cli(["evaluate", str(tmp_path / "no-run"), "--out", out]) == 2
-    assert "no-run: no such directory" in error_line(capsys)
+    assert "no-run: no such checkpoint file or model directory" in error_line(capsys)
     synthetic = make_run(tmp_path / "copy", preset("tiny"), {5: random_params(preset("tiny"), 5)},
                          run_args={"task": "copy", "pair": "de-en"})
     assert cli(["evaluate", str(synthetic), "--out", out]) == 2

@@ -60,6 +60,25 @@ def test_bad_arguments_are_one_line_with_exit_code_2(argv, message, checkpoint, 
     assert one_line_error(capsys) == f"rosetta: error: {message}"
 
 
+@pytest.mark.parametrize("command", ["generate", "translate", "evaluate"])
+def test_a_model_path_that_is_no_file_or_directory_is_named_as_such(command, tmp_path, monkeypatch, capsys):
+    """A FIFO or a device given as the model: one line saying what it is, nothing opened (a FIFO's
+    open would wait for a writer forever, /dev/zero would read without end); a missing path: its own line."""
+    import os
+
+    feed_stdin(monkeypatch, b"5 6 7\n")
+    fifo = tmp_path / "model.fifo"
+    os.mkfifo(fifo)
+    flag = [] if command == "evaluate" else ["--checkpoint"]
+    out = ["--out", str(tmp_path / "eval.json")] if command == "evaluate" else []
+    for path in (fifo, "/dev/zero"):
+        assert main([command, *flag, str(path), *out]) == 2
+        assert one_line_error(capsys) == (f"rosetta: error: {path}: not a regular file or a directory "
+                                          "(a checkpoint file or model directory is needed)")
+    assert main([command, *flag, str(tmp_path / "missing.safetensors"), *out]) == 2
+    assert one_line_error(capsys).endswith("missing.safetensors: no such checkpoint file or model directory")
+
+
 def test_train_flags_are_refused_before_any_work(tmp_path, capsys):
     out = tmp_path / "never"
     assert main(["train", "--alpha", "-1", "--out", str(out)]) == 2

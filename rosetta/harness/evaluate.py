@@ -149,9 +149,11 @@ def resolve_model(path: str | os.PathLike[str], tokenizer: str | os.PathLike[str
     """(model.safetensors, tokenizer.json, the run's run.json record or None) of a run or
     checkpoint directory (rosetta/harness/translate.py: resolve_run), or of a checkpoint file
     with `tokenizer`. A text model needs its tokenizer: a run of a synthetic task has none."""
-    from rosetta.harness.translate import resolve_run
+    from rosetta.harness.translate import no_model_at, resolve_run
 
     path = Path(path)
+    if not (path.is_file() or path.is_dir()):
+        raise no_model_at(path)
     if path.is_file() and path.name != "latest":
         if tokenizer is None:
             raise RosettaError(f"{path} is a checkpoint file: give its --tokenizer (or pass the run "

@@ -98,6 +98,15 @@ class OpenedModel:
         return dataclasses.replace(self.config, bos_id=self.decoder_start)
 
 
+def no_model_at(path: Path) -> RosettaError:
+    """The refusal of a model path that is neither a file nor a directory: a missing one, or a device,
+    FIFO or socket, from which no model is read (opening a FIFO would wait for a writer forever)."""
+    if path.exists():
+        return RosettaError(f"{path}: not a regular file or a directory (a checkpoint file or model "
+                            "directory is needed)")
+    return RosettaError(f"{path}: no such checkpoint file or model directory")
+
+
 def open_model(path: str | os.PathLike[str], tokenizer: str | os.PathLike[str] | None = None) -> OpenedModel:
     """The model `path` names: a checkpoint file (tokenizer from its sidecar), a Marian directory
     (weights converted in memory; its tokenizer and generation_config.json), or a run or checkpoint
@@ -117,7 +126,7 @@ def open_model(path: str | os.PathLike[str], tokenizer: str | os.PathLike[str] |
     elif path.is_file():
         weights, companions = path, companion_dir(path)
     else:
-        raise RosettaError(f"{path}: no such checkpoint file or model directory")
+        raise no_model_at(path)
     cfg, params = read_model(weights)
     if tokenizer is not None:
         m2m = is_m2m100_tokenizer_dir(tokenizer)
