@@ -6,7 +6,10 @@ bounds come from the `tiny` preset (64 source ids)."""
 
 from __future__ import annotations
 
+import contextlib
 import io
+import os
+import signal
 import subprocess
 import sys
 
@@ -60,23 +63,56 @@ def test_bad_arguments_are_one_line_with_exit_code_2(argv, message, checkpoint, 
     assert one_line_error(capsys) == f"rosetta: error: {message}"
 
 
+@contextlib.contextmanager
+def never_waits(seconds: int = 20):
+    """A FIFO opened by mistake waits for a writer forever: here it fails the test instead (SIGALRM
+    interrupts the open; Python retries an interrupted call only when the handler returns)."""
+    def fail(*_):
+        raise TimeoutError(f"still waiting after {seconds} s: a FIFO was opened")
+
+    previous = signal.signal(signal.SIGALRM, fail)
+    signal.alarm(seconds)
+    try:
+        yield
+    finally:
+        signal.alarm(0)
+        signal.signal(signal.SIGALRM, previous)
+
+
 @pytest.mark.parametrize("command", ["generate", "translate", "evaluate"])
 def test_a_model_path_that_is_no_file_or_directory_is_named_as_such(command, tmp_path, monkeypatch, capsys):
     """A FIFO or a device given as the model: one line saying what it is, nothing opened (a FIFO's
     open would wait for a writer forever, /dev/zero would read without end); a missing path: its own line."""
-    import os
-
     feed_stdin(monkeypatch, b"5 6 7\n")
     fifo = tmp_path / "model.fifo"
     os.mkfifo(fifo)
     flag = [] if command == "evaluate" else ["--checkpoint"]
     out = ["--out", str(tmp_path / "eval.json")] if command == "evaluate" else []
     for path in (fifo, "/dev/zero"):
-        assert main([command, *flag, str(path), *out]) == 2
+        with never_waits():
+            assert main([command, *flag, str(path), *out]) == 2
         assert one_line_error(capsys) == (f"rosetta: error: {path}: not a regular file or a directory "
                                           "(a checkpoint file or model directory is needed)")
     assert main([command, *flag, str(tmp_path / "missing.safetensors"), *out]) == 2
     assert one_line_error(capsys).endswith("missing.safetensors: no such checkpoint file or model directory")
+
+
+def test_a_fifo_is_never_opened_by_convert_diff_or_as_a_tokenizer(checkpoint, tmp_path, monkeypatch, capsys):
+    """Format detection (convert, diff) and the tokenizer reader refuse a FIFO or a device before opening
+    it; until this test, `convert FIFO OUT` and `diff FIFO CKPT` waited for a writer forever."""
+    fifo = tmp_path / "in.fifo"
+    os.mkfifo(fifo)
+    for argv in (["convert", str(fifo), str(tmp_path / "out.safetensors")], ["diff", str(fifo), checkpoint],
+                 ["diff", checkpoint, "/dev/zero"]):
+        with never_waits():
+            assert main(argv) == 2
+        path = argv[1] if argv[0] == "convert" or argv[1] != checkpoint else argv[2]
+        assert one_line_error(capsys) == f"rosetta: error: {path}: not a regular file or a directory"
+    assert not (tmp_path / "out.safetensors").exists()
+    feed_stdin(monkeypatch, b"Ein Hund.\n")
+    with never_waits():
+        assert main(["translate", "--checkpoint", checkpoint, "--tokenizer", str(fifo)]) == 2
+    assert one_line_error(capsys) == f"rosetta: error: tokenizer file {str(fifo)!r} is not a regular file"
 
 
 def test_train_flags_are_refused_before_any_work(tmp_path, capsys):

@@ -67,6 +67,13 @@ def _hf():  # imported lazily: `tokenizers` is an optional dependency (the `trai
     return tokenizers
 
 
+def no_tokenizer_at(path: Path) -> TokenizerError:
+    """The refusal of a tokenizer path that is not a regular file: missing, or a directory, device or
+    FIFO (never opened: a FIFO's open waits for a writer)."""
+    what = "is not a regular file" if path.exists() else "does not exist"
+    return TokenizerError(f"tokenizer file {str(path)!r} {what}")
+
+
 class Tokenizer:
     """A trained joint BPE vocabulary. Make one with `Tokenizer.train` or `Tokenizer.load`."""
 
@@ -123,7 +130,7 @@ class Tokenizer:
         """Read a tokenizer saved by `save` (a `tokenizers` JSON file)."""
         path = Path(path)
         if not path.is_file():
-            raise TokenizerError(f"tokenizer file {str(path)!r} does not exist")
+            raise no_tokenizer_at(path)
         # The one JSON reader's bounds first (size, depth, numbers), then the library parses the text.
         raw = json_input.read_bytes(path, json_input.DEFAULT_LIMIT, "a tokenizer file", TokenizerError)
         json_input.decode(raw, str(path), error=TokenizerError)

@@ -34,7 +34,7 @@ from rosetta.harness.out_dir import os_errors
 from rosetta.harness.report import RUN_SCHEMA, read_json
 from rosetta.harness.tasks import TaskData
 from rosetta.harness.translate import translate_lines
-from rosetta.tokenizer import TextTokenizer
+from rosetta.tokenizer import TextTokenizer, no_tokenizer_at
 from rosetta.training import Trainer
 
 FORMAT = "rosetta-evaluate/1"
@@ -167,7 +167,7 @@ def resolve_model(path: str | os.PathLike[str], tokenizer: str | os.PathLike[str
             raise RosettaError(f"{path}: no tokenizer.json beside its checkpoint (a synthetic-task run?): "
                                f"evaluate scores text models on Multi30k")
     if not tokenizer_path.is_file():
-        raise RosettaError(f"tokenizer file {str(tokenizer_path)!r} does not exist")
+        raise no_tokenizer_at(tokenizer_path)
     run_record = None
     run_json = checkpoint.parent.parent.parent / "run.json"  # <run>/checkpoints/step-N/model.safetensors
     if checkpoint.parent.parent.name == "checkpoints" and run_json.is_file():

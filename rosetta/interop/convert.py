@@ -100,6 +100,8 @@ def detect_format(path: str | os.PathLike) -> str:
             return "rosetta"  # a checkpoint directory of a training run
         raise ConfigError(f"{path}: a directory that is neither a Marian model (config.json with "
                           f"model_type 'marian') nor a checkpoint directory (model.safetensors)")
+    if not path.is_file():  # a device, a FIFO, a socket: not opened (a FIFO's open waits for a writer)
+        raise CheckpointError(f"{path}: not a regular file or a directory")
     if flax_wmt.is_flax_wmt(path):
         return "flax-wmt"
     if _is_rosetta(path):
