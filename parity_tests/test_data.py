@@ -154,6 +154,39 @@ def test_missing_or_unusable_data_dir_refused_in_one_line(tmp_path, monkeypatch,
     assert sorted(p.name for p in tmp_path.iterdir()) == ["a-file", "broken"]
 
 
+def test_a_file_that_inflates_past_the_bound_is_refused_in_bounded_memory(tmp_path, monkeypatch):
+    """A gzip bomb in the data folder: 64 MiB of newlines in a 0.3 MB file, the bounds lowered to 16 MiB
+    and 20 M lines for the test (the real ones: 2 GiB, 50 M lines): refused naming the file, with at most
+    the bound and a chunk held (tracemalloc's peak), where the reader before held 1.2 GB for it (64 M
+    empty strings). The line bound alone refuses it too. Every bundled Multi30k file is far below both."""
+    import tracemalloc
+
+    bomb = tmp_path / "train.de.gz"
+    with gzip.open(bomb, "wb", compresslevel=1) as f:
+        for _ in range(64):
+            f.write(b"\n" * (1 << 20))
+    assert bomb.stat().st_size < 1 << 20
+    data = rosetta.harness.data
+    bound, line_bound = data.MAX_DATA_FILE_BYTES, data.MAX_DATA_FILE_LINES
+    monkeypatch.setattr(data, "MAX_DATA_FILE_BYTES", 16 << 20)
+    monkeypatch.setattr(data, "MAX_DATA_FILE_LINES", 20_000_000)
+    refusal = r"train\.de\.gz' holds more than 16,777,216 bytes or 20,000,000 lines of text decompressed"
+    tracemalloc.start()
+    try:
+        with pytest.raises(DataError, match=refusal):
+            data.read_lines(bomb)
+        peak = tracemalloc.get_traced_memory()[1]
+    finally:
+        tracemalloc.stop()
+    assert peak < (16 << 20) + (4 << 20), peak  # the bound, a chunk, and the list holding the chunks
+    monkeypatch.setattr(data, "MAX_DATA_FILE_BYTES", bound)
+    monkeypatch.setattr(data, "MAX_DATA_FILE_LINES", 1 << 20)  # 64 M newlines against 1 M lines
+    with pytest.raises(DataError, match="1,048,576 lines"):
+        data.read_lines(bomb)
+    texts = [gzip.decompress(p.read_bytes()) for p in data.BUNDLED_DATA_DIR.glob("*.gz")]
+    assert max(map(len, texts)) < bound // 100 and max(t.count(b"\n") for t in texts) < line_bound // 100
+
+
 def test_missing_directory_and_file(tmp_path, monkeypatch):
     missing = tmp_path / "nowhere"
     with pytest.raises(DataError, match="nowhere.*does not exist"):

@@ -207,6 +207,35 @@ def test_a_checkpoint_whose_recorded_step_differs_from_its_name_is_refused(two_c
     assert "records step 2, not the step 7" in one_line_error(capsys)
 
 
+@pytest.mark.parametrize("pointer", [b"\xff\xfe\x00 not UTF-8", b"step-00000009", "sparse"])
+def test_a_corrupt_latest_pointer_falls_back_to_the_newest_complete_checkpoint(pointer, two_checkpoints,
+                                                                               capsys, monkeypatch):
+    """checkpoints/latest holding bytes that are not UTF-8 (a traceback before), naming a step that is
+    not there, or 3 GB long (sparse; read whole before): the newest complete checkpoint, as for a
+    missing pointer, with 128 bytes of it read (the peak is the checkpoint's own check, 16 MB here);
+    `translate --run` and `--resume` go on from it."""
+    import tracemalloc
+
+    checkpoints = two_checkpoints / "torch" / "checkpoints"
+    latest = checkpoints / "latest"
+    if pointer == "sparse":
+        with open(latest, "wb") as f:
+            f.truncate(3 << 30)
+    else:
+        latest.write_bytes(pointer)
+    tracemalloc.start()
+    try:
+        assert latest_checkpoint(checkpoints).name == "step-00000002"
+        assert tracemalloc.get_traced_memory()[1] < 100 << 20  # the checkpoint's check; 3 GB read whole
+    finally:
+        tracemalloc.stop()
+    monkeypatch.setattr(sys, "stdin", io.StringIO("5 6 7\n"))
+    assert main(["translate", "--run", str(two_checkpoints / "torch")]) == 0
+    assert main(["train", *QUICK, "--steps", "3", "--checkpoint-every", "1", "--out", str(two_checkpoints),
+                 "--resume"]) == 0
+    assert latest_checkpoint(checkpoints).name == "step-00000003"
+
+
 def test_a_checkpoint_symlinked_out_of_the_run_is_refused(two_checkpoints, tmp_path, capsys, monkeypatch):
     checkpoints = two_checkpoints / "torch" / "checkpoints"
     elsewhere = tmp_path / "elsewhere" / "step-00000003"

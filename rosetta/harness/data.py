@@ -41,6 +41,12 @@ BUNDLED_DATA_DIR = Path(__file__).resolve().parents[1] / "data" / "multi30k"
 SYNTHETIC_TASKS: tuple[str, ...] = ("copy", "reverse")
 # Token ids 0, 1 and 2 are pad, bos and eos (the ModelConfig defaults); data tokens start here.
 FIRST_DATA_ID = 3
+# The most text one data file may hold, decompressed, and the most lines: Multi30k's largest file is
+# 4 MB (29,000 lines), WMT14 en-de's largest side about 0.7 GB (4.5 M lines); a gzip file that inflates
+# past either (a bomb, or not a corpus: a line costs a Python string, ~50 bytes beyond its text) is
+# refused before it takes the machine's memory.
+MAX_DATA_FILE_BYTES = 2 << 30
+MAX_DATA_FILE_LINES = 50_000_000
 
 
 class DataError(RosettaError):
@@ -88,17 +94,25 @@ def _check_split_lang(split: str, langs: Iterable[str]) -> None:
 
 def read_lines(path: str | os.PathLike[str]) -> list[str]:
     """The lines of a UTF-8 text file, gzipped if its name ends in `.gz`, each stripped of
-    surrounding whitespace. Only `\\n` separates lines. DataError names a missing or bad file."""
+    surrounding whitespace. Only `\\n` separates lines. DataError names a missing or bad file, or
+    one holding more than MAX_DATA_FILE_BYTES or MAX_DATA_FILE_LINES of text."""
     path = Path(path)
     if not path.is_file():  # a folder or a FIFO in its place is named as such (a FIFO is never opened)
         state = ("is a directory" if path.is_dir() else "is not a regular file" if path.exists()
                  else "does not exist")
         raise DataError(f"data file {str(path)!r} {state}")
     try:
-        raw = path.read_bytes()
-        if path.suffix == ".gz":
-            raw = gzip.decompress(raw)
-        text = raw.decode("utf-8")
+        chunks, size, lines = [], 0, 0
+        with (gzip.open(path, "rb") if path.suffix == ".gz" else open(path, "rb")) as f:
+            while chunk := f.read(1 << 20):  # streamed, a MiB at a time: never more than the bounds held
+                size, lines = size + len(chunk), lines + chunk.count(b"\n")
+                if size > MAX_DATA_FILE_BYTES or lines > MAX_DATA_FILE_LINES:
+                    inflated = " decompressed" if path.suffix == ".gz" else ""
+                    raise DataError(f"data file {str(path)!r} holds more than {MAX_DATA_FILE_BYTES:,} "
+                                    f"bytes or {MAX_DATA_FILE_LINES:,} lines of text{inflated}: refused "
+                                    "before it fills the memory (no corpus this reader reads is that large)")
+                chunks.append(chunk)
+        text = b"".join(chunks).decode("utf-8")
     except (OSError, EOFError, zlib.error) as e:
         raise DataError(f"cannot read data file {str(path)!r}: {e}") from None
     except UnicodeDecodeError as e:

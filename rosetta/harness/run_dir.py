@@ -91,7 +91,8 @@ def latest_checkpoint(root: Path, check: bool = True) -> Path | None:
     pointer = root / LATEST
     chosen = None
     if pointer.is_file():
-        name = pointer.read_text(encoding="utf-8").strip()
+        with open(pointer, "rb") as f:  # a checkpoint's name: 128 bytes bound it; garbage names nothing
+            name = f.read(128).decode("utf-8", errors="replace").strip()
         if _NAME.match(name) and (root / name).is_dir():
             newer = [p for step, p in list_checkpoints(root) if p.name > name]
             chosen = newer[-1] if newer else root / name
