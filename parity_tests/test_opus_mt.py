@@ -9,6 +9,7 @@ never from rosetta.
 from __future__ import annotations
 
 import json
+import os
 import shutil
 
 import numpy as np
@@ -148,7 +149,9 @@ def _vocab_edit(edit):
 BROKEN = {
     "missing spm": (lambda d: (d / "source.spm").unlink(), "source.spm: missing"),
     "corrupt spm": (lambda d: (d / "target.spm").write_bytes(b"not a model"),
-                    "target.spm: not a SentencePiece model"),
+                    "target.spm: not a SentencePiece model: its bytes do not parse as a ModelProto"),
+    "huge spm": (lambda d: os.truncate(d / "source.spm", 4 << 30),  # sparse: refused from its size
+                 "source.spm: 4,294,967,296 bytes, more than a SentencePiece model may hold (67,108,864)"),
     "vocab size": (_vocab_edit(lambda v: {k: i for k, i in v.items() if i != 5}), "vocab.json: "),
     "id out of range": (_vocab_edit(lambda v: {**v, "<pad>": 10**6}), "vocab.json: '<pad>' has id 1000000"),
     "duplicate ids": (_vocab_edit(lambda v: {**v, "▁zzz": 3}), "both have id 3"),

@@ -237,6 +237,9 @@ TOKENIZER_CONFIG_SCHEMA = {
 }
 MARIAN_TOKENIZER_FILES = (SOURCE_SPM, TARGET_SPM, VOCAB, TARGET_VOCAB, TOKENIZER_CONFIG)
 SPIECE_UNDERLINE = "\u2581"
+# The largest SentencePiece model read: opus-mt's are under 1 MB, NLLB-200's 4.8 MB; a file past it is
+# refused from its size before a byte is read (sentencepiece itself would read it whole).
+MAX_SPM_BYTES = 64 << 20
 
 
 def _spm(path: Path) -> Any:
@@ -248,11 +251,14 @@ def _spm(path: Path) -> Any:
                              f"pip install -e '.[marian]'") from None
     if not path.is_file():
         raise TokenizerError(f"{path}: missing (a Marian tokenizer needs {SOURCE_SPM} and {TARGET_SPM})")
+    raw = json_input.read_bytes(path, MAX_SPM_BYTES, "a SentencePiece model", TokenizerError)
     processor = sentencepiece.SentencePieceProcessor()
     try:
-        processor.Load(str(path))
+        processor.LoadFromSerializedProto(raw)
     except (OSError, RuntimeError) as e:
         first = str(e).strip().splitlines()[0] if str(e).strip() else type(e).__name__
+        if "ParseFromArray" in first:  # the library's source line and call: say what it means
+            first = "its bytes do not parse as a ModelProto"
         raise TokenizerError(f"{path}: not a SentencePiece model: {first}") from None
     return processor
 
