@@ -16,6 +16,7 @@ import sys
 import pytest
 
 from rosetta.cli import main
+from rosetta.errors import RosettaError
 
 
 @pytest.fixture(scope="module")
@@ -113,6 +114,30 @@ def test_a_fifo_is_never_opened_by_convert_diff_or_as_a_tokenizer(checkpoint, tm
     with never_waits():
         assert main(["translate", "--checkpoint", checkpoint, "--tokenizer", str(fifo)]) == 2
     assert one_line_error(capsys) == f"rosetta: error: tokenizer file {str(fifo)!r} is not a regular file"
+
+
+def test_a_model_larger_than_the_memory_is_refused_before_it_is_allocated(tmp_path, monkeypatch, capsys):
+    """Every field within its bound, their product not: 383 billion parameters (1.4 TiB in float32)
+    were allocated until the OOM killer ended the process (24 GB in 39 s on this project's machine);
+    now one line from the count alone, in `init` and `train`, nothing written. Where /proc/meminfo
+    says nothing, nothing is refused; a tiny model against 100 kB available is."""
+    import rosetta.params
+    from rosetta import init_params, preset
+
+    huge = ["--preset", "base", "--set", "d_model=16384", "--set", "d_ff=131072",
+            "--set", "num_encoder_layers=64"]
+    out = tmp_path / "huge.safetensors"
+    assert main(["init", *huge, "--out", str(out)]) == 2
+    assert one_line_error(capsys).startswith("rosetta: error: the model's 382,878,384,128 parameters need "
+                                             "1,426.3 GiB in float32, more than the ")
+    assert main(["train", "--task", "copy", *huge, "--steps", "1", "--out", str(tmp_path / "run")]) == 2
+    assert "382,878,384,128 parameters need" in one_line_error(capsys)
+    assert not out.exists() and not (tmp_path / "run").exists()
+    monkeypatch.setattr(rosetta.params, "available_memory", lambda: 100_000)  # 179,200 bytes needed
+    with pytest.raises(RosettaError, match=r"the model's 44,800 parameters need 0\.0 GiB"):
+        init_params(preset("tiny"))
+    monkeypatch.setattr(rosetta.params, "available_memory", lambda: None)
+    assert len(init_params(preset("tiny"))) > 0
 
 
 def test_train_flags_are_refused_before_any_work(tmp_path, capsys):

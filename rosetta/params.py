@@ -13,6 +13,7 @@ from typing import NamedTuple
 import numpy as np
 
 from rosetta.config import ModelConfig
+from rosetta.errors import ConfigError
 
 Params = dict[str, np.ndarray]
 
@@ -137,10 +138,38 @@ def canonical_dtype(compute_dtype: str) -> type:
     return np.float64 if compute_dtype == "float64" else np.float32
 
 
+def available_memory() -> int | None:
+    """The bytes a new allocation can take here without swapping (Linux's MemAvailable), or None
+    where /proc/meminfo does not say."""
+    try:
+        with open("/proc/meminfo", "rb") as f:
+            for line in f:
+                if line.startswith(b"MemAvailable:"):
+                    return int(line.split()[1]) * 1024  # kB
+    except (OSError, ValueError, IndexError):
+        return None
+    return None
+
+
+def check_fits_in_memory(cfg: ModelConfig, dtype: type = np.float32) -> None:
+    """Refuse (ConfigError) a model whose weights would not fit in the memory available, before any
+    is allocated: each field has its bound (rosetta/config.py: LIMITS), but not their product, and an
+    allocation past the memory is not a MemoryError under Linux's overcommit but the OOM killer."""
+    count = param_count(cfg)
+    need = count * np.dtype(dtype).itemsize
+    available = available_memory()
+    if available is not None and need > available:
+        raise ConfigError(f"the model's {count:,} parameters need {need / 2**30:,.1f} GiB in "
+                          f"{np.dtype(dtype).name}, more than the {available / 2**30:,.1f} GiB of memory "
+                          "available here")
+
+
 def init_params(cfg: ModelConfig, seed: int = 0, dtype: type = np.float32) -> Params:
     """The canonical initial weights (SPEC §4), drawn in `param_shapes` order from one seeded
     generator: dense kernels Xavier-uniform (Glorot & Bengio 2010), biases zero, LayerNorm
-    scale one and bias zero, embeddings N(0, std = d_model^-0.5)."""
+    scale one and bias zero, embeddings N(0, std = d_model^-0.5). A model larger than the memory
+    available is refused first (check_fits_in_memory)."""
+    check_fits_in_memory(cfg, dtype)
     rng = np.random.default_rng(seed)
     params: Params = {}
     for name, shape in param_shapes(cfg).items():
