@@ -3,12 +3,14 @@ the batches."""
 
 from __future__ import annotations
 
+import contextlib
 import functools
 import gc
 import os
 import shutil
+import signal
 import tempfile
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 
 import numpy as np
 import pytest
@@ -41,6 +43,27 @@ SUITE_COMPILE_FLAGS = ("--xla_backend_optimization_level=0 --xla_cpu_use_fusion_
                        "--xla_cpu_parallel_codegen_split_count=1")
 SUITE_THREAD_FLAGS = "--xla_cpu_multi_thread_eigen=false"
 SUITE_XLA_FLAGS = f"{SUITE_COMPILE_FLAGS} {SUITE_THREAD_FLAGS}"
+
+
+class ExampleTooSlow(Exception):
+    pass
+
+
+@contextlib.contextmanager
+def deadline(seconds: float) -> Iterator[None]:
+    """ExampleTooSlow raised in the block once it has run `seconds` (SIGALRM; the main thread): a
+    hostile file's load past its time bound, or a FIFO opened by mistake, whose open would wait for a
+    writer forever, becomes a failure (Python retries an interrupted call only when the handler returns)."""
+    def expire(signum, frame):
+        raise ExampleTooSlow(f"example ran past its {seconds} s deadline")
+
+    previous = signal.signal(signal.SIGALRM, expire)
+    signal.setitimer(signal.ITIMER_REAL, seconds)
+    try:
+        yield
+    finally:
+        signal.setitimer(signal.ITIMER_REAL, 0)
+        signal.signal(signal.SIGALRM, previous)
 
 
 def fail_to_build(monkeypatch, module, impl: str, message: str) -> None:

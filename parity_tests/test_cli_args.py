@@ -6,15 +6,14 @@ bounds come from the `tiny` preset (64 source ids)."""
 
 from __future__ import annotations
 
-import contextlib
 import io
 import os
-import signal
 import subprocess
 import sys
 
 import pytest
 
+from parity_tests.conftest import deadline
 from rosetta.cli import main
 from rosetta.errors import RosettaError
 
@@ -64,22 +63,6 @@ def test_bad_arguments_are_one_line_with_exit_code_2(argv, message, checkpoint, 
     assert one_line_error(capsys) == f"rosetta: error: {message}"
 
 
-@contextlib.contextmanager
-def never_waits(seconds: int = 20):
-    """A FIFO opened by mistake waits for a writer forever: here it fails the test instead (SIGALRM
-    interrupts the open; Python retries an interrupted call only when the handler returns)."""
-    def fail(*_):
-        raise TimeoutError(f"still waiting after {seconds} s: a FIFO was opened")
-
-    previous = signal.signal(signal.SIGALRM, fail)
-    signal.alarm(seconds)
-    try:
-        yield
-    finally:
-        signal.alarm(0)
-        signal.signal(signal.SIGALRM, previous)
-
-
 @pytest.mark.parametrize("command", ["generate", "translate", "evaluate"])
 def test_a_model_path_that_is_no_file_or_directory_is_named_as_such(command, tmp_path, monkeypatch, capsys):
     """A FIFO or a device given as the model: one line saying what it is, nothing opened (a FIFO's
@@ -90,7 +73,7 @@ def test_a_model_path_that_is_no_file_or_directory_is_named_as_such(command, tmp
     flag = [] if command == "evaluate" else ["--checkpoint"]
     out = ["--out", str(tmp_path / "eval.json")] if command == "evaluate" else []
     for path in (fifo, "/dev/zero"):
-        with never_waits():
+        with deadline(20):
             assert main([command, *flag, str(path), *out]) == 2
         assert one_line_error(capsys) == (f"rosetta: error: {path}: not a regular file or a directory "
                                           "(a checkpoint file or model directory is needed)")
@@ -105,13 +88,13 @@ def test_a_fifo_is_never_opened_by_convert_diff_or_as_a_tokenizer(checkpoint, tm
     os.mkfifo(fifo)
     for argv in (["convert", str(fifo), str(tmp_path / "out.safetensors")], ["diff", str(fifo), checkpoint],
                  ["diff", checkpoint, "/dev/zero"]):
-        with never_waits():
+        with deadline(20):
             assert main(argv) == 2
         path = argv[1] if argv[0] == "convert" or argv[1] != checkpoint else argv[2]
         assert one_line_error(capsys) == f"rosetta: error: {path}: not a regular file or a directory"
     assert not (tmp_path / "out.safetensors").exists()
     feed_stdin(monkeypatch, b"Ein Hund.\n")
-    with never_waits():
+    with deadline(20):
         assert main(["translate", "--checkpoint", checkpoint, "--tokenizer", str(fifo)]) == 2
     assert one_line_error(capsys) == f"rosetta: error: tokenizer file {str(fifo)!r} is not a regular file"
 

@@ -9,14 +9,11 @@ here too: they follow the sequences actually run, in both framework backends ali
 
 from __future__ import annotations
 
-import contextlib
 import functools
 import json
 import math
-import signal
 import time
 import tracemalloc
-from collections.abc import Iterator
 
 import numpy as np
 import pytest
@@ -25,6 +22,7 @@ from hypothesis import strategies as st
 
 import rosetta
 import rosetta.positional
+from parity_tests.conftest import deadline
 from parity_tests.safetensors_bytes import join, split
 from rosetta import InputError, ModelConfig, RosettaError, from_params, init_params, preset, save_checkpoint
 from rosetta.backends import MODEL_BACKENDS, BackendModel
@@ -49,24 +47,6 @@ EXAMPLE_SECONDS = 20
 
 SETTINGS = settings(max_examples=40, deadline=None, database=None, derandomize=True,
                     suppress_health_check=[HealthCheck.too_slow, HealthCheck.function_scoped_fixture])
-
-
-class ExampleTooSlow(Exception):
-    pass
-
-
-@contextlib.contextmanager
-def deadline(seconds: float) -> Iterator[None]:
-    def expire(signum, frame):
-        raise ExampleTooSlow(f"example ran past its {seconds} s deadline")
-
-    previous = signal.signal(signal.SIGALRM, expire)
-    signal.setitimer(signal.ITIMER_REAL, seconds)
-    try:
-        yield
-    finally:
-        signal.setitimer(signal.ITIMER_REAL, 0)
-        signal.signal(signal.SIGALRM, previous)
 
 
 # -- the original file and its reference ---------------------------------------------------------
