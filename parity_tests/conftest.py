@@ -125,6 +125,11 @@ def pytest_configure(config: pytest.Config) -> None:
         # much), which every bound allows: each is derived for any order of the sums. Speed is measured
         # in benchmarks/, which compile as `rosetta train` does. A user's own XLA_FLAGS are kept.
         os.environ.setdefault("XLA_FLAGS", SUITE_XLA_FLAGS)
+        # NumPy's OpenBLAS on one thread in the workers and the processes the tests start (read when
+        # NumPy loads: the workers start after this), as one_torch_thread runs PyTorch's: its second
+        # thread waited for work by spinning, 12 CPU s of a cold run at 3bcbea4 (perf), for float64
+        # reference matmuls of tiny models. A user's own setting is kept.
+        os.environ.setdefault("OPENBLAS_NUM_THREADS", "1")
     if not _xdist_controller(config):  # the processes that collect and run tests
         gc.disable()  # until collection ends (pytest_collection_finish): the test modules' imports
     registered = {line.split(":")[0].split("(")[0].strip() for line in config.getini("markers")}
@@ -196,6 +201,20 @@ def pytest_collection_finish(session: pytest.Session) -> None:
     gc.freeze()
     collect_less()
     gc.enable()
+
+
+@pytest.hookimpl(hookwrapper=True, trylast=True)
+def pytest_runtest_teardown(item: pytest.Item, nextitem: pytest.Item | None) -> Iterator[None]:
+    """After a module's last test and its module fixtures' teardown: its cyclic garbage collected, then
+    what is still alive frozen too. What outlives a module (the frameworks' compile caches, session
+    fixtures) stays alive, and every later full collection walked it again: 24 CPU s of the workers'
+    35 s in the collector in a cold run at 3bcbea4, most in collections that tests and benchmarks ask
+    for (gc.collect() between trainers). Garbage is still collected at each module's end; only an object
+    that outlives a module and later becomes part of a garbage cycle is never freed."""
+    yield
+    if getattr(nextitem, "module", None) is not getattr(item, "module", None):
+        gc.collect()
+        gc.freeze()
 
 
 PYTHON_GC_THRESHOLDS = gc.get_threshold()  # the interpreter's own (conftest is imported before collection)
