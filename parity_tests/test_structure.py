@@ -157,6 +157,7 @@ TORCH_ONLY: dict[str, dict[str, str]] = {
         "_heap_kept": "the same",
     },
     "loss": {
+        "_CrossEntropy": "the autograd.Function binding _cross_entropy_forward/_backward (JAX: defvjp)",
         "_ChunkedCrossEntropy": "the autograd.Function binding _chunked_forward/_backward (JAX: defvjp)",
     },
     "distributed": {
@@ -230,9 +231,6 @@ JAX_ONLY: dict[str, dict[str, str]] = {
     },
     "loss": {
         "_chunks": "lax.map and lax.scan need equal chunks; torch slices a shorter last one",
-        "cross_entropy": "loss_fn's closed-form backward (torch's autograd was faster: loss.py)",
-        "_cross_entropy_forward": "the same",
-        "_cross_entropy_backward": "the same",
     },
     "distributed": {
         "make_mesh": "the jax.sharding.Mesh of devices; torch runs one process per device",

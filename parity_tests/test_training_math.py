@@ -294,6 +294,32 @@ def test_loss_gradcheck():
     assert torch.autograd.gradcheck(lambda z: tt.loss_fn(z, t(labels), 0, 0.1)[0], (x,))
 
 
+@pytest.mark.parametrize("label_smoothing", [0.0, 0.1])
+def test_loss_gradient_with_probabilities_below_float32s_normal_range(label_smoothing):
+    """loss_fn's closed-form backward (torch_impl/loss.py) against the float64 formula, mask · (softmax
+    - q) / count, on float32 logits spread so that most probabilities lie below float32's smallest
+    normal number (exp is read at 2·tiny there): every entry within float32's rounding of the formula
+    (a few ulp of its largest entry) plus 2·tiny; twice through one graph (retain_graph: the saved
+    log-probabilities are not overwritten then), the same gradient."""
+    logits, labels = random_logits(V=11)
+    logits = logits * 40.0  # log-probabilities down to about -800
+    x = t(logits).requires_grad_()
+    loss = tt.loss_fn(x, t(labels), 0, label_smoothing)[0]
+    (first,) = torch.autograd.grad(loss, x, retain_graph=True)
+    (second,) = torch.autograd.grad(loss, x)
+    assert torch.equal(first, second)
+    z = logits.astype(np.float64)
+    p = np.exp(z - z.max(-1, keepdims=True))
+    p /= p.sum(-1, keepdims=True)
+    assert (p < np.finfo(np.float32).tiny).mean() > 0.5  # the case this test is about
+    q = np.full_like(p, label_smoothing / z.shape[-1])
+    np.put_along_axis(q, labels[..., None], q[0, 0, 0] + 1.0 - label_smoothing, axis=-1)
+    mask = labels != 0
+    expected = (p - q) * mask[..., None] / mask.sum()
+    bound = 8 * np.finfo(np.float32).eps * np.abs(expected).max() + 2 * np.finfo(np.float32).tiny
+    assert np.abs(first.numpy() - expected).max() <= bound
+
+
 # -- Gradient parity -----------------------------------------------------------------------
 
 @cache

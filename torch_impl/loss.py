@@ -4,10 +4,8 @@ their own backward: no [tokens, V] float32 tensor is ever alive for the whole ba
 `loss_fn(hidden @ W.T + b, ...)`; the math and the choice of chunk: docs/loss.md. The matmuls take
 their operands in the hidden states' dtype (bfloat16 in, bfloat16 GEMMs with float32 accumulation;
 float32 and float64 as they are); logits, logsumexp, sums and the weight's gradient are float32 at
-least. (jax_impl/loss.py
-also gives loss_fn its closed-form backward, `cross_entropy`; here autograd's stays: a
-torch.autograd.Function of it was slower in a paired `small` step on this project's CPU, 1.73 s
-against 1.63 s a step.)
+least. Also the plain path's core, `cross_entropy` (train.loss_fn), with its closed-form backward,
+as jax_impl/loss.py's.
 
 Maintained kernels that do this (Liger-Kernel's fused linear cross-entropy, Apple's Cut
 Cross-Entropy) are Triton/CUDA only: Liger is not on the package index this project installs
@@ -20,6 +18,8 @@ diff them to see only framework differences.
 """
 
 from __future__ import annotations
+
+import math
 
 import torch
 
@@ -69,6 +69,56 @@ def _logits_grad(logits: torch.Tensor, lse: torch.Tensor, y: torch.Tensor, pad_i
     minus = torch.full_like(y[..., None], label_smoothing - 1.0, dtype=g.dtype)
     g.scatter_add_(-1, y[..., None], minus)  # - (1-ε)·onehot(y)
     return g.mul_(torch.where(y != pad_id, scale, 0.0)[..., None])
+
+
+def cross_entropy(logits: torch.Tensor, labels: torch.Tensor, denominator: torch.Tensor, pad_id: int,
+                  label_smoothing: float) -> torch.Tensor:
+    """Σ over non-pad tokens of the cross-entropy against q = (1-ε)·onehot(y) + ε/V, divided by
+    `denominator`, for logits [..., V] already in float32 or wider and int64 labels: train.loss_fn's
+    core. Its own backward is the closed form; autograd's (mean's, gather's and log_softmax's
+    backwards: three new [tokens, V] tensors and four passes over them) took 3x as long in a `small`
+    step's loss on this project's CPU (docs/benchmarks.md)."""
+    return _CrossEntropy.apply(logits, labels, denominator, pad_id, label_smoothing)
+
+
+def _cross_entropy_forward(ctx, logits: torch.Tensor, labels: torch.Tensor, denominator: torch.Tensor,
+                           pad_id: int, label_smoothing: float) -> torch.Tensor:
+    # From the log-softmax, not jax_impl's logsumexp: ATen's logsumexp makes a [tokens, V] temporary
+    # beside its passes (the whole loss 1.9x as long); the same sums as autograd's path, bit for bit.
+    logp = torch.log_softmax(logits, dim=-1)
+    nll = -logp.gather(-1, labels[..., None])[..., 0]  # -log p[y]
+    smooth = -logp.mean(dim=-1)  # -(1/V) Σ_v log p[v]: ε over all V (PITFALLS 11)
+    per_token = (1.0 - label_smoothing) * nll + label_smoothing * smooth
+    ctx.save_for_backward(logp, labels, denominator)
+    ctx.pad_id, ctx.label_smoothing = pad_id, label_smoothing
+    return torch.where(labels != pad_id, per_token, 0.0).sum() / denominator
+
+
+@torch.autograd.function.once_differentiable
+def _cross_entropy_backward(ctx, grad_out: torch.Tensor):
+    """d loss / d logits = mask · (softmax - q) · grad_out / denominator, softmax = exp(logp): written
+    over the saved log-probabilities (no new [tokens, V] tensor) unless the graph is kept for another
+    backward (retain_graph, gradcheck) or compiled (inductor plans its own buffers)."""
+    logp, labels, denominator = ctx.saved_tensors
+    eps, V = ctx.label_smoothing, logp.shape[-1]
+    scale = torch.where(labels != ctx.pad_id, grad_out.to(logp.dtype) / denominator, 0.0)[..., None]
+    kept = torch.compiler.is_compiling() or torch._C._autograd._get_current_graph_task_keep_graph()
+    # A probability below twice the dtype's smallest normal number is read as that (an absolute error
+    # of at most 2·finfo.tiny, 2.4e-38 in float32; log(tiny) itself rounds to a float32 whose exp is
+    # subnormal): ATen's vectorized exp takes a slow path into the subnormals, 12x the time where 80%
+    # of a `small` step's log-probabilities lay there (docs/benchmarks.md).
+    low = math.log(2 * torch.finfo(logp.dtype).tiny)
+    p = (logp.clamp(min=low) if kept else logp.clamp_(min=low)).exp_()
+    g = p.mul_(scale).sub_(scale * (eps / V))  # s·(softmax - ε/V)
+    g.scatter_add_(-1, labels[..., None], scale * (eps - 1.0))  # - s·(1-ε)·onehot(y)
+    return g, None, None, None, None
+
+
+class _CrossEntropy(torch.autograd.Function):
+    """cross_entropy's custom backward in torch's form (JAX's: jax.custom_vjp's defvjp)."""
+
+    forward = staticmethod(_cross_entropy_forward)
+    backward = staticmethod(_cross_entropy_backward)
 
 
 def chunked_cross_entropy(hidden: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None,

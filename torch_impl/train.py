@@ -49,7 +49,7 @@ from torch_impl.distributed import (
     unwrap,
     whole,
 )
-from torch_impl.loss import chunked_loss, generator_params
+from torch_impl.loss import chunked_loss, cross_entropy, generator_params
 from torch_impl.model import Transformer
 
 log = logging.getLogger(__name__)
@@ -62,14 +62,11 @@ def loss_fn(logits: torch.Tensor, labels: torch.Tensor, pad_id: int, label_smoot
     `num_tokens` given (a part of a global batch: rosetta/distributed.py): the sum divided by it
     instead. Returns (loss, number of non-pad labels); a batch with no labels gives loss 0."""
     # log-softmax in float32 at least, even for bfloat16 logits.
-    logp = torch.log_softmax(logits.to(torch.promote_types(logits.dtype, torch.float32)), dim=-1)
-    nll = -logp.gather(-1, labels.long()[..., None])[..., 0]  # -log p[y]
-    smooth = -logp.mean(dim=-1)  # -(1/V) Σ_v log p[v]
-    per_token = (1.0 - label_smoothing) * nll + label_smoothing * smooth
-    mask = labels != pad_id
-    count = mask.sum()
-    denominator = count.clamp(min=1) if num_tokens is None else num_tokens
-    return torch.where(mask, per_token, 0.0).sum() / denominator, count
+    wide = logits.to(torch.promote_types(logits.dtype, torch.float32))
+    count = (labels != pad_id).sum()
+    given = None if num_tokens is None else torch.as_tensor(num_tokens, device=wide.device)
+    denominator = count.clamp(min=1) if given is None else given
+    return cross_entropy(wide, labels.long(), denominator, pad_id, float(label_smoothing)), count
 
 
 def schedule(d_model: int, train_cfg: TrainConfig) -> Callable[[int], float]:
