@@ -75,9 +75,9 @@ def cross_entropy(logits: torch.Tensor, labels: torch.Tensor, denominator: torch
                   label_smoothing: float) -> torch.Tensor:
     """Σ over non-pad tokens of the cross-entropy against q = (1-ε)·onehot(y) + ε/V, divided by
     `denominator`, for logits [..., V] already in float32 or wider and int64 labels: train.loss_fn's
-    core. Its own backward is the closed form; autograd's (mean's, gather's and log_softmax's
-    backwards: three new [tokens, V] tensors and four passes over them) took 3x as long in a `small`
-    step's loss on this project's CPU (docs/benchmarks.md)."""
+    core. Its own backward is the closed form: autograd's (mean's, gather's and log_softmax's
+    backwards: three new [tokens, V] tensors) took ~115 ms against ~22 in a `small` step on this
+    project's CPU (docs/loss.md)."""
     return _CrossEntropy.apply(logits, labels, denominator, pad_id, label_smoothing)
 
 
