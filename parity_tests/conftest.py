@@ -127,7 +127,7 @@ def pytest_configure(config: pytest.Config) -> None:
         os.environ.setdefault("XLA_FLAGS", SUITE_XLA_FLAGS)
         # NumPy's OpenBLAS on one thread in the workers and the processes the tests start (read when
         # NumPy loads: the workers start after this), as one_torch_thread runs PyTorch's: its second
-        # thread waited for work by spinning, 12 CPU s of a cold run at 3bcbea4 (perf), for float64
+        # thread waited for work by spinning, ~16 CPU s of a cold run at 3bcbea4 (perf), for float64
         # reference matmuls of tiny models. A user's own setting is kept.
         os.environ.setdefault("OPENBLAS_NUM_THREADS", "1")
     if not _xdist_controller(config):  # the processes that collect and run tests
