@@ -60,12 +60,14 @@ def _token_losses(logits: torch.Tensor, y: torch.Tensor, pad_id: int, label_smoo
     return torch.where(y != pad_id, per_token, 0.0).sum(), lse
 
 
-def _logits_grad(logits: torch.Tensor, lse: torch.Tensor, y: torch.Tensor, pad_id: int,
+def _logits_grad(logits: torch.Tensor, lse: torch.Tensor | None, y: torch.Tensor, pad_id: int,
                  label_smoothing: float, scale: torch.Tensor) -> torch.Tensor:
-    """d loss / d logits = mask · (softmax - q) · scale, from the logits and their logsumexp,
-    written over the logits (no new [..., V] tensor)."""
+    """d loss / d logits = mask · (softmax - q) · scale, from the logits and their logsumexp (lse
+    None: `logits` are already the log-probabilities, cross_entropy's), written over the logits (no
+    new [..., V] tensor)."""
     V = logits.shape[-1]
-    g = logits.sub_(lse[..., None]).exp_().sub_(label_smoothing / V)  # softmax - ε/V
+    logp = logits if lse is None else logits.sub_(lse[..., None])
+    g = logp.exp_().sub_(label_smoothing / V)  # softmax - ε/V
     minus = torch.full_like(y[..., None], label_smoothing - 1.0, dtype=g.dtype)
     g.scatter_add_(-1, y[..., None], minus)  # - (1-ε)·onehot(y)
     return g.mul_(torch.where(y != pad_id, scale, 0.0)[..., None])
@@ -100,18 +102,15 @@ def _cross_entropy_backward(ctx, grad_out: torch.Tensor):
     over the saved log-probabilities (no new [tokens, V] tensor) unless the graph is kept for another
     backward (retain_graph, gradcheck) or compiled (inductor plans its own buffers)."""
     logp, labels, denominator = ctx.saved_tensors
-    eps, V = ctx.label_smoothing, logp.shape[-1]
-    scale = torch.where(labels != ctx.pad_id, grad_out.to(logp.dtype) / denominator, 0.0)[..., None]
     kept = torch.compiler.is_compiling() or torch._C._autograd._get_current_graph_task_keep_graph()
     # A probability below twice the dtype's smallest normal number is read as that (an absolute error
     # of at most 2·finfo.tiny, 2.4e-38 in float32; log(tiny) itself rounds to a float32 whose exp is
     # subnormal): ATen's vectorized exp takes a slow path into the subnormals, 12x the time where 80%
     # of a `small` step's log-probabilities lay there (docs/benchmarks.md).
     low = math.log(2 * torch.finfo(logp.dtype).tiny)
-    p = (logp.clamp(min=low) if kept else logp.clamp_(min=low)).exp_()
-    g = p.mul_(scale).sub_(scale * (eps / V))  # s·(softmax - ε/V)
-    g.scatter_add_(-1, labels[..., None], scale * (eps - 1.0))  # - s·(1-ε)·onehot(y)
-    return g, None, None, None, None
+    logp = logp.clamp(min=low) if kept else logp.clamp_(min=low)
+    scale = grad_out.to(logp.dtype) / denominator
+    return _logits_grad(logp, None, labels, ctx.pad_id, ctx.label_smoothing, scale), None, None, None, None
 
 
 class _CrossEntropy(torch.autograd.Function):
