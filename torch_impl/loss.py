@@ -104,7 +104,7 @@ def _cross_entropy_backward(ctx, grad_out: torch.Tensor):
     logp, labels, denominator = ctx.saved_tensors
     kept = torch.compiler.is_compiling() or torch._C._autograd._get_current_graph_task_keep_graph()
     # A probability below twice the dtype's smallest normal number is read as that (an absolute error
-    # of at most 2·finfo.tiny, 2.4e-38 in float32; log(tiny) itself rounds to a float32 whose exp is
+    # of about 2·finfo.tiny, 2.4e-38 in float32; log(tiny) itself rounds to a float32 whose exp is
     # subnormal): ATen's vectorized exp takes a slow path into the subnormals, 12x the time where 80%
     # of a `small` step's log-probabilities lay there (docs/benchmarks.md).
     low = math.log(2 * torch.finfo(logp.dtype).tiny)
